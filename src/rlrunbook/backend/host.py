@@ -1,0 +1,92 @@
+"""A loaded model with its tokenizer and sampling engine, and the weights a sampler samples from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlrunbook.backend.lora import clone_adapter, load_adapter
+from rlrunbook.backend.settings import LocalSettings
+from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
+
+
+@dataclass
+class ModelHost:
+    """One model in memory: ``model`` (plain or LoRA-wrapped), its tokenizer, its engine."""
+
+    name: str
+    folder: Path
+    tokenizer: object
+    model: torch.nn.Module
+    engine: HFSamplingEngine
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a turn: the tokenizer's eos and the model config's eos id(s)."""
+        ids: list[int] = []
+        config_eos = getattr(self.model.config, "eos_token_id", None)
+        for value in (self.tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])):
+            if value is not None and value not in ids:
+                ids.append(int(value))
+        return ids
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.engine.pad_token_id
+
+
+def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
+    """Resolve ``base_model`` (built-in name, folder, or hub id), load it and build its engine."""
+    folder = resolve_model(base_model)
+    tokenizer = load_tokenizer(folder)
+    model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device)
+    config = model.config
+    engine = HFSamplingEngine(
+        model,
+        pad_token_id=int(tokenizer.pad_token_id),
+        vocab_size=int(config.vocab_size),
+        max_context=getattr(config, "max_position_embeddings", None),
+        max_batch_rows=settings.max_batch_rows,
+    )
+    return ModelHost(base_model, folder, tokenizer, model, engine)
+
+
+@dataclass(frozen=True)
+class SamplerWeights:
+    """What a SamplingClient samples from: the base model (``adapter is None``) or an adapter snapshot.
+
+    ``version`` is the trainer's weights_version when the snapshot was taken: while the trainer
+    is still at that version the live adapter *is* the snapshot and no copy is needed.
+    """
+
+    adapter: dict[str, torch.Tensor] | None
+    version: int = -1
+
+    @classmethod
+    def base(cls) -> "SamplerWeights":
+        return cls(adapter=None)
+
+
+@contextmanager
+def active_weights(host: ModelHost, weights: SamplerWeights, live_version: int | None) -> Iterator[None]:
+    """Make ``host.model`` compute with ``weights`` inside the block, restoring the live adapter after."""
+    model = host.model
+    if weights.adapter is None:
+        disable = getattr(model, "disable_adapter", None)
+        with (disable() if callable(disable) else nullcontext()):
+            yield
+        return
+    if live_version is not None and weights.version == live_version:
+        yield
+        return
+    live = clone_adapter(model)
+    load_adapter(model, weights.adapter)
+    try:
+        yield
+    finally:
+        load_adapter(model, live)

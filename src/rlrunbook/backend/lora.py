@@ -1,0 +1,64 @@
+"""LoRA over a causal LM with peft: which modules, how initialised, how its weights are copied."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from rlrunbook.errors import ConfigError
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+
+def lora_target_modules(train_attn: bool, train_mlp: bool, train_unembed: bool) -> list[str]:
+    """Module names LoRA wraps; at least one group must be trained."""
+    targets = [*(ATTENTION_MODULES if train_attn else ()), *(MLP_MODULES if train_mlp else ()),
+               *(UNEMBED_MODULES if train_unembed else ())]
+    if not targets:
+        raise ConfigError("train_attn, train_mlp and train_unembed are all False: nothing would train.")
+    return targets
+
+
+def wrap_with_lora(
+    model: torch.nn.Module, *, rank: int, alpha: int, seed: int,
+    train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
+) -> torch.nn.Module:
+    """Wrap ``model`` in a peft LoRA adapter named ``default``; base weights are frozen.
+
+    peft initialises A randomly (seeded here, without touching the global RNG stream) and B at
+    zero, so the wrapped model computes exactly what the base model does until the first step.
+    """
+    if rank < 1:
+        raise ConfigError(f"LoRA rank={rank} must be >= 1.")
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [t for t in lora_target_modules(train_attn, train_mlp, train_unembed) if t in present]
+    if not targets:
+        raise ConfigError(f"none of the LoRA target modules exist in {type(model).__name__}.")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                        target_modules=targets, task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+    return peft_model
+
+
+def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The trainable LoRA parameters by name (the only ones the optimizer sees)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def clone_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the adapter weights: a sampler snapshot."""
+    return {name: p.detach().clone() for name, p in adapter_parameters(model).items()}
+
+
+@torch.no_grad()
+def load_adapter(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` into the adapter in place; names and shapes must match exactly."""
+    params = adapter_parameters(model)
+    if params.keys() != weights.keys():
+        raise ConfigError("adapter weights do not match this model's LoRA layout (different targets or rank).")
+    for name, p in params.items():
+        p.copy_(weights[name])

@@ -1,0 +1,104 @@
+"""The local backend's knobs, read once from the environment when a ServiceClient is made.
+
+Names follow the seeds' local backend (``TINKER_LOCAL_*``) so existing run scripts keep working.
+Nothing below this module reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlrunbook.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _int_env(env: dict[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer.") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}.")
+    return value
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Everything the local backend needs to know that is not an API argument.
+
+    Attributes:
+        device: torch device for model, sampling and training (``TINKER_LOCAL_DEVICE``;
+            default ``cuda`` when available, else ``cpu``).
+        dtype: parameter dtype (``TINKER_LOCAL_DTYPE``: float32 | bfloat16 | float16; default
+            bfloat16 on CUDA, float32 on CPU, where bf16 matmuls are slow and parity is loose).
+        seed: default seed for LoRA initialisation and unseeded sampling (``TINKER_LOCAL_SEED``, 0).
+        grad_accum_chunks: forward_backward splits its batch into this many chunks, one
+            backward each, so peak memory falls while the summed gradient is unchanged
+            (``TINKER_LOCAL_GRAD_ACCUM_STEPS``, 1).
+        lora_alpha: LoRA alpha (``TINKER_LOCAL_LORA_ALPHA``, 32: scale 1 at the SDK's default rank 32).
+        sampler: sampling engine (``TINKER_LOCAL_SAMPLER``: hf | vllm; hf).
+        storage_dir: where ``tinker://`` checkpoints live (``TINKER_LOCAL_STORAGE``;
+            default ``$RLRUNBOOK_CACHE_DIR/tinker`` or ``~/.cache/rlrunbook/tinker``).
+        max_batch_rows: most sequences per generate call (``TINKER_LOCAL_MAX_BATCH_ROWS``, 256).
+    """
+
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    dtype: torch.dtype | None = None
+    seed: int = 0
+    grad_accum_chunks: int = 1
+    lora_alpha: int = 32
+    sampler: str = "hf"
+    storage_dir: Path | None = None
+    max_batch_rows: int = 256
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+    def resolved_storage_dir(self) -> Path:
+        if self.storage_dir is not None:
+            return self.storage_dir
+        cache = os.environ.get("RLRUNBOOK_CACHE_DIR")
+        root = Path(cache) if cache else Path.home() / ".cache" / "rlrunbook"
+        return root / "tinker"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "LocalSettings":
+        """Read the ``TINKER_LOCAL_*`` variables; invalid values raise ``ConfigError``."""
+        env = dict(os.environ if env is None else env)
+        kwargs: dict[str, object] = {}
+        if env.get("TINKER_LOCAL_DEVICE"):
+            kwargs["device"] = env["TINKER_LOCAL_DEVICE"]
+        if env.get("TINKER_LOCAL_DTYPE"):
+            name = env["TINKER_LOCAL_DTYPE"].lower()
+            if name not in _DTYPES:
+                raise ConfigError(f"TINKER_LOCAL_DTYPE={name!r} is not one of {sorted(_DTYPES)}.")
+            kwargs["dtype"] = _DTYPES[name]
+        sampler = env.get("TINKER_LOCAL_SAMPLER", "hf") or "hf"
+        if sampler not in ("hf", "vllm"):
+            raise ConfigError(f"TINKER_LOCAL_SAMPLER={sampler!r} must be 'hf' or 'vllm'.")
+        if sampler == "vllm":
+            raise ConfigError(
+                "TINKER_LOCAL_SAMPLER=vllm: the vLLM engine is not part of this build yet; "
+                "unset TINKER_LOCAL_SAMPLER to sample with transformers (hf)."
+            )
+        if env.get("TINKER_LOCAL_STORAGE"):
+            kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
+        return cls(
+            seed=_int_env(env, "TINKER_LOCAL_SEED", 0, 0),
+            grad_accum_chunks=_int_env(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1),
+            lora_alpha=_int_env(env, "TINKER_LOCAL_LORA_ALPHA", 32, 1),
+            max_batch_rows=_int_env(env, "TINKER_LOCAL_MAX_BATCH_ROWS", 256, 1),
+            sampler=sampler,
+            **kwargs,  # type: ignore[arg-type]
+        )

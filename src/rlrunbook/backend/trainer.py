@@ -1,0 +1,211 @@
+"""The LoRA trainer behind the local TrainingClient: forward, forward_backward, optim_step.
+
+Semantics kept from the Tinker API: losses are token sums; gradients accumulate across
+``forward_backward`` calls until ``optim_step``; each call returns the learner's logprobs of
+every target token per datum and metrics named ``name:reduction`` (``loss:sum`` always).
+A batch is split into ``grad_accum_chunks`` chunks, each with its own backward, which lowers
+peak memory and, the loss being a sum, leaves the gradient unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from tinker import types
+
+from rlrunbook.backend.lora import adapter_parameters
+from rlrunbook.engines.scoring import gather_logprobs
+from rlrunbook.errors import InputError, NoLearningSignalError, RlrunbookError
+from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
+from rlrunbook.tokens import check_token_ids, pad_batch
+
+
+class NonFiniteGradientError(RlrunbookError, FloatingPointError):
+    """The accumulated gradient has a NaN or inf norm; the step was refused and weights are untouched."""
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One datum as tensors: ``input_tokens`` (L), and every loss input as a ``[L]`` tensor."""
+
+    input_tokens: list[int]
+    targets: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    mask: torch.Tensor  # [L] bool: positions the loss sees
+
+
+def _datum_item(datum: types.Datum, index: int, spec: LossSpec, vocab_size: int) -> _Item:
+    tokens = datum.model_input.to_ints()
+    check_token_ids(tokens, vocab_size, f"datum {index} model_input")
+    arrays = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
+    if "target_tokens" not in arrays:
+        raise InputError(f"datum {index} has no loss_fn_inputs['target_tokens'].")
+    targets = arrays.pop("target_tokens").long().reshape(-1)
+    check_token_ids(targets.tolist(), vocab_size, f"datum {index} target_tokens")
+    lengths = {"model_input": len(tokens), "target_tokens": len(targets)}
+    lengths.update({key: value.numel() for key, value in arrays.items()})
+    if len(set(lengths.values())) != 1:
+        raise InputError(
+            f"datum {index}: arrays of unequal length {lengths}; model_input and every loss_fn_input "
+            "must have one entry per target position (see rlrunbook.tokens.build_datum_arrays)."
+        )
+    missing = [key for key in spec.required_inputs if key not in arrays]
+    if missing:
+        raise InputError(f"datum {index}: loss {spec.name!r} needs loss_fn_inputs {missing}.")
+    inputs = {key: arrays[key].float().reshape(-1) for key in spec.required_inputs}
+    mask = torch.ones(len(tokens), dtype=torch.bool)
+    if "logprobs" in spec.required_inputs:
+        # Sampled positions only: prompt positions carry the placeholders logprob 0 and advantage 0,
+        # and must not enter ratio metrics or dro's (lp - q)^2 penalty with a fake q.
+        mask = (inputs["logprobs"] != 0) | (inputs["advantages"] != 0)
+        if "weights" in arrays:  # an explicit mask of trained positions wins
+            mask = arrays["weights"].reshape(-1) != 0
+    return _Item(tokens, targets, inputs, mask)
+
+
+def _trained_positions(item: _Item, spec: LossSpec) -> int:
+    key = "advantages" if spec.uses_advantages else "weights"
+    return int(((item.inputs[key] != 0) & item.mask).sum())
+
+
+def _merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Combine per-chunk metrics by their reduction suffix; ``mean`` is weighted by token count."""
+    merged: dict[str, float] = {}
+    total = sum(n for _, n in parts) or 1
+    for key in {k for metrics, _ in parts for k in metrics}:
+        values = [(m[key], n) for m, n in parts if key in m]
+        reduction = key.rsplit(":", 1)[-1]
+        if reduction == "sum":
+            merged[key] = sum(v for v, _ in values)
+        elif reduction == "max":
+            merged[key] = max(v for v, _ in values)
+        elif reduction == "min":
+            merged[key] = min(v for v, _ in values)
+        else:
+            merged[key] = sum(v * n for v, n in values) / total
+    return merged
+
+
+class LoraTrainer:
+    """Owns a LoRA-wrapped model and its optimizer; every method runs on the backend's worker thread."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.vocab_size = vocab_size
+        self.grad_accum_chunks = grad_accum_chunks
+        self.weights_version = 0  # bumped by every optimizer step; sampler snapshots record it
+        self._optimizer: torch.optim.AdamW | None = None
+        self._has_gradients = False
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def forward(self, data: Sequence[types.Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float | str] | None = None) -> types.ForwardBackwardOutput:
+        """Loss and logprobs without gradients."""
+        with torch.no_grad():
+            return self._run(data, loss_fn, loss_fn_config, backward=False)
+
+    def forward_backward(self, data: Sequence[types.Datum], loss_fn: str,
+                         loss_fn_config: Mapping[str, float | str] | None = None) -> types.ForwardBackwardOutput:
+        """Loss, logprobs, and gradients added to those already accumulated."""
+        return self._run(data, loss_fn, loss_fn_config, backward=True)
+
+    def _run(self, data: Sequence[types.Datum], loss_fn: str,
+             loss_fn_config: Mapping[str, float | str] | None, *, backward: bool) -> types.ForwardBackwardOutput:
+        spec = get_loss(loss_fn)
+        config = resolve_loss_config(spec, loss_fn_config)
+        if len(data) == 0:
+            raise InputError("empty batch: forward_backward needs at least one Datum.")
+        items = [_datum_item(d, i, spec, self.vocab_size) for i, d in enumerate(data)]
+        trained = sum(_trained_positions(item, spec) for item in items)
+        if spec.uses_advantages and trained == 0:
+            raise NoLearningSignalError(
+                f"No non-zero advantages in batch (nothing to train on): loss {spec.name!r} got "
+                f"{len(items)} datums whose advantages are all 0.0, so this step would be a silent no-op. "
+                "Rewards were constant within every group (centering made them 0): increase the group size, "
+                "use a reward with more spread, or raise the temperature."
+            )
+        n_chunks = min(self.grad_accum_chunks, len(items))
+        bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
+        logprobs: list[torch.Tensor] = []
+        loss_total = 0.0
+        parts: list[tuple[dict[str, float], int]] = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            chunk = items[lo:hi]
+            loss, chunk_logprobs, metrics, n_positions = self._chunk_loss(chunk, spec, config)
+            if backward:
+                loss.backward()
+                self._has_gradients = True
+            loss_total += float(loss.detach())
+            logprobs += chunk_logprobs
+            parts.append((metrics, n_positions))
+        metrics = _merge_metrics(parts)
+        metrics.update({
+            "loss:sum": loss_total,
+            "num_tokens:sum": float(sum(len(item.input_tokens) for item in items)),
+            "num_trained_tokens:sum": float(trained),
+        })
+        outputs = [{"logprobs": types.TensorData.from_torch(lp)} for lp in logprobs]
+        return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
+                                           metrics=metrics)
+
+    def _chunk_loss(self, chunk: list[_Item], spec: LossSpec, config: dict[str, float]):
+        device = self.device
+        batch = pad_batch([item.input_tokens for item in chunk], self.pad_token_id, side="right")
+        logits = self.model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+        ).logits  # [B, L, V]
+        width = batch.input_ids.shape[1]
+        targets = torch.stack([torch.nn.functional.pad(item.targets, (0, width - len(item.targets)))
+                               for item in chunk]).to(device)  # [B, L]
+        lp = gather_logprobs(logits, targets)  # [B, L]
+        flat_lp = torch.cat([lp[row, :len(item.targets)][item.mask.to(device)] for row, item in enumerate(chunk)])
+        flat_inputs = {key: torch.cat([item.inputs[key][item.mask] for item in chunk]).to(device)
+                       for key in spec.required_inputs}
+        if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward
+            return lp.sum() * 0.0, [lp[r, :len(i.targets)].detach().float().cpu() for r, i in enumerate(chunk)], {}, 0
+        out = spec.fn(flat_lp, flat_inputs, config)
+        per_datum = [lp[row, :len(item.targets)].detach().float().cpu() for row, item in enumerate(chunk)]
+        return out.loss, per_datum, out.metrics, int(flat_lp.numel())
+
+    def optim_step(self, params: types.AdamParams) -> types.OptimStepResponse:
+        """One AdamW step (torch.optim.AdamW semantics) on the accumulated gradient, then zero it.
+
+        ``grad_clip_norm > 0`` clips the global norm first. A NaN/inf gradient norm refuses the
+        step: gradients are dropped, weights stay as they were, ``NonFiniteGradientError`` is raised.
+        """
+        if not self._has_gradients:
+            raise InputError("optim_step with no accumulated gradient: call forward_backward first.")
+        trainable = list(adapter_parameters(self.model).values())
+        hyper = dict(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                     weight_decay=params.weight_decay)
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(trainable, **hyper)
+        for group in self._optimizer.param_groups:
+            group.update(hyper)
+        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
+        if not math.isfinite(grad_norm):
+            self._optimizer.zero_grad(set_to_none=True)
+            self._has_gradients = False
+            raise NonFiniteGradientError(
+                f"gradient norm is {grad_norm}: the step was refused and the weights are unchanged. "
+                "Look for a NaN/inf loss input (advantages, sampling logprobs) or lower the learning rate."
+            )
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._has_gradients = False
+        self.weights_version += 1
+        return types.OptimStepResponse(metrics={"grad_norm:mean": grad_norm,
+                                                "learning_rate:mean": params.learning_rate})
+
+    def optimizer_state(self) -> dict | None:
+        return None if self._optimizer is None else self._optimizer.state_dict()

