@@ -128,13 +128,18 @@ def test_build_atomically_keeps_the_winner_of_a_race(tmp_path):
 
 def test_tiny_resolves_into_versioned_cache_folder_once(tiny_dir, cache_dir, monkeypatch):
     assert tiny_dir == cache_dir / "models" / f"tiny-v{TINY_VERSION}"
+    assert tiny_dir.stat().st_mode & 0o777 == 0o755  # not mkdtemp's private 0700
     assert DEFAULT_MODEL == "tiny"
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     monkeypatch.setenv(CACHE_ENV_VAR, "/nonexistent")  # the explicit argument wins
     assert resolve_model("tiny", cache_dir=cache_dir) == tiny_dir
     assert {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()} == before
     assert sorted(before) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
 
 
@@ -183,9 +188,8 @@ def test_tiny_tokenizer_reload_encodes_like_the_trained_one(tiny_tokenizers):
     assert len(VARIED_STRINGS) >= 200
     mismatched = [s for s in VARIED_STRINGS if reloaded(s)["input_ids"] != trained.encode(s).ids]
     assert mismatched == []
-    not_round_trip = [
-        s for s in VARIED_STRINGS if reloaded.decode(reloaded(s)["input_ids"]) != unicodedata.normalize("NFC", s)
-    ]
+    nfc = {s: unicodedata.normalize("NFC", s) for s in VARIED_STRINGS}
+    not_round_trip = [s for s in VARIED_STRINGS if reloaded.decode(reloaded(s)["input_ids"]) != nfc[s]]
     assert not_round_trip == []
     # One digit per token (the Qwen2 split regex), which the arithmetic tasks rely on.
     assert reloaded.convert_ids_to_tokens(reloaded("1234")["input_ids"]) == ["1", "2", "3", "4"]
@@ -298,7 +302,8 @@ def test_smollm2_without_package_says_how_to_install(monkeypatch, tmp_path):
 def smollm2(tmp_path_factory):
     """(converted folder, GGUF-loaded reference model, GGUF tokenizer); the GGUF is read once."""
     reference_model, reference_tokenizer = load_smollm2_gguf()
-    folder = build_smollm2(tmp_path_factory.mktemp("smollm2") / "model", source=(reference_model, reference_tokenizer))
+    out_dir = tmp_path_factory.mktemp("smollm2") / "model"
+    folder = build_smollm2(out_dir, source=(reference_model, reference_tokenizer))
     return folder, reference_model, reference_tokenizer
 
 
@@ -320,16 +325,17 @@ def test_smollm2_special_tokens_and_template(smollm2):
     folder, _, gguf_tokenizer = smollm2
     tok = load_tokenizer(folder)
     config = json.loads((folder / "config.json").read_text())
-    assert tok.padding_side == "left" and json.loads((folder / "tokenizer_config.json").read_text())[
-        "padding_side"
-    ] == "left"
+    saved = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tok.padding_side == saved["padding_side"] == "left"
+    assert saved["chat_template"] == gguf_tokenizer.chat_template  # in tokenizer_config, not a .jinja file
     assert (tok.eos_token, tok.eos_token_id, config["eos_token_id"]) == ("<|im_end|>", 2, 2)
     # The GGUF sets pad = eos; we pad with <|endoftext|> so pad never hides a real end of turn.
     assert (gguf_tokenizer.pad_token_id, tok.pad_token, tok.pad_token_id, config["pad_token_id"]) == (
         2, "<|endoftext|>", 0, 0,
     )
     assert tok.chat_template == gguf_tokenizer.chat_template
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     mismatched = [s for s in VARIED_STRINGS if tok(s)["input_ids"] != gguf_tokenizer(s)["input_ids"]]
     assert mismatched == []

@@ -41,6 +41,8 @@ def build_atomically(target: Path, build: Callable[[Path], object]) -> Path:
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         build(tmp_dir)
+        # mkdtemp makes the folder private (0700); a model cache is meant to be readable like ~/.cache files.
+        tmp_dir.chmod(0o755)
         try:
             os.rename(tmp_dir, target)
         except OSError:

@@ -39,7 +39,9 @@ def load_tokenizer(folder: str | Path):
     return tokenizer
 
 
-def load_causal_lm(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_causal_lm(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+):
     """Load ``folder`` with ``AutoModelForCausalLM`` in ``dtype`` on ``device``, in eval mode.
 
     Eval mode because dropout would make sampler and trainer logprobs disagree; training code

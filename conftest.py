@@ -1,0 +1,65 @@
+"""Shared pytest wiring: tier markers, the GPU requirement, session-scoped built-in models.
+
+Loading transformers and a model costs seconds, so models are built once per session into a
+cache (``RLRUNBOOK_CACHE_DIR``, default ``~/.cache/rlrunbook``) and shared by fixtures.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlrunbook.testing.gpu import REQUIRE_ENV, gpu_required, missing_gpu_reason
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None:
+        return
+    reason = missing_gpu_reason()
+    if reason is None:
+        return
+    if gpu_required():
+        pytest.fail(f"{REQUIRE_ENV}=1 but no usable GPU: {reason}", pytrace=False)
+    pytest.skip(f"needs a CUDA GPU ({reason}); set {REQUIRE_ENV}=1 to make this a failure")
+
+
+@pytest.fixture(scope="session")
+def tiny_folder():
+    from rlrunbook.models import resolve_model
+
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    from rlrunbook.models import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_host(tiny_folder):
+    """The tiny model in fp32 on CPU with its engine (shared: tests must not change its weights)."""
+    from rlrunbook.backend.host import load_host
+    from rlrunbook.backend.settings import LocalSettings
+
+    return load_host(str(tiny_folder), LocalSettings(device="cpu", dtype=__import__("torch").float32))
+
+
+@pytest.fixture(scope="session")
+def smollm2_host(smollm2_folder):
+    from rlrunbook.backend.host import load_host
+    from rlrunbook.backend.settings import LocalSettings
+
+    return load_host(str(smollm2_folder), LocalSettings(device="cpu", dtype=__import__("torch").float32))
+
+
+@pytest.fixture
+def local_service(tmp_path):
+    """A fresh local ServiceClient on CPU in fp32, storing checkpoints under tmp_path."""
+    import torch
+
+    from rlrunbook.backend import LocalServiceClient, LocalSettings
+
+    service = LocalServiceClient(LocalSettings(device="cpu", dtype=torch.float32, storage_dir=tmp_path / "tinker"))
+    yield service
+    service.close()

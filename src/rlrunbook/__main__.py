@@ -1,0 +1,5 @@
+import sys
+
+from rlrunbook.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""What the test tiers and users' own runbooks share: GPU requirements, model fixtures."""

@@ -1,0 +1,158 @@
+"""The HF sampling engine: exact logprobs, stop handling, padding, seeds, leak check, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlrunbook.diagnostics import FP32_TOLERANCE, logprob_parity
+from rlrunbook.engines.base import GenerationRequest
+from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.engines.scoring import teacher_forced_logprobs
+from rlrunbook.errors import ConfigError, GenerationLeakError, InputError
+
+
+def chat_prompts(host, questions):
+    tok = host.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=True)["input_ids"] for q in questions]
+
+
+QUESTIONS = ["What is 7 * 8?", "Hi", "Name three colours of the rainbow, please.", "2+2?",
+             "Write one short sentence about the sea and the sky at night.", "Why?", "What is 12 - 5?",
+             "Tell me a very short story about a cat who learns to count to ten."]
+
+
+@pytest.fixture(scope="module")
+def prompts8(tiny_host):
+    prompts = chat_prompts(tiny_host, QUESTIONS)
+    assert len({len(p) for p in prompts}) >= 6, "the parity batch must mix prompt lengths"
+    return prompts
+
+
+@pytest.mark.parametrize("filters", [SamplingFilters(temperature=1.0),
+                                     SamplingFilters(temperature=0.7, top_p=0.9),
+                                     SamplingFilters(temperature=1.3, top_k=20, min_p=0.05),
+                                     SamplingFilters(temperature=0.0)],
+                         ids=["t1.0", "t0.7-top_p0.9", "t1.3-top_k20-min_p0.05", "greedy"])
+def test_parity_tiny_fp32(tiny_host, prompts8, filters):
+    request = GenerationRequest(max_tokens=24, filters=filters, stop=(), seed=0)
+    report = logprob_parity(tiny_host.engine, prompts8, request, num_samples=2)
+    assert report.num_tokens == 8 * 2 * 24
+    assert report.max_abs_diff <= FP32_TOLERANCE, report
+
+
+def test_sampled_logprobs_differ_from_policy_under_temperature(tiny_host, prompts8):
+    """At T = 0.7 the sampled distribution is not the policy: the two logprob lists must differ."""
+    request = GenerationRequest(max_tokens=8, filters=SamplingFilters(temperature=0.7), stop=(), seed=1)
+    (completions,) = tiny_host.engine.sample(prompts8[:1], 1, request)
+    c = completions[0]
+    gap = (torch.tensor(c.logprobs) - torch.tensor(c.policy_logprobs)).abs().max()
+    assert gap > 1e-2
+    (tf,) = teacher_forced_logprobs(tiny_host.model, [prompts8[0] + c.tokens], tiny_host.pad_token_id)
+    assert torch.allclose(tf[len(prompts8[0]) - 1:], torch.tensor(c.policy_logprobs), atol=FP32_TOLERANCE)
+
+
+def test_model_generation_defaults_do_not_leak(tiny_folder):
+    """A checkpoint whose generation_config sets repetition_penalty etc. samples the plain distribution."""
+    from rlrunbook.models import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(tiny_folder)
+    tok = load_tokenizer(tiny_folder)
+    gc = model.generation_config
+    gc.repetition_penalty, gc.no_repeat_ngram_size, gc.typical_p, gc.top_k = 1.3, 2, 0.5, 7
+    engine = HFSamplingEngine(model, pad_token_id=tok.pad_token_id, vocab_size=model.config.vocab_size)
+    request = GenerationRequest(max_tokens=24, filters=SamplingFilters(temperature=1.0), stop=(), seed=0)
+    report = logprob_parity(engine, [[5, 6, 7, 8], [9, 10]], request, num_samples=2)
+    assert report.max_abs_diff <= FP32_TOLERANCE
+
+
+def test_leak_check_rejects_penalised_scores():
+    """The run-time check: scores that are not logits / T where kept raise GenerationLeakError."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    request = GenerationRequest(max_tokens=1, filters=SamplingFilters(temperature=0.5))
+    HFSamplingEngine._check_step_scores(logits / 0.5, logits, request, 0)  # exact: passes
+    penalised = logits.clone()
+    penalised[0, 0] /= 1.3  # what a repetition penalty does to a seen token
+    with pytest.raises(GenerationLeakError, match="repetition_penalty"):
+        HFSamplingEngine._check_step_scores(penalised / 0.5, logits, request, 0)
+    filtered = (logits / 0.5).masked_fill(torch.tensor([[False, False, False, True]]), float("-inf"))
+    with pytest.raises(GenerationLeakError, match="no filter"):  # a top-k the caller never asked for
+        HFSamplingEngine._check_step_scores(filtered, logits, request, 0)
+
+
+def _stop_request(stop, max_tokens=24, seed=3):
+    return GenerationRequest(max_tokens=max_tokens, filters=SamplingFilters(temperature=1.0), stop=stop, seed=seed)
+
+
+def test_single_and_multi_token_stops_in_a_batch(tiny_host, prompts8):
+    # Learn which tokens the model emits first, then stop on them: every row stops exactly there.
+    free = tiny_host.engine.sample(prompts8, 1, _stop_request(()))
+    for completions, prompt in zip(free, prompts8, strict=True):
+        tokens = completions[0].tokens
+        assert len(tokens) == 24 and completions[0].stop_reason == "length"
+    single = tuple(sorted({(c[0].tokens[2],) for c in free}))
+    multi = tuple(sorted({tuple(c[0].tokens[3:5]) for c in free}))
+    for stops in (single, multi):
+        again = tiny_host.engine.sample(prompts8, 1, _stop_request(stops))
+        for completions in again:
+            c = completions[0]
+            assert c.stop_reason == "stop"
+            assert any(tuple(c.tokens[-len(s):]) == s for s in stops), "ends with a stop sequence"
+            assert len(c.tokens) == len(c.logprobs) == len(c.policy_logprobs)
+            prefix = c.tokens[:-1]
+            assert not any(tuple(prefix[i:i + len(s)]) == s for s in stops for i in range(len(prefix)))
+
+
+def test_no_stop_runs_to_max_tokens(tiny_host, prompts8):
+    eos = tuple((i,) for i in tiny_host.eos_token_ids)
+    # Greedy on an eos prompt would stop at once if EOS were active; with stop=() it must not.
+    results = tiny_host.engine.sample(prompts8[:3], 2, _stop_request((), max_tokens=40))
+    assert all(len(c.tokens) == 40 and c.stop_reason == "length" for cs in results for c in cs)
+    assert eos  # the tokenizer has an eos to disable
+
+
+def test_same_seed_same_samples_different_seed_differs(tiny_host, prompts8):
+    a = tiny_host.engine.sample(prompts8[:2], 2, _stop_request((), seed=11))
+    b = tiny_host.engine.sample(prompts8[:2], 2, _stop_request((), seed=11))
+    c = tiny_host.engine.sample(prompts8[:2], 2, _stop_request((), seed=12))
+    tokens = lambda r: [x.tokens for cs in r for x in cs]  # noqa: E731
+    assert tokens(a) == tokens(b)
+    assert tokens(a) != tokens(c)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(target=st.lists(st.integers(3, 400), min_size=1, max_size=12),
+       others=st.lists(st.lists(st.integers(3, 400), min_size=1, max_size=30), min_size=1, max_size=4))
+def test_left_padding_invariance(tiny_host, target, others):
+    """A prompt's greedy completion and its logprobs do not depend on what else shares the batch."""
+    request = GenerationRequest(max_tokens=6, filters=SamplingFilters(temperature=0.0), stop=())
+    (alone,) = tiny_host.engine.sample([target], 1, request)
+    batched = tiny_host.engine.sample([*others, target], 1, request)[-1]
+    assert batched[0].tokens == alone[0].tokens
+    assert torch.allclose(torch.tensor(batched[0].logprobs), torch.tensor(alone[0].logprobs), atol=FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("prompts, error, match", [
+    ([[]], InputError, "empty"),
+    ([[1, 2, 10**7]], InputError, "outside the vocabulary"),
+    ([], InputError, "no prompts"),
+])
+def test_bad_prompts_are_named(tiny_host, prompts, error, match):
+    with pytest.raises(error, match=match):
+        tiny_host.engine.sample(prompts, 1, GenerationRequest(max_tokens=4))
+
+
+@pytest.mark.parametrize("max_tokens", [0, -3])
+def test_non_positive_max_tokens(max_tokens):
+    with pytest.raises(ConfigError, match="max_tokens"):
+        GenerationRequest(max_tokens=max_tokens)
+
+
+def test_prompt_longer_than_context(tiny_host):
+    too_long = [5] * (tiny_host.engine.max_context + 1)
+    with pytest.raises(InputError, match="exceeds the model's context"):
+        tiny_host.engine.sample([too_long], 1, GenerationRequest(max_tokens=4))
