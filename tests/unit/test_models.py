@@ -129,7 +129,7 @@ def test_build_atomically_keeps_the_winner_of_a_race(tmp_path):
 def test_tiny_resolves_into_versioned_cache_folder_once(tiny_dir, cache_dir, monkeypatch):
     assert tiny_dir == cache_dir / "models" / f"tiny-v{TINY_VERSION}"
     assert tiny_dir.stat().st_mode & 0o777 == 0o755  # not mkdtemp's private 0700
-    assert DEFAULT_MODEL == "tiny"
+    assert DEFAULT_MODEL == "smollm2-135m"
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     monkeypatch.setenv(CACHE_ENV_VAR, "/nonexistent")  # the explicit argument wins
     assert resolve_model("tiny", cache_dir=cache_dir) == tiny_dir

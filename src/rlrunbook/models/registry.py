@@ -46,7 +46,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     ),
 }
 
-DEFAULT_MODEL = "tiny"
+# The real pretrained model: what a user's first run should exercise. Tests name "tiny" explicitly for speed.
+DEFAULT_MODEL = "smollm2-135m"
 
 _TRUTHY = {"1", "on", "yes", "true"}
 
