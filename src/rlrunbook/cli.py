@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -34,17 +35,18 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
     from rlrunbook.engines.base import GenerationRequest
     from rlrunbook.engines.filters import SamplingFilters
 
+    # Validate every option before the (slow) model load.
+    request = GenerationRequest(
+        max_tokens=args.max_tokens,
+        filters=SamplingFilters(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
+        seed=args.seed,
+    )
     dtype = getattr(torch, args.dtype)
     settings = LocalSettings(dtype=dtype, **({"device": args.device} if args.device else {}))
     print(f"[check-logprobs] loading {args.model} ({args.dtype} on {settings.device})", flush=True)
     host = load_host(args.model, settings)
     prompt = _encode_prompt(host.tokenizer, args.prompt, args.raw)
-    request = GenerationRequest(
-        max_tokens=args.max_tokens,
-        filters=SamplingFilters(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
-        stop=resolve_stop(None, host.eos_token_ids),
-        seed=args.seed,
-    )
+    request = dataclasses.replace(request, stop=resolve_stop(None, host.eos_token_ids))
     tolerance = args.tolerance if args.tolerance is not None else default_tolerance(dtype)
     report = logprob_parity(host.engine, [prompt], request, num_samples=args.num_samples, tolerance=tolerance)
     print(f"prompt tokens: {len(prompt)}  sampled tokens: {report.num_tokens} "

@@ -31,7 +31,7 @@ def test_check_logprobs_with_filters_on_tiny():
     result = run_cli("check-logprobs", "--model", "tiny", "--temperature", "0.7", "--top-p", "0.9",
                      "--max-tokens", "32", "--num-samples", "8")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "sampled tokens: 256" in result.stdout
+    assert "in 8 completion(s)" in result.stdout  # EOS may end some early
 
 
 def test_bad_option_exits_non_zero_with_the_reason():

@@ -111,6 +111,16 @@ def test_top_p_keeps_the_top_token_even_when_top_p_is_tiny():
     assert _kept(apply_filters(logits, SamplingFilters(top_p=0.01))) == [True, False, False]
 
 
+def test_top_p_keeps_the_top_token_when_cumsum_rounds_below_one_minus_top_p():
+    # On these 1000 logits (seed 3) the float32 ascending cumulative mass ends at 1 - 2^-24, below
+    # 1 - top_p = 1 - 1e-9, so the "<=" rule alone would remove every token, the top one included; the
+    # guard that always keeps the most likely token must leave exactly the argmax.
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    assert logits.sort().values.softmax(-1).cumsum(-1)[-1] <= 1 - 1e-9  # the rounding does happen
+    out = apply_filters(logits, SamplingFilters(top_p=1e-9))
+    assert torch.isfinite(out).nonzero().flatten().tolist() == [int(logits.argmax())]
+
+
 def test_top_k_one_keeps_the_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 4.0, 3.0, 2.0]])
     out = apply_filters(logits, SamplingFilters(top_k=1))
@@ -173,17 +183,19 @@ def test_greedy_returns_the_logits_unchanged():
 
 
 def test_top_p_one_removes_nothing_even_where_cumsum_rounds_past_one():
-    # 4096 equal logits: the float32 cumulative sum of 4096 * (1/4096 rounded) drifts from 1, and a far
-    # smaller logit underflows to probability exactly 0, whose cumulative mass 0 <= 1 - 1.0 would fail a
-    # naive "<=" test. top_p = 1 must still keep every token.
-    logits = torch.zeros(4096)
-    logits[0] = -200.0  # exp(-200) underflows to 0 in float32
+    # On these 1000 logits (seed 33, found by search) the float32 ascending cumulative mass ends at
+    # 1 + 2^-23, not 1; and logit -200 underflows to probability exactly 0, whose cumulative mass 0 is
+    # <= 1 - top_p = 0, so running the nucleus rule at top_p = 1 would drop it (transformers' warper
+    # does; generate never builds it at 1.0). top_p = 1 must be a no-op: every token kept, scores as given.
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(33))
+    logits[0] = -200.0
     probs = logits.sort().values.softmax(-1)
     assert probs[0] == 0.0
-    assert probs.cumsum(-1)[-1] != 1.0  # the rounding this test is about does happen
+    assert probs.cumsum(-1)[-1] > 1.0  # the rounding this test is about does happen
     out = apply_filters(logits, SamplingFilters(top_p=1.0))
-    assert torch.isfinite(out).all()
     assert torch.equal(out, logits)
+    out = apply_filters(logits, SamplingFilters(temperature=1.7, top_p=1.0))
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), GRID)
