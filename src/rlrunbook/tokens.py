@@ -65,7 +65,7 @@ def build_datum_arrays(
                 f"{name} has {len(values)} values but the completion has {n_completion} tokens; "
                 "they must be aligned one to one."
             )
-    sequence = list(prompt_tokens) + list(completion_tokens)
+    sequence = [int(t) for t in prompt_tokens] + [int(t) for t in completion_tokens]
     n_prompt_targets = len(prompt_tokens) - 1
     return DatumArrays(
         input_tokens=sequence[:-1],

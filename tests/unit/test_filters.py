@@ -176,7 +176,11 @@ def test_filters_apply_to_tempered_scores():
 def test_greedy_returns_the_logits_unchanged():
     # T = 0 reports the T = 1 policy's logprobs, whatever the other knobs say.
     logits = torch.randn((3, 20), generator=torch.Generator().manual_seed(3))
-    for f in (SamplingFilters(temperature=0.0), SamplingFilters(temperature=0.0, top_k=1, top_p=0.3, min_p=0.3)):
+    greedy_filters = [
+        SamplingFilters(temperature=0.0),
+        SamplingFilters(temperature=0.0, top_k=1, top_p=0.3, min_p=0.3),
+    ]
+    for f in greedy_filters:
         out = apply_filters(logits, f)
         assert torch.equal(out, logits)
         assert torch.equal(sampling_logprobs(logits, f), torch.log_softmax(logits, dim=-1))

@@ -5,7 +5,7 @@ engine lets transformers apply its warpers while generating; the teacher-forced 
 parity check applies these functions instead, so the two are independent implementations
 that must agree. Semantics follow transformers' warpers, in the same order
 (temperature → top-k → top-p → min-p): ties at the top-k boundary are kept, top-p keeps the
-smallest set whose mass exceeds ``top_p`` and always at least one token, min-p drops tokens
+smallest set whose mass is at least ``top_p`` and always at least one token, min-p drops tokens
 whose probability is below ``min_p`` times the top token's.
 """
 
