@@ -46,7 +46,7 @@ def bench_models(env: Mapping[str, str] | None = None) -> list[str]:
 
 
 def token_windows(tokenizer: object, rows: int, length: int) -> list[list[int]]:
-    """``rows`` distinct windows of exactly ``length`` token ids from fixed prose (a fixed shape every run)."""
+    """``rows`` distinct windows of exactly ``length`` token ids of fixed prose: the same shape every run."""
     ids: list[int] = tokenizer.encode(_TEXT * 4, add_special_tokens=False)  # type: ignore[attr-defined]
     stride = 7
     assert len(ids) >= stride * (rows - 1) + length, f"benchmark text too short: {len(ids)} tokens"

@@ -39,7 +39,7 @@ def test_bench_sampling_tokens_per_second(benchmark, model_name):
     result = benchmark.pedantic(sample, rounds=3, iterations=1, warmup_rounds=1)
 
     lengths = [len(c.tokens) for samples in result for c in samples]
-    assert lengths == [COMPLETION_TOKENS] * ROWS, f"rows generated {lengths} tokens, not {COMPLETION_TOKENS} each"
+    assert lengths == [COMPLETION_TOKENS] * ROWS, f"rows generated {lengths} tokens, not {COMPLETION_TOKENS}"
     tokens_per_call = ROWS * COMPLETION_TOKENS
     benchmark.extra_info.update(describe(device, settings.resolved_dtype()))
     benchmark.extra_info.update(model=model_name, rows=ROWS, prompt_tokens=PROMPT_TOKENS,

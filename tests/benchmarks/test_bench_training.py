@@ -24,7 +24,8 @@ LOSS = "importance_sampling"
 RANK = 32
 
 
-def _datum(prompt: list[int], completion: list[int], logprobs: list[float] | None, advantage: float) -> types.Datum:
+def _datum(prompt: list[int], completion: list[int], logprobs: list[float] | None,
+           advantage: float) -> types.Datum:
     arrays = build_datum_arrays(prompt, completion, logprobs, [advantage] * len(completion))
     return types.Datum(
         model_input=types.ModelInput.from_ints(arrays.input_tokens),
@@ -35,7 +36,7 @@ def _datum(prompt: list[int], completion: list[int], logprobs: list[float] | Non
 
 @pytest.fixture(scope="module", params=bench_models())
 def training_setup(request, tmp_path_factory):
-    """(model name, settings, training client, the 8 datums) for one model, shared by this module's benchmarks."""
+    """(model name, settings, training client, the 8 datums) of one model, shared by both benchmarks."""
     settings = LocalSettings(device=bench_device(), storage_dir=tmp_path_factory.mktemp("tinker"))
     service = LocalServiceClient(settings)
     client = service.create_lora_training_client(request.param, rank=RANK, seed=0)

@@ -23,9 +23,11 @@ QUESTIONS = (
     "Write one short sentence about the sea at night.",
     "List three fruits that are red, and say which one you like best.",
     "Explain in two sentences why the moon shows phases as it goes around the earth.",
-    "A train leaves at nine and arrives at eleven. How long is the trip, and what would change if it left at ten?",
-    "Summarise this: the committee met on Monday, discussed the budget for the new library, could not agree on "
-    "the size of the reading room, and decided to meet again next week after looking at three other designs.",
+    "A train leaves at nine and arrives at eleven. How long is the trip, and what would change "
+    "if it left at ten?",
+    "Summarise this: the committee met on Monday, discussed the budget for the new library, "
+    "could not agree on the size of the reading room, and decided to meet again next week "
+    "after looking at three other designs.",
 )
 
 
@@ -37,7 +39,7 @@ def gpu_models(env: Mapping[str, str] | None = None) -> list[str]:
 
 
 def chat_prompts(tokenizer: object, n: int = 8) -> list[list[int]]:
-    """``n`` chat-formatted prompts as token ids (tokens are the source of truth: encoded once, never re-decoded)."""
+    """``n`` chat-formatted prompts as token ids, encoded once and never re-decoded (tokens are the truth)."""
     prompts = []
     for question in QUESTIONS[:n]:
         text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
@@ -59,7 +61,8 @@ def nvml_handle(pynvml: object, device_index: int = 0) -> object:
     if uuid is not None:
         text = str(uuid)
         try:
-            return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-") else f"GPU-{text}")  # type: ignore[attr-defined]
+            name = text if text.startswith("GPU-") else f"GPU-{text}"
+            return pynvml.nvmlDeviceGetHandleByUUID(name)  # type: ignore[attr-defined]
         except pynvml.NVMLError:  # type: ignore[attr-defined]
             pass
     return pynvml.nvmlDeviceGetHandleByIndex(device_index)  # type: ignore[attr-defined]

@@ -46,7 +46,8 @@ def test_nvml_reads_the_device(record_property):
         driver = pynvml.nvmlSystemGetDriverVersion()
     finally:
         pynvml.nvmlShutdown()
-    print(f"nvml devices: {count}, driver {driver}, memory used {memory.used >> 20} / {memory.total >> 20} MiB")
+    print(f"nvml devices: {count}, driver {driver}, "
+          f"memory used {memory.used >> 20} / {memory.total >> 20} MiB")
     record_property("nvml_device_count", count)
     record_property("nvml_driver", str(driver))
     record_property("nvml_memory_total_mib", memory.total >> 20)

@@ -58,9 +58,11 @@ def _parity(host, filters: SamplingFilters, tolerance: float, record_property):
     prompts = chat_prompts(host.tokenizer, 8)
     assert len({len(p) for p in prompts}) == 8, "prompts must differ in length to exercise padding"
     # EOS stops as in production: rows finish at different steps and keep generating padding.
-    request = GenerationRequest(max_tokens=32, filters=filters, stop=resolve_stop(None, host.eos_token_ids), seed=0)
+    stop = resolve_stop(None, host.eos_token_ids)
+    request = GenerationRequest(max_tokens=32, filters=filters, stop=stop, seed=0)
     report = logprob_parity(host.engine, prompts, request, num_samples=1, tolerance=tolerance)
-    print(f"max |Δ| {report.max_abs_diff:.3g}, mean |Δ| {report.mean_abs_diff:.3g} over {report.num_tokens} tokens")
+    print(f"max |Δ| {report.max_abs_diff:.3g}, mean |Δ| {report.mean_abs_diff:.3g} "
+          f"over {report.num_tokens} tokens")
     record_property("max_abs_diff", report.max_abs_diff)
     record_property("mean_abs_diff", report.mean_abs_diff)
     record_property("num_tokens", report.num_tokens)

@@ -43,7 +43,7 @@ def _check_rows(completions: list[Completion], stop: tuple[int, ...], record_pro
         ends = _match_ends(c.tokens, stop)
         if c.stop_reason == "stop":
             stopped += 1
-            assert ends == [len(c.tokens)], f"row {row}: must end with its first {stop} and hold nothing after"
+            assert ends == [len(c.tokens)], f"row {row}: must end at its first {stop}, nothing after"
         else:
             assert c.stop_reason == "length", f"row {row}: stop_reason {c.stop_reason!r}"
             assert len(c.tokens) == MAX_TOKENS and ends == [], f"row {row}: ran past a stop or ended early"
