@@ -256,3 +256,37 @@ def test_settings_from_env():
         LocalSettings.from_env({"TINKER_LOCAL_GRAD_ACCUM_STEPS": "0"})
     with pytest.raises(ConfigError, match="TINKER_LOCAL_DTYPE"):
         LocalSettings.from_env({"TINKER_LOCAL_DTYPE": "int8"})
+
+
+def test_concurrent_sample_requests_become_one_engine_call(trainer_client, local_service):
+    """A round of requests submitted before waiting runs as one batch, and each gets what it would alone."""
+    sampler = trainer_client.save_weights_and_get_sampling_client()
+    prompts = [PROMPT, [7, 8, 9], [30, 31, 32, 33, 34, 35, 36], [12]]
+    params = [types.SamplingParams(max_tokens=6, temperature=1.0, seed=100 + i, stop=[]) for i in range(4)]
+    worker = local_service._worker
+    before = worker.batches_run
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 2, sp) for p, sp in zip(prompts, params)]
+    together = [f.result() for f in futures]
+    assert worker.batches_run - before == 1
+    alone = [sampler.sample(types.ModelInput.from_ints(p), 2, sp).result() for p, sp in zip(prompts, params)]
+    assert worker.batches_run - before == 5
+    assert [[s.tokens for s in r.sequences] for r in together] == [[s.tokens for s in r.sequences] for r in alone]
+
+
+def test_unseeded_samples_follow_submission_order(local_service):
+    """Without a seed, a process that makes the same calls gets the same samples (seeds drawn in order)."""
+    def run():
+        service = LocalServiceClient(local_service.settings)
+        try:
+            sampler = service.create_lora_training_client("tiny", rank=4).save_weights_and_get_sampling_client()
+            params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[])
+            first = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, params).result()
+            second = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, params).result()
+            return [s.tokens for s in first.sequences], [s.tokens for s in second.sequences]
+        finally:
+            service.close()
+
+    a1, a2 = run()
+    b1, b2 = run()
+    assert (a1, a2) == (b1, b2)
+    assert a1 != a2

@@ -70,18 +70,45 @@ def test_model_generation_defaults_do_not_leak(tiny_folder):
     assert report.max_abs_diff <= FP32_TOLERANCE
 
 
-def test_leak_check_rejects_penalised_scores():
-    """The run-time check: scores that are not logits / T where kept raise GenerationLeakError."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    request = GenerationRequest(max_tokens=1, filters=SamplingFilters(temperature=0.5))
-    HFSamplingEngine._check_step_scores(logits / 0.5, logits, request, 0)  # exact: passes
-    penalised = logits.clone()
-    penalised[0, 0] /= 1.3  # what a repetition penalty does to a seen token
+def test_leak_check_rejects_a_processor_nobody_asked_for(tiny_host, prompts8, monkeypatch):
+    """The run-time check: if generate applies any processor before the sampler, sampling refuses."""
+    from rlrunbook.engines import hf
+
+    real = hf.neutral_generation_config
+    monkeypatch.setattr(hf, "neutral_generation_config", lambda **kw: real(**{**kw, "repetition_penalty": 1.3}))
     with pytest.raises(GenerationLeakError, match="repetition_penalty"):
-        HFSamplingEngine._check_step_scores(penalised / 0.5, logits, request, 0)
-    filtered = (logits / 0.5).masked_fill(torch.tensor([[False, False, False, True]]), float("-inf"))
-    with pytest.raises(GenerationLeakError, match="no filter"):  # a top-k the caller never asked for
-        HFSamplingEngine._check_step_scores(filtered, logits, request, 0)
+        tiny_host.engine.sample(prompts8[:2], 1, GenerationRequest(max_tokens=4, stop=()))
+
+
+def test_a_seeded_row_does_not_depend_on_its_batch(tiny_host, prompts8):
+    """Coalescing requests into one generate call must not change what a seeded caller gets."""
+    from rlrunbook.engines.hf import SampleJob
+
+    request = GenerationRequest(max_tokens=12, filters=SamplingFilters(temperature=1.0), stop=(), seed=42)
+    alone = tiny_host.engine.sample_jobs([SampleJob(prompts8[0], 3, request)])[0]
+    others = [SampleJob(p, 2, GenerationRequest(12, request.filters, (), 7 + i)) for i, p in enumerate(prompts8[1:])]
+    together = tiny_host.engine.sample_jobs([*others[:3], SampleJob(prompts8[0], 3, request), *others[3:]])[3]
+    assert [c.tokens for c in together] == [c.tokens for c in alone]
+    assert len({tuple(c.tokens) for c in alone}) == 3, "the samples of one job differ from each other"
+
+
+def test_sampling_frequencies_match_the_distribution(tiny_host, prompts8):
+    """Gumbel-max draws are exact: first-token frequencies over 4000 seeds match softmax(logits / T)."""
+    filters = SamplingFilters(temperature=0.8, top_k=6)
+    request = GenerationRequest(max_tokens=1, filters=filters, stop=(), seed=123)
+    (samples,) = tiny_host.engine.sample([prompts8[0]], 4000, request)
+    counts = torch.bincount(torch.tensor([c.tokens[0] for c in samples]), minlength=tiny_host.engine.vocab_size)
+    (logits,) = tiny_host.model(input_ids=torch.tensor([prompts8[0]])).logits[:, -1].detach()
+    from rlrunbook.engines.filters import sampling_logprobs
+
+    probs = sampling_logprobs(logits, filters).exp()
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(torch.nonzero(probs).flatten().tolist())
+    expected = probs * 4000
+    kept = expected > 0
+    chi2 = (((counts[kept] - expected[kept]) ** 2) / expected[kept]).sum().item()
+    assert chi2 < 25.7, f"chi-square {chi2:.1f} with {int(kept.sum()) - 1} degrees of freedom (p < 1e-4 at 5 dof)"
+    for c in samples[:20]:  # the reported logprob is the drawn token's probability under that distribution
+        assert c.logprobs[0] == pytest.approx(probs[c.tokens[0]].log().item(), abs=1e-5)
 
 
 def _stop_request(stop, max_tokens=24, seed=3):

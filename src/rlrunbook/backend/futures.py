@@ -3,41 +3,127 @@
 Every operation of every client made by one ServiceClient goes through the same worker, so
 ``forward_backward`` then ``optim_step`` then ``sample`` take effect in that order even when
 the caller does not wait in between, and the device is never used by two calls at once.
-The futures are the SDK's own ``AwaitableConcurrentFuture``: ``.result()`` blocks, ``await``
-works in any event loop (also one already running), because the work never runs on the
-caller's thread.
+
+Batchable calls (``sample``) that sit next to each other in the queue with the same batch key
+run as one engine call: a loop that submits a whole round of sample requests before waiting
+gets one batched generate, without any change to what each request returns (rows are seeded
+per request, see engines/noise.py). A short collection window lets a burst of submissions
+from another thread arrive before the batch starts.
+
+The futures are the SDK's own ``AwaitableConcurrentFuture``: ``.result()`` blocks, ``await`` works
+in any event loop (also one already running), because the work never runs on the caller's thread.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 T = TypeVar("T")
 
 
-class OrderedWorker:
-    """A single-thread executor; ``submit`` returns an awaitable SDK future."""
+@dataclass
+class _Task:
+    future: Future
+    run: Callable[[], Any] | None = None  # a plain call
+    key: Hashable | None = None  # batchable: same key → one batch
+    item: Any = None
+    batch_fn: Callable[[list[Any]], list[Any]] | None = None
+    rows: int = 1
+    extra: dict = field(default_factory=dict)
 
-    def __init__(self, name: str = "rlrunbook-local"):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._lock = threading.Lock()
+
+class OrderedWorker:
+    """A single worker thread with a FIFO queue; ``submit`` returns an awaitable SDK future."""
+
+    def __init__(self, name: str = "rlrunbook-local", batch_window_s: float = 0.002, max_batch_rows: int = 256):
+        self._queue: deque[_Task] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.batch_window_s = batch_window_s
+        self.max_batch_rows = max_batch_rows
+        self.batches_run = 0  # engine calls made for batchable tasks (for tests and benchmarks)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _enqueue(self, task: _Task) -> AwaitableConcurrentFuture:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("this ServiceClient was closed; create a new one.")
+            self._queue.append(task)
+            self._cv.notify()
+        return AwaitableConcurrentFuture(task.future)
 
     def submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> AwaitableConcurrentFuture[T]:
-        with self._lock:  # submission order is queue order, also across caller threads
-            future: Future[T] = self._executor.submit(fn, *args, **kwargs)
-        return AwaitableConcurrentFuture(future)
+        return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs)))
+
+    def submit_batchable(self, key: Hashable, item: Any, batch_fn: Callable[[list[Any]], list[Any]],
+                         rows: int = 1) -> AwaitableConcurrentFuture:
+        """Queue ``item``; consecutive items with the same ``key`` are handed to ``batch_fn`` together."""
+        return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows))
 
     def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Submit and wait: for calls that the SDK makes synchronous."""
         return self.submit(fn, *args, **kwargs).result()
 
+    def _take_batch(self, first: _Task) -> list[_Task]:
+        batch, rows = [first], first.rows
+        deadline = time.monotonic() + self.batch_window_s
+        with self._cv:
+            while True:
+                while self._queue and self._queue[0].key == first.key and rows + self._queue[0].rows <= self.max_batch_rows:
+                    task = self._queue.popleft()
+                    batch.append(task)
+                    rows += task.rows
+                if self._queue or rows >= self.max_batch_rows:
+                    return batch  # the next task is different: order must be kept
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return batch
+                self._cv.wait(remaining)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                task = self._queue.popleft()
+            if task.key is None:
+                self._resolve([task], lambda: [task.run()])
+            else:
+                batch = self._take_batch(task)
+                self.batches_run += 1
+                self._resolve(batch, lambda: task.batch_fn([t.item for t in batch]))
+
+    @staticmethod
+    def _resolve(tasks: list[_Task], compute: Callable[[], list[Any]]) -> None:
+        live = [t for t in tasks if t.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            results = compute()
+        except BaseException as error:  # noqa: BLE001 - every waiter must hear about the failure
+            for t in live:
+                t.future.set_exception(error)
+            return
+        for t, result in zip(tasks, results, strict=True):
+            if t in live:
+                t.future.set_result(result)
+
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
 
 
 def completed(value: T) -> AwaitableConcurrentFuture[T]:

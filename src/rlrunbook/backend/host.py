@@ -52,6 +52,7 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
         vocab_size=int(config.vocab_size),
         max_context=getattr(config, "max_position_embeddings", None),
         max_batch_rows=settings.max_batch_rows,
+        seed=settings.seed,
     )
     return ModelHost(base_model, folder, tokenizer, model, engine)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from rlrunbook.backend.futures import OrderedWorker
 from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.hf import SampleJob
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
@@ -84,7 +86,13 @@ class LocalSamplingClient:
             stop=resolve_stop(sampling_params.stop, self._host.eos_token_ids),
             seed=sampling_params.seed,
         )
-        return self._worker.submit(self._sample, tokens, num_samples, request, include_prompt_logprobs)
+        self._host.engine.validate(tokens, request)
+        if request.seed is None:  # drawn at submission, so results follow submission order, not timing
+            request = dataclasses.replace(request, seed=self._host.engine._next_seed())
+        job = SampleJob(tokens, num_samples, request)
+        key = (id(self._host), id(self._weights), request.max_tokens, request.filters, request.stop)
+        return self._worker.submit_batchable(key, (job, include_prompt_logprobs), self._sample_batch,
+                                             rows=num_samples)
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int,
                            sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,
@@ -92,11 +100,15 @@ class LocalSamplingClient:
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
                                  topk_prompt_logprobs, min_p=min_p)
 
-    def _sample(self, tokens: list[int], num_samples: int, request: GenerationRequest,
-                include_prompt_logprobs: bool) -> types.SampleResponse:
+    def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
+        """One engine call for every queued request that shares these weights and settings."""
         with active_weights(self._host, self._weights, self._live_version()):
-            (completions,) = self._host.engine.sample([tokens], num_samples, request)
-            prompt_lp = self._prompt_logprobs(tokens) if include_prompt_logprobs else None
+            results = self._host.engine.sample_jobs([job for job, _ in items])
+            prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
+        return [self._response(completions, prompt_lp) for completions, prompt_lp in zip(results, prompt_lps)]
+
+    @staticmethod
+    def _response(completions, prompt_lp) -> types.SampleResponse:
         sequences = [
             types.SampledSequence(
                 stop_reason=c.stop_reason,

@@ -37,7 +37,7 @@ class LocalServiceClient:
 
     def __init__(self, settings: LocalSettings | None = None, **_sdk_kwargs: object):
         self.settings = settings if settings is not None else LocalSettings.from_env()
-        self._worker = OrderedWorker()
+        self._worker = OrderedWorker(max_batch_rows=self.settings.max_batch_rows)
         self._base_hosts: dict[str, ModelHost] = {}
         self._training: dict[str, LocalTrainingClient] = {}
 

@@ -1,51 +1,118 @@
-"""Sampling with ``transformers`` ``generate``: batched, token-id prompts, exact per-token logprobs.
+"""Sampling with ``transformers`` ``generate``: batched token-id prompts, exact per-token logprobs.
 
-Where it departs from a plain ``generate`` call, and why:
+How it departs from a plain ``generate(do_sample=True)`` call, and why:
 
-- The generation configuration is fully explicit and the model's own ``generation_config`` is
-  replaced by a neutral one, because transformers fills every unset field from the model
-  (a checkpoint's ``repetition_penalty=1.05`` would silently reshape the distribution).
-  After each call the processed scores are checked against ``logits / T``: equal wherever a
-  token was not filtered out, and nowhere ``-inf`` when no filter applies.
-- Stop conditions are token-id sequences checked per row after every token (single- and
-  multi-token, in batched mode); the returned tokens end with the stop sequence.
-- Logprobs come from the scores generate actually sampled from, and the raw policy logprobs
-  from its logits. Both histories are ``[rows, steps, V]``; ``max_batch_rows`` bounds that memory.
+- **One processor decides.** ``generate`` runs greedy (``do_sample=False``) with a fully explicit,
+  neutral generation configuration (the model's own ``generation_config`` is replaced too:
+  transformers fills every unset field from it, and ``top_k=None`` silently becomes 50). The
+  only logits processor is :class:`_Sampler`: it applies temperature, top-k, top-p and min-p
+  (:mod:`rlrunbook.engines.filters`), draws the token by the Gumbel-max trick with per-row
+  counter-based noise (:mod:`rlrunbook.engines.noise`), and forces ``generate``'s argmax onto it.
+  A row's sample depends on its own seed only, never on which rows share its batch.
+- **Leak check.** A hook on the output layer keeps the model's raw last-position logits; the
+  scores reaching :class:`_Sampler` must equal them exactly, so no processor that was not asked
+  for (a repetition penalty, a default top-k) ran before it. The sampled distribution is then
+  ``logits / T`` after the requested filters by construction.
+- **O(rows) memory.** Logprobs of the chosen token (under the sampled distribution and under the
+  raw T = 1 policy) are recorded at each step; no ``[rows, steps, vocab]`` history is kept.
+- **Stops** are token-id sequences checked per row after every token; the returned tokens end with
+  the stop sequence and hold nothing after it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from rlrunbook.engines.base import Completion, GenerationRequest
+from rlrunbook.engines.filters import SamplingFilters, apply_filters
+from rlrunbook.engines.noise import gumbel_noise, mix_seed
 from rlrunbook.errors import GenerationLeakError, InputError
 from rlrunbook.tokens import check_token_ids, find_stop, pad_batch
 
 # Every GenerationConfig field that adds a logits processor or changes decoding, at its neutral value.
 _NEUTRAL_GENERATION_FIELDS = dict(
-    num_beams=1, num_beam_groups=1, penalty_alpha=None, use_cache=True,
+    num_beams=1, num_beam_groups=1, penalty_alpha=None, use_cache=True, do_sample=False,
+    temperature=1.0, top_k=None, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
     repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
     encoder_no_repeat_ngram_size=0, bad_words_ids=None, force_words_ids=None, min_length=0,
     min_new_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
     remove_invalid_values=False, exponential_decay_length_penalty=None, suppress_tokens=None,
-    begin_suppress_tokens=None, sequence_bias=None, guidance_scale=None, typical_p=1.0,
-    epsilon_cutoff=0.0, eta_cutoff=0.0, top_h=None, renormalize_logits=False, watermarking_config=None,
-    diversity_penalty=0.0, length_penalty=1.0, stop_strings=None, max_time=None, eos_token_id=None,
-    bos_token_id=None, decoder_start_token_id=None, assistant_model=None, prompt_lookup_num_tokens=None,
-    cache_implementation=None,
+    begin_suppress_tokens=None, sequence_bias=None, guidance_scale=None, top_h=None,
+    renormalize_logits=False, watermarking_config=None, diversity_penalty=0.0, length_penalty=1.0,
+    stop_strings=None, max_time=None, eos_token_id=None, bos_token_id=None, decoder_start_token_id=None,
+    assistant_model=None, prompt_lookup_num_tokens=None, cache_implementation=None,
 )
 
 
 def neutral_generation_config(**overrides: object) -> GenerationConfig:
     """A GenerationConfig with every distribution-changing field neutral, then ``overrides``."""
-    fields = dict(_NEUTRAL_GENERATION_FIELDS)
-    fields.update(temperature=1.0, top_k=None, top_p=1.0, min_p=None, do_sample=False)
-    fields.update(overrides)
     known = GenerationConfig().to_dict()
-    return GenerationConfig(**{k: v for k, v in fields.items() if k in known or k in overrides})
+    fields = {k: v for k, v in _NEUTRAL_GENERATION_FIELDS.items() if k in known}
+    fields.update(overrides)
+    return GenerationConfig(**fields)
+
+
+class _LastLogits:
+    """Forward hook on the output layer: keeps the raw logits of the last position of the latest call."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def __call__(self, module: torch.nn.Module, inputs: object, output: torch.Tensor) -> None:
+        self.value = output[:, -1].detach()
+
+
+class _Sampler(LogitsProcessor):
+    """Applies the filters, draws each row's token, records its logprobs; forces generate's argmax."""
+
+    def __init__(self, filters: SamplingFilters, row_seeds: torch.Tensor, raw: _LastLogits):
+        self.filters = filters
+        self.row_seeds = row_seeds
+        self.raw = raw
+        self.step = 0
+        self.tokens: list[torch.Tensor] = []
+        self.sampled_logprobs: list[torch.Tensor] = []
+        self.policy_logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._check_no_leak(scores)
+        logits = scores.float()  # [R, V]
+        policy = torch.log_softmax(logits, dim=-1)
+        if self.filters.greedy:
+            token = logits.argmax(dim=-1)
+            sampled = policy
+        else:
+            processed = apply_filters(logits, self.filters)  # logits / T, filtered tokens -inf
+            sampled = torch.log_softmax(processed, dim=-1)
+            noise = gumbel_noise(self.row_seeds, self.step, logits.shape[-1])
+            token = (processed + noise).argmax(dim=-1)  # an exact draw from softmax(processed)
+        picked = token[:, None]
+        self.tokens.append(token)
+        self.sampled_logprobs.append(sampled.gather(-1, picked).squeeze(-1))
+        self.policy_logprobs.append(policy.gather(-1, picked).squeeze(-1))
+        self.step += 1
+        forced = torch.full_like(logits, float("-inf"))
+        return forced.scatter_(-1, picked, 0.0)
+
+    def _check_no_leak(self, scores: torch.Tensor) -> None:
+        raw = self.raw.value
+        if raw is None or raw.shape != scores.shape:
+            raise GenerationLeakError(
+                "could not read the model's raw logits for the leak check (no output-layer call seen); "
+                "the engine needs a model whose get_output_embeddings() produces the logits."
+            )
+        if not torch.equal(scores.float(), raw.float()):
+            gap = (scores.float() - raw.float()).abs().nan_to_num(posinf=float("inf")).max().item()
+            raise GenerationLeakError(
+                f"generation step {self.step}: scores reaching the sampler differ from the model's logits by up "
+                f"to {gap:.3g}. A logits processor that was not asked for is active (a generation_config "
+                "default such as repetition_penalty, top_k, typical_p or no_repeat_ngram_size leaking in). "
+                "Neutralise it in engines/hf.py's generation config."
+            )
 
 
 class _StopSequences(StoppingCriteria):
@@ -64,30 +131,32 @@ class _StopSequences(StoppingCriteria):
         return done
 
 
+@dataclass(frozen=True)
+class SampleJob:
+    """One caller's share of a batched call: a prompt, how many samples, and their request."""
+
+    prompt: list[int]
+    num_samples: int
+    request: GenerationRequest
+
+
 class HFSamplingEngine:
     """Batched sampling from a (possibly LoRA-wrapped) causal LM.
 
     ``model`` is used as it is at call time, so a caller that changes adapter weights between
-    calls samples from the new weights. ``check_scores`` runs the leak check on every call.
+    calls samples from the new weights. Unseeded requests get seeds from the engine's own
+    counter (``seed``), so a process that makes the same calls sees the same samples.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        pad_token_id: int,
-        vocab_size: int,
-        max_context: int | None = None,
-        max_batch_rows: int = 256,
-        check_scores: bool = True,
-    ):
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int,
+                 max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0):
         self.model = model
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.max_batch_rows = max_batch_rows
-        self.check_scores = check_scores
-        # The model's own generation config is what generate falls back on for unset fields.
+        self._seed = seed
+        self._unseeded_calls = 0
         self._base_model().generation_config = neutral_generation_config(pad_token_id=pad_token_id)
 
     def _base_model(self) -> torch.nn.Module:
@@ -98,101 +167,95 @@ class HFSamplingEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def sample(
-        self, prompts: Sequence[Sequence[int]], num_samples: int, request: GenerationRequest
-    ) -> list[list[Completion]]:
+    def validate(self, prompt: Sequence[int], request: GenerationRequest, what: str = "prompt") -> None:
+        """Raise ``InputError`` for an empty prompt, an id outside the vocabulary, or no room in the context."""
+        check_token_ids(prompt, self.vocab_size, what)
+        if self.max_context is not None and len(prompt) + request.max_tokens > self.max_context:
+            raise InputError(
+                f"{what} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds the "
+                f"model's context of {self.max_context}. Shorten the prompt or lower max_tokens."
+            )
+
+    def sample(self, prompts: Sequence[Sequence[int]], num_samples: int,
+               request: GenerationRequest) -> list[list[Completion]]:
         """Sample ``num_samples`` completions of every prompt; ``result[i][j]`` is sample j of prompt i."""
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise InputError(f"num_samples={num_samples!r} must be a positive int.")
         if not prompts:
             raise InputError("no prompts given: pass at least one token-id prompt.")
-        for i, prompt in enumerate(prompts):
-            check_token_ids(prompt, self.vocab_size, f"prompt {i}")
-            if self.max_context is not None and len(prompt) + request.max_tokens > self.max_context:
-                raise InputError(
-                    f"prompt {i} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that "
-                    f"exceeds the model's context of {self.max_context}. Shorten the prompt or lower max_tokens."
-                )
-        rows = [list(p) for p in prompts for _ in range(num_samples)]
+        if request.seed is None:  # one seed per call, so prompts of one call still differ
+            request = GenerationRequest(request.max_tokens, request.filters, request.stop, self._next_seed())
+        jobs = [SampleJob(list(p), num_samples, _with_seed(request, mix_seed(request.seed, i)))
+                for i, p in enumerate(prompts)]
+        return self.sample_jobs(jobs)
+
+    def _next_seed(self) -> int:
+        self._unseeded_calls += 1
+        return mix_seed(self._seed, self._unseeded_calls)
+
+    def sample_jobs(self, jobs: Sequence[SampleJob]) -> list[list[Completion]]:
+        """Sample several callers' jobs in as few generate calls as possible.
+
+        Jobs must share ``max_tokens``, filters and stops (their seeds may differ). Row ``j`` of a
+        job is seeded by ``(job seed, j)``, so each job's samples are what it would get alone.
+        """
+        if not jobs:
+            return []
+        shape = {(j.request.max_tokens, j.request.filters, j.request.stop) for j in jobs}
+        if len(shape) != 1:
+            raise InputError("jobs in one batched call must share max_tokens, filters and stop sequences.")
+        rows: list[tuple[list[int], int]] = []
+        for i, job in enumerate(jobs):
+            if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
+                raise InputError(f"num_samples={job.num_samples!r} must be a positive int.")
+            self.validate(job.prompt, job.request, f"prompt {i}")
+            seed = job.request.seed if job.request.seed is not None else self._next_seed()
+            rows += [(job.prompt, mix_seed(seed, j)) for j in range(job.num_samples)]
+        request = jobs[0].request
         completions: list[Completion] = []
-        for chunk_index, start in enumerate(range(0, len(rows), self.max_batch_rows)):
-            seed = None if request.seed is None else request.seed + chunk_index
-            completions += self._sample_rows(rows[start:start + self.max_batch_rows], request, seed)
-        return [completions[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+        for start in range(0, len(rows), self.max_batch_rows):
+            completions += self._sample_rows(rows[start:start + self.max_batch_rows], request)
+        results, cursor = [], 0
+        for job in jobs:
+            results.append(completions[cursor:cursor + job.num_samples])
+            cursor += job.num_samples
+        return results
 
     @torch.no_grad()
-    def _sample_rows(
-        self, rows: list[list[int]], request: GenerationRequest, seed: int | None
-    ) -> list[Completion]:
+    def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest) -> list[Completion]:
         device = self.device
-        batch = pad_batch(rows, self.pad_token_id, side="left")
+        batch = pad_batch([prompt for prompt, _ in rows], self.pad_token_id, side="left")
         width = batch.input_ids.shape[1]
-        filters = request.filters
-        config = neutral_generation_config(
-            do_sample=not filters.greedy,
-            temperature=filters.temperature if not filters.greedy else 1.0,
-            # top_k=None means "unset" and generate fills in 50; 0 disables it. Greedy ignores warpers.
-            top_k=None if filters.greedy else (filters.top_k if filters.top_k != -1 else 0),
-            top_p=filters.top_p,
-            min_p=filters.min_p if filters.min_p > 0 else None,
-            max_new_tokens=request.max_tokens,
-            pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True,
-            output_scores=True,
-            output_logits=True,
-        )
+        raw = _LastLogits()
+        sampler = _Sampler(request.filters, torch.tensor([s for _, s in rows], dtype=torch.int64, device=device), raw)
+        config = neutral_generation_config(max_new_tokens=request.max_tokens, pad_token_id=self.pad_token_id,
+                                           return_dict_in_generate=True)
         stopping = StoppingCriteriaList([_StopSequences(request.stop, width, device)]) if request.stop else None
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            if seed is not None:
-                torch.manual_seed(seed)
+        handle = self._base_model().get_output_embeddings().register_forward_hook(raw)
+        try:
             out = self.model.generate(
                 input_ids=batch.input_ids.to(device),
                 attention_mask=batch.attention_mask.to(device),
                 generation_config=config,
+                logits_processor=LogitsProcessorList([sampler]),
                 stopping_criteria=stopping,
             )
+        finally:
+            handle.remove()
         generated = out.sequences[:, width:]  # [R, T]
-        sampled_lp = torch.empty(generated.shape, dtype=torch.float32, device=device)
-        policy_lp = torch.empty_like(sampled_lp)
-        for step, (scores, logits) in enumerate(zip(out.scores, out.logits, strict=True)):
-            if self.check_scores:
-                self._check_step_scores(scores, logits, request, step)
-            token = generated[:, step:step + 1]
-            sampled_lp[:, step] = torch.log_softmax(scores.float(), -1).gather(-1, token).squeeze(-1)
-            policy_lp[:, step] = torch.log_softmax(logits.float(), -1).gather(-1, token).squeeze(-1)
-        tokens_rows = generated.cpu().tolist()
-        sampled_rows = sampled_lp.cpu().tolist()
-        policy_rows = policy_lp.cpu().tolist()
+        steps = generated.shape[1]
+        recorded = torch.stack(sampler.tokens[:steps], dim=1)
+        if not torch.equal(recorded, generated):
+            raise GenerationLeakError("generate emitted tokens other than the ones the sampler drew.")
+        sampled_rows = torch.stack(sampler.sampled_logprobs[:steps], dim=1).cpu().tolist()
+        policy_rows = torch.stack(sampler.policy_logprobs[:steps], dim=1).cpu().tolist()
         completions = []
-        for tokens, sampled, policy in zip(tokens_rows, sampled_rows, policy_rows, strict=True):
+        for tokens, sampled, policy in zip(generated.cpu().tolist(), sampled_rows, policy_rows, strict=True):
             end = find_stop(tokens, request.stop) if request.stop else None
             keep = len(tokens) if end is None else end
-            completions.append(Completion(
-                tokens=tokens[:keep],
-                logprobs=(sampled if not request.filters.greedy else policy)[:keep],
-                policy_logprobs=policy[:keep],
-                stop_reason="length" if end is None else "stop",
-            ))
+            completions.append(Completion(tokens=tokens[:keep], logprobs=sampled[:keep],
+                                          policy_logprobs=policy[:keep],
+                                          stop_reason="length" if end is None else "stop"))
         return completions
 
-    @staticmethod
-    def _check_step_scores(
-        scores: torch.Tensor, logits: torch.Tensor, request: GenerationRequest, step: int
-    ) -> None:
-        """Processed scores must be logits / T where kept, and everywhere kept when nothing filters."""
-        filters = request.filters
-        expected = logits.float() if filters.greedy else logits.float() / filters.temperature
-        kept = torch.isfinite(scores)
-        leak = None
-        if not filters.filters_tokens and not bool(kept.all()):
-            leak = f"{int((~kept).sum())} scores are -inf although no filter is set"
-        elif not torch.allclose(scores[kept].float(), expected[kept], rtol=1e-5, atol=1e-5):
-            gap = (scores[kept].float() - expected[kept]).abs().max().item()
-            leak = f"processed scores differ from logits/T by up to {gap:.3g}"
-        if leak is not None:
-            raise GenerationLeakError(
-                f"generation step {step}: {leak}. A logits processor that was not asked for is active "
-                "(a model generation_config default such as repetition_penalty, typical_p or "
-                "no_repeat_ngram_size leaking in). Neutralise it in engines/hf.py's generation config."
-            )
+
+def _with_seed(request: GenerationRequest, seed: int) -> GenerationRequest:
+    return GenerationRequest(request.max_tokens, request.filters, request.stop, seed)

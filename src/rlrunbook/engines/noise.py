@@ -1,0 +1,56 @@
+"""Counter-based random numbers: the same (seed, step, token) gives the same number on any device,
+in any batch.
+
+Sampling draws token ``argmax(scores + Gumbel noise)``, which is an exact draw from
+``softmax(scores)`` (the Gumbel-max trick). The noise of row ``r`` at step ``t`` is a pure
+function of ``(row_seed[r], t, vocabulary index)`` through the splitmix64 mixer, so a row's
+sample does not depend on which other rows share its batch: concurrent requests can be
+coalesced into one generate call without changing anything a seeded caller sees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser on int64 tensors (wrapping arithmetic), elementwise."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """Combine integers (a request seed, a prompt index, a sample index) into one 63-bit seed."""
+    state = torch.tensor(0, dtype=torch.int64)
+    for part in parts:
+        state = splitmix64(state ^ torch.tensor(_signed(part), dtype=torch.int64))
+    return int(state) & ((1 << 63) - 1)
+
+
+def gumbel_noise(row_seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise ``[R, V]`` (float32) for rows with seeds ``row_seeds`` ``[R]`` at ``step``."""
+    device = row_seeds.device
+    base = splitmix64(row_seeds ^ splitmix64(torch.tensor(step, dtype=torch.int64, device=device)))  # [R]
+    index = torch.arange(vocab_size, dtype=torch.int64, device=device) * _GOLDEN  # [V]
+    bits = _shr(splitmix64(base[:, None] + index[None, :]), 11)  # [R, V]: 53 random bits
+    uniform = (bits.double() + 0.5) / float(1 << 53)  # in (0, 1), never 0 or 1
+    return (-torch.log(-torch.log(uniform))).float()

@@ -1,0 +1,162 @@
+"""What a run records about where it ran: versions, git state, hardware, seeds, environment.
+
+Everything here is best effort and never raises: a missing package is ``"missing"``, a source
+tree outside git is ``None``. Secrets are the exception to "record everything": the environment
+is filtered to the prefixes that change behaviour, secret-looking names are redacted, and the
+values of every secret-looking variable are scrubbed from all strings written (a token passed
+on the command line as well as through the environment).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.metadata
+import os
+import platform
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+REDACTED = "<redacted>"
+VERSIONED_PACKAGES = ("torch", "transformers", "peft", "tinker", "rlrunbook", "numpy")
+ENV_PREFIXES = ("TINKER_", "RLRUNBOOK_", "CUDA_", "PYTORCH_", "HF_", "TRANSFORMERS_", "OMP_", "MALLOC_", "PYTHON")
+SECRET_NAME_PATTERNS = ("*_KEY", "*_TOKEN", "*SECRET*", "*PASSWORD*", "*CREDENTIAL*")
+# Config keys and CLI flags use narrower patterns: "*_TOKEN" would also hide `stop_token` and
+# `--pad-token`, which are exactly what a reader of a run needs to see.
+SECRET_KEY_PATTERNS = ("*API_KEY*", "*APIKEY*", "*ACCESS_KEY*", "*PRIVATE_KEY*", "*SECRET*", "*PASSWORD*",
+                       "*CREDENTIAL*", "*ACCESS_TOKEN*", "*AUTH_TOKEN*", "*API_TOKEN*", "HF_TOKEN", "*HUB_TOKEN")
+# Values shorter than this are not scrubbed from free text: replacing every "1" or "abc" would
+# mangle the record while protecting nothing a secret could be.
+_MIN_SCRUB_LENGTH = 6
+
+
+def is_secret_name(name: str, patterns: tuple[str, ...] = SECRET_NAME_PATTERNS) -> bool:
+    """Whether an environment variable name (or, with ``SECRET_KEY_PATTERNS``, a config key or flag) is secret."""
+    upper = name.upper().replace("-", "_")
+    return any(fnmatch.fnmatchcase(upper, pattern) for pattern in patterns)
+
+
+def _is_secret_key(name: str) -> bool:
+    return is_secret_name(name, SECRET_KEY_PATTERNS)
+
+
+def package_versions() -> dict[str, str]:
+    """Python and the installed versions of the packages a run depends on ("missing" if absent)."""
+    versions = {"python": platform.python_version()}
+    for package in VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "missing"
+    return versions
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def git_state(source_dir: Path | None = None) -> dict[str, Any] | None:
+    """``{"commit", "dirty"}`` of the repository holding rlrunbook's source; None outside a repository."""
+    source_dir = source_dir or Path(__file__).resolve().parent
+    commit = _git(["rev-parse", "HEAD"], source_dir)
+    if commit is None:
+        return None
+    # --no-optional-locks: a plain `git status` may rewrite the index, which would race with
+    # whoever else is using the checkout; recording metadata must not change it.
+    status = _git(["--no-optional-locks", "status", "--porcelain"], source_dir)
+    return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
+def _total_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def hardware() -> dict[str, Any]:
+    """Platform, CPU count, memory and the CUDA devices torch sees."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "total_memory_bytes": _total_memory_bytes(),
+    }
+    try:
+        import torch
+    except ImportError:
+        info.update(torch_cuda_available=None, cuda_devices=[])
+        return info
+    available = bool(torch.cuda.is_available())
+    info["torch_cuda_available"] = available
+    info["cuda_devices"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                            if available else [])
+    return info
+
+
+def seeds(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every config key named ``seed`` or ending in ``_seed``, nested sections as dotted paths."""
+    found: dict[str, Any] = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            found.update(seeds(value, f"{path}."))
+        elif key == "seed" or key.endswith("_seed"):
+            found[path] = value
+    return found
+
+
+def secret_values(environ: Mapping[str, str]) -> list[str]:
+    """Values of all secret-named variables (whatever their prefix), longest first, for scrubbing."""
+    values = {v for k, v in environ.items() if is_secret_name(k) and len(v) >= _MIN_SCRUB_LENGTH}
+    return sorted(values, key=len, reverse=True)
+
+
+def filtered_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that shape a run (see ``ENV_PREFIXES``), secret-named ones redacted."""
+    return {k: (REDACTED if is_secret_name(k) else v)
+            for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def scrub(value: Any, secrets: list[str]) -> Any:
+    """A copy of ``value`` with every occurrence of a secret value in any string replaced by ``REDACTED``."""
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, REDACTED)
+        return value
+    if isinstance(value, Mapping):
+        return {k: scrub(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(v, secrets) for v in value]
+    return value
+
+
+def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with the values of secret-named keys (``api_key``, ``hub_token``...) redacted, recursively."""
+    return {k: (redact_config(v) if isinstance(v, Mapping)
+                else REDACTED if _is_secret_key(str(k)) and v is not None else v)
+            for k, v in config.items()}
+
+
+def scrub_argv(argv: list[str], secrets: list[str]) -> list[str]:
+    """``argv`` with the values of secret-named flags (``--api-key X``, ``--hf-token=X``) redacted."""
+    out: list[str] = []
+    redact_next = False
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if redact_next:
+            out.append(REDACTED)
+            redact_next = False
+        elif flag.startswith("-") and _is_secret_key(flag.lstrip("-")):
+            out.append(f"{flag}={REDACTED}" if eq else arg)
+            redact_next = not eq
+        else:
+            out.append(scrub(arg, secrets))
+    return out
