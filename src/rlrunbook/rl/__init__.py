@@ -1,0 +1,1 @@
+"""The training system: tasks, rewards, paradigms, advantages, training modes, and the loop."""

@@ -1,0 +1,157 @@
+"""The training loop: sample → score → advantages → datums → forward_backward → optim_step → sync → log.
+
+It talks only to the Tinker-style clients, so it runs on the local backend and on the hosted
+service alike. Everything a run can get wrong in its options or data fails before a model loads;
+a run that fails later is marked ``failed`` in its metadata, so its directory never passes the rubric.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tinker import types
+
+from rlrunbook.errors import NoLearningSignalError
+from rlrunbook.rl.config import TrainConfig, validate
+from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
+from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
+from rlrunbook.rl.rollouts import Rollout, advantage_mode, step_record, to_datum
+from rlrunbook.rl.tasks import Problem, get_task_class
+from rlrunbook.run import RunWriter, log_root, new_run_dir
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
+
+
+def _no_signal(config: TrainConfig, step: int, rollouts: list[Rollout]) -> NoLearningSignalError:
+    rewards = [r.reward for r in rollouts]
+    return NoLearningSignalError(
+        f"step {step}: All token advantages are 0.0 (no learning signal): the centered rewards were constant "
+        f"within every group (rewards min {min(rewards):.4g}, max {max(rewards):.4g} over {len(rewards)} rollouts, "
+        f"mode {config.run_mode}). Increase -n, change the reward function (--reward-fn), or use a harder task "
+        "or a different --temperature."
+    )
+
+
+def _order(problems: list[Problem], seed: int) -> list[int]:
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _build_judge(config: TrainConfig, service, tokenizer) -> Judge | None:
+    if config.mode != "debate":
+        return None
+    if config.mock_judge:
+        return MockJudge()
+    sampler = service.create_sampling_client(base_model=config.judge_model or config.model)
+    return ModelJudge(sampler, sampler.get_tokenizer() if config.judge_model else tokenizer)
+
+
+def _memory_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+    return round(peak, 1)
+
+
+def prepare(config: TrainConfig):
+    """Validate options and load the data set: every user error surfaces here, before any model loads."""
+    config = validate(config)
+    paradigm = get_paradigm(config.mode)
+    options = {"summary_max_words": config.summary_max_words, **config.extra}
+    task = get_task_class(config.env)(config.dataset, config.reward_fn, config.seed, options)
+    problems = task.load()
+    return config, paradigm, task, problems
+
+
+def run_training(config: TrainConfig, *, service_factory: Callable[[], object] | None = None,
+                 argv: Sequence[str] = (), config_sources: dict[str, str] | None = None,
+                 log: Callable[[str], None] = print, progress: Callable | None = None) -> Path:
+    """Run ``config`` and return its run directory (see DESIGN §5 for the files it holds)."""
+    config, paradigm, task, problems = prepare(config)
+    advantages_of = advantage_mode(config.run_mode)
+    run_dir = new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name)
+    writer = RunWriter(run_dir)
+    writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems))
+    log(f"[run] {run_dir}")
+    try:
+        if service_factory is None:
+            from rlrunbook.backend import create_service_client as service_factory
+        service = service_factory()
+        training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
+        tokenizer = training.get_tokenizer()
+        judge = _build_judge(config, service, tokenizer)
+        order = _order(problems, config.seed)
+        steps = range(config.steps) if progress is None else progress(range(config.steps))
+        for step in steps:
+            _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge,
+                      advantages_of, writer, log)
+        writer.write_report()
+        writer.finish("completed")
+    except BaseException as error:
+        writer.finish("failed", error=f"{type(error).__name__}: {error}")
+        raise
+    return run_dir
+
+
+def _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge, advantages_of,
+              writer: RunWriter, log) -> None:
+    started = time.perf_counter()
+    groups = [problems[order[(step * config.num_groups + g) % len(problems)]] for g in range(config.num_groups)]
+    sampler = training.save_weights_and_get_sampling_client()
+    ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id], judge, log)
+    batch = paradigm.rollout(ctx, groups, step)
+    sampled_at = time.perf_counter()
+    advantages = advantages_of(batch.rollouts)
+    chosen = [(r, a) for r, a in zip(batch.rollouts, advantages, strict=True) if a != 0]
+    writer.write_rollouts(batch.kind, step, batch.payload)
+    if not chosen:
+        raise _no_signal(config, step, batch.rollouts)
+    log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
+    datums = [to_datum(r, a) for r, a in chosen]
+    fb_future = training.forward_backward(datums, config.loss_fn)
+    optim_future = training.optim_step(types.AdamParams(learning_rate=config.learning_rate))
+    fb = fb_future.result()
+    fb_done = time.perf_counter()
+    optim = optim_future.result()
+    done = time.perf_counter()
+    trained = int(fb.metrics.get("num_trained_tokens:sum", 0))
+    loss = float(fb.metrics["loss:sum"])
+    centred = {id(r): a for r, a in chosen}
+    writer.write_step(step, {
+        "loss_fn": config.loss_fn,
+        "training_data": [step_record(r, a, centred.get(id(r))) for r, a in chosen],
+        "results": {"metrics": dict(fb.metrics), "optim_metrics": dict(optim.metrics or {})},
+        "num_trained_tokens": trained,
+    })
+    rewards = _stats([r.reward for r in batch.rollouts])
+    task_rewards = _stats([r.task_reward for r in batch.rollouts])
+    nonzero = [a for a in advantages if a != 0]
+    lengths = [r.own_token_count for r in batch.rollouts]
+    row = {
+        "step": step,
+        **{f"reward/{k}": v for k, v in rewards.items()},
+        **{f"task_reward/{k}": v for k, v in task_rewards.items()},
+        "advantage/nonzero_count": len(nonzero),
+        "advantage/nonzero_fraction": len(nonzero) / len(advantages),
+        "advantage/min": min(advantages), "advantage/max": max(advantages),
+        "loss/sum": loss, "num_datums": len(datums), "num_trained_tokens": trained,
+        "completion_length/mean": statistics.fmean(lengths),
+        "grad_norm": float((optim.metrics or {}).get("grad_norm:mean", float("nan"))),
+        "time/sample_s": sampled_at - started - batch.metrics.get("time/score_s", 0.0),
+        "time/score_s": batch.metrics.get("time/score_s", 0.0),
+        "time/forward_backward_s": fb_done - sampled_at, "time/optim_s": done - fb_done, "time/step_s": done - started,
+        "throughput/sampled_tokens_per_s": batch.sampled_tokens / max(1e-9, sampled_at - started),
+        "throughput/trained_tokens_per_s": trained / max(1e-9, done - sampled_at),
+        "memory/rss_mb": _memory_mb(),
+        **{k: v for k, v in batch.metrics.items() if k != "time/score_s"},
+    }
+    writer.log_step({k: v for k, v in row.items() if v == v})  # drop NaN (no grad_norm reported)
+    log(f"Step {step}: reward {rewards['mean']:.4f} (task {task_rewards['mean']:.4f}), "
+        f"Advantage stats (nonzero): count {len(nonzero)}, min {min(nonzero):.4f}, max {max(nonzero):.4f}")
+    log(f"Loss: {loss:.4f}  Tokens: {trained}  step {done - started:.1f}s")

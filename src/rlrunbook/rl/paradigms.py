@@ -1,0 +1,205 @@
+"""Paradigms: the interaction protocol that turns problems into scored rollouts.
+
+``single_turn``: each rollout answers the question once. ``debate``: two rollouts of the policy
+argue one question over three rounds; from round 2 each sees the opponent's previous turn,
+injected as token ids; a judge picks the winner. Every round is one batched sampling call across
+all debates (the requests are submitted together and the local backend coalesces them).
+New paradigms plug in through :func:`register_paradigm`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tinker import types
+
+from rlrunbook.engines.noise import mix_seed
+from rlrunbook.errors import ConfigError
+from rlrunbook.rl.config import TrainConfig
+from rlrunbook.rl.judges import DebateOutcome, Judge
+from rlrunbook.rl.prompts import TurnSplicer, render_prompt
+from rlrunbook.rl.rollouts import Rollout
+from rlrunbook.rl.tasks import Problem, Task
+
+ROUNDS = 3
+
+
+@dataclass
+class RolloutBatch:
+    """A step's rollouts and the rollout file that records them (``<kind>_<step>.json``)."""
+
+    rollouts: list[Rollout]
+    kind: str
+    payload: dict
+    sampled_tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutContext:
+    """What a paradigm may use: the sampler of the current weights, the tokenizer, task and config."""
+
+    sampler: Any
+    tokenizer: Any
+    task: Task
+    config: TrainConfig
+    eos_ids: list[int]
+    judge: Judge | None = None
+    log: Any = print
+    score_seconds: float = 0.0
+
+    def score(self, problem: Problem, text: str):
+        """The task reward of ``text``, timed (the step log separates scoring from sampling)."""
+        started = time.perf_counter()
+        try:
+            return self.task.reward(problem, text)
+        finally:
+            self.score_seconds += time.perf_counter() - started
+
+    def params(self, seed: int) -> types.SamplingParams:
+        return types.SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature,
+                                    seed=seed, stop=self.eos_ids)
+
+    def sample(self, prompt: list[int], num_samples: int, seed: int):
+        """Submit one sampling request (returns a future); ``min_p`` only where it was asked for."""
+        extra = {"min_p": self.config.min_p} if self.config.min_p > 0 else {}
+        return self.sampler.sample(types.ModelInput.from_ints(prompt), num_samples, self.params(seed), **extra)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def prompt(self, problem: Problem, suffix: str = "") -> list[int]:
+        return render_prompt(self.tokenizer, self.task.user_message(problem) + suffix, self.task.system_message())
+
+
+class Paradigm(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
+        """Scored rollouts for one step; ``problems[g]`` is the question of group ``g``."""
+
+
+PARADIGMS: dict[str, type[Paradigm]] = {}
+
+
+def register_paradigm(cls: type[Paradigm]) -> type[Paradigm]:
+    """Class decorator: make a paradigm selectable as ``--mode <cls.name>``."""
+    PARADIGMS[cls.name] = cls
+    return cls
+
+
+def get_paradigm(name: str) -> Paradigm:
+    if name not in PARADIGMS:
+        raise ConfigError(f"--mode {name!r} is not a registered paradigm; registered: {sorted(PARADIGMS)}.")
+    return PARADIGMS[name]()
+
+
+@register_paradigm
+class SingleTurn(Paradigm):
+    name = "single_turn"
+
+    def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
+        size = ctx.config.group_size
+        prompts = [ctx.prompt(p) for p in problems]
+        futures = [ctx.sample(prompt, size, mix_seed(ctx.config.seed, step, g)) for g, prompt in enumerate(prompts)]
+        rollouts, records, sampled = [], [], 0
+        for g, (problem, prompt, future) in enumerate(zip(problems, prompts, futures, strict=True)):
+            for sequence in future.result().sequences:
+                tokens = list(sequence.tokens)
+                text = ctx.decode(tokens)
+                scored = ctx.score(problem, text)
+                sampled += len(tokens)
+                rollouts.append(Rollout(prompt, tokens, list(sequence.logprobs), [1] * len(tokens), problem.id, g,
+                                        "single", scored.reward, scored.reward,
+                                        metadata={"stop_reason": sequence.stop_reason}))
+                records.append({"problem_id": problem.id, "group": g, "completion_text": text,
+                                "completion_tokens": tokens, "reward": scored.reward,
+                                "reward_metrics": dict(scored.metrics), "stop_reason": sequence.stop_reason,
+                                "reference": ctx.task.reference(problem)})
+        payload = {"step": step, "env": ctx.task.name, "records": records}
+        return RolloutBatch(rollouts, ctx.task.rollout_kind, payload, sampled,
+                            metrics={"time/score_s": ctx.score_seconds})
+
+
+DEBATE_INSTRUCTIONS = ("\n\nYou are debater {side}. Another debater answers the same question. Over three "
+                       "rounds you will see its latest answer; argue for the best answer.")
+OPPONENT_INTRO = "Your opponent's answer:\n"
+OPPONENT_OUTRO = "\n\nGive your improved answer."
+
+
+@register_paradigm
+class Debate(Paradigm):
+    name = "debate"
+
+    def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
+        if ctx.judge is None:
+            raise ConfigError("debate needs a judge: pass --mock-judge or let the model judge run.")
+        tok = ctx.tokenizer
+        splicer = TurnSplicer.from_tokenizer(tok)
+        intro = tok.encode(OPPONENT_INTRO, add_special_tokens=False)
+        outro = tok.encode(OPPONENT_OUTRO, add_special_tokens=False)
+        debates = [(g, d) for g in range(len(problems)) for d in range(ctx.config.group_size // 2)]
+        # Per debater: the round-1 prompt, the completion so far, its logprobs and its own-token mask.
+        state = {}
+        for g, d in debates:
+            for side in ("a", "b"):
+                state[(g, d, side)] = {"prompt": ctx.prompt(problems[g], DEBATE_INSTRUCTIONS.format(side=side.upper())),
+                                       "tokens": [], "logprobs": [], "mask": [], "turns": []}
+        sampled = 0
+        for round_index in range(1, ROUNDS + 1):
+            ctx.log(f"[debate] Round {round_index}/{ROUNDS}: {2 * len(debates)} turns in one batched call")
+            if round_index > 1:
+                for g, d in debates:
+                    for side, other in (("a", "b"), ("b", "a")):
+                        me, them = state[(g, d, side)], state[(g, d, other)]
+                        injected = splicer.inject_user_turn(me["turns"][-1], ctx.eos_ids, intro,
+                                                            them["turns"][-1], outro)
+                        me["tokens"] += injected
+                        me["logprobs"] += [0.0] * len(injected)
+                        me["mask"] += [0] * len(injected)
+            keys = [(g, d, side) for g, d in debates for side in ("a", "b")]
+            futures = [ctx.sample(state[k]["prompt"] + state[k]["tokens"], 1,
+                                  mix_seed(ctx.config.seed, step, round_index, *k[:2], ord(k[2]))) for k in keys]
+            for key, future in zip(keys, futures, strict=True):
+                sequence = future.result().sequences[0]
+                turn = list(sequence.tokens)
+                me = state[key]
+                me["turns"].append(turn)
+                me["tokens"] += turn
+                me["logprobs"] += list(sequence.logprobs)
+                me["mask"] += [1] * len(turn)
+                sampled += len(turn)
+        outcomes = []
+        for g, d in debates:
+            finals = {side: ctx.decode(state[(g, d, side)]["turns"][-1]) for side in ("a", "b")}
+            rewards = {side: ctx.score(problems[g], finals[side]).reward for side in ("a", "b")}
+            outcomes.append(DebateOutcome(f"s{step}-g{g}-d{d}", ctx.task.user_message(problems[g]),
+                                          finals["a"], finals["b"], rewards["a"], rewards["b"]))
+        verdicts = ctx.judge.judge(outcomes)
+        rollouts, records = [], []
+        for (g, d), outcome, verdict in zip(debates, outcomes, verdicts, strict=True):
+            for side in ("a", "b"):
+                me = state[(g, d, side)]
+                won = verdict.winner == side
+                task_reward = outcome.task_reward_a if side == "a" else outcome.task_reward_b
+                rollouts.append(Rollout(me["prompt"], me["tokens"], me["logprobs"], me["mask"], problems[g].id, g,
+                                        f"debater_{side}", 1.0 if won else 0.0, task_reward, won=won,
+                                        metadata={"debate_id": outcome.debate_id, "rounds": ROUNDS}))
+            records.append({
+                "debate_id": outcome.debate_id, "problem_id": problems[g].id, "group": g,
+                "rounds": [{"round": r + 1,
+                            **{side: {"text": ctx.decode(state[(g, d, side)]["turns"][r]),
+                                      "tokens": state[(g, d, side)]["turns"][r]} for side in ("a", "b")}}
+                           for r in range(ROUNDS)],
+                "verdict": {"winner": verdict.winner, "judge": verdict.judge, "scores": verdict.scores},
+                "task_rewards": {"a": outcome.task_reward_a, "b": outcome.task_reward_b},
+            })
+        wins_a = sum(1 for v in verdicts if v.winner == "a")
+        payload = {"step": step, "env": ctx.task.name, "debates": records}
+        return RolloutBatch(rollouts, "debate", payload, sampled,
+                            metrics={"debate/a_win_fraction": wins_a / max(1, len(verdicts)),
+                                     "time/score_s": ctx.score_seconds})
