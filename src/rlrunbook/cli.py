@@ -1,6 +1,9 @@
 """The ``rlrunbook`` command.
 
     rlrunbook check-logprobs --model tiny --prompt "What is 7 * 8?" --max-tokens 32
+    rlrunbook train --mode debate --env summary --reward-fn compression -n 16 --num-groups 2 -s 2 \
+        --mock-judge --debate-train rs_grpo --debate-grpo-reward task --name mini
+    rlrunbook check-run logs/<run>
     rlrunbook resolve-model smollm2-135m
 """
 
@@ -10,10 +13,14 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rlrunbook.errors import RlrunbookError
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
+TRAIN_FIELDS = ("mode", "env", "dataset", "num_rollouts", "num_groups", "steps", "name", "seed", "temperature",
+                "max_tokens", "min_p", "reward_fn", "mock_judge", "judge_model", "debate_train",
+                "debate_grpo_reward", "model", "log_root", "learning_rate", "lora_rank", "summary_max_words")
 
 
 def _encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
@@ -64,6 +71,37 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from rlrunbook.rl.config import TrainConfig
+    from rlrunbook.rl.loop import run_training
+    from rlrunbook.run import check_run, format_results, rubric_passed
+
+    provided = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
+    config = TrainConfig(**provided)
+    sources = {name: ("cli" if name in provided else "default") for name in TRAIN_FIELDS}
+    argv = sys.argv[1:] if args.argv is None else args.argv
+
+    def progress(steps):
+        return tqdm(steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    run_dir = run_training(config, argv=argv, config_sources=sources, progress=progress,
+                           log=lambda line: tqdm.write(line, file=sys.stdout))
+    results = check_run(run_dir)
+    print(format_results(results))
+    print(f"run directory: {run_dir}")
+    return 0 if rubric_passed(results) else 1
+
+
+def cmd_check_run(args: argparse.Namespace) -> int:
+    from rlrunbook.run import check_run, format_results, rubric_passed
+
+    results = check_run(Path(args.run_dir))
+    print(format_results(results))
+    return 0 if rubric_passed(results) else 1
+
+
 def cmd_resolve_model(args: argparse.Namespace) -> int:
     from rlrunbook.models import resolve_model
 
@@ -96,6 +134,38 @@ def build_parser() -> argparse.ArgumentParser:
                        help="max abs logprob gap allowed (default 1e-4 in float32, 5e-2 in half precision)")
     check.add_argument("--raw", action="store_true", help="encode the prompt as plain text, no chat template")
     check.set_defaults(func=cmd_check_logprobs)
+
+    train = commands.add_parser("train", help="train a LoRA policy: single-turn GRPO or debate with rejection "
+                                              "sampling / RS-GRPO; writes a run directory and checks it")
+    train.add_argument("--mode", choices=None, help="single_turn (default) | debate, or a registered paradigm")
+    train.add_argument("--env", help="qa (default) | summary | math, or a registered task")
+    train.add_argument("--dataset", help="qa: test (built-in arithmetic, default) | gsm8k | nq_open; "
+                                         "summary: cnn_dailymail; math: gsm8k; or a hub name or a JSONL path")
+    train.add_argument("-n", "--num-rollouts", dest="num_rollouts", type=int, help="rollouts per step (16)")
+    train.add_argument("--num-groups", type=int, help="question groups per step; must divide -n (1)")
+    train.add_argument("-s", "--steps", type=int, help="optimizer steps (1)")
+    train.add_argument("--name", help="run name (run)")
+    train.add_argument("--seed", type=int, help="data order, LoRA init and sampling seed (0)")
+    train.add_argument("--temperature", type=float, help="sampling temperature (1.0)")
+    train.add_argument("--max-tokens", type=int, help="tokens per completion / debate turn (64)")
+    train.add_argument("--min-p", type=float, help="min-p filter, local backend only (0 = off)")
+    train.add_argument("--reward-fn", help="qa: numeric | text; summary: compression | rouge; math: math")
+    train.add_argument("--mock-judge", action="store_const", const=True, help="debate: deterministic judge")
+    train.add_argument("--judge-model", help="debate: the model judge's model (default: the base model)")
+    train.add_argument("--debate-train", choices=["rejection", "rs_grpo"], help="debate training mode (rejection)")
+    train.add_argument("--debate-grpo-reward", choices=["task"], help="rs_grpo's reward: task")
+    train.add_argument("--model", help="built-in name, local folder or hub id (tiny)")
+    train.add_argument("--log-root", help="root of run directories (RLRUNBOOK_LOG_ROOT, else ./logs)")
+    train.add_argument("--learning-rate", type=float, help="AdamW learning rate (1e-4)")
+    train.add_argument("--lora-rank", type=int, help="LoRA rank (16)")
+    train.add_argument("--summary-max-words", type=int, help="summary: words of the article in the prompt (150)")
+    train.add_argument("--no-proxy", action="store_true", help="accepted for the seeds' commands; no effect here")
+    train.set_defaults(func=cmd_train, argv=None)
+
+    check_run = commands.add_parser("check-run", help="apply the runbook's rubrics to a run directory; "
+                                                      "exit 1 if any check fails")
+    check_run.add_argument("run_dir")
+    check_run.set_defaults(func=cmd_check_run)
 
     resolve = commands.add_parser("resolve-model", help="print the local folder a model name resolves to "
                                                         "(building a built-in model on first use)")

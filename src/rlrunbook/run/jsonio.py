@@ -12,49 +12,99 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlrunbook.errors import InputError
 
+REDACTED = "<redacted>"
 
-def to_jsonable(value: Any, where: str = "value") -> Any:
-    """A plain-JSON copy of ``value``; numpy/torch scalars and arrays become Python numbers and lists.
 
-    ``where`` is the path of ``value`` in the enclosing document, used to name the offending key
-    when a number is NaN or infinite or a value has no JSON form.
-    """
-    if value is None or isinstance(value, (bool, str, int)):
+class _Unjsonable(Exception):
+    """Raised deep in a document; collects the key path while unwinding, so paths cost nothing on success."""
+
+    def __init__(self, value: Any, reason: str):
+        super().__init__(reason)
+        self.value, self.reason, self.path = value, reason, []
+
+
+def redact_text(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every occurrence of each secret replaced by ``REDACTED``."""
+    for secret in secrets:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def _convert(value: Any, secrets: Sequence[str]) -> Any:
+    if isinstance(value, str):
+        return redact_text(value, secrets) if secrets else value
+    if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise InputError(f"{where} is {value}: artifacts hold finite numbers only; "
-                             "find the step that produced it (a 0/0 mean, an empty batch, an overflow)")
+            raise _Unjsonable(value, "artifacts hold finite numbers only")
         return value
+    if isinstance(value, (list, tuple)):
+        # Fast path for the token, logprob and advantage arrays that make up most of a step.
+        if all(type(x) is int for x in value):
+            return list(value)
+        if all(type(x) is float for x in value) and all(map(math.isfinite, value)):
+            return list(value)
+        out = []
+        for i, item in enumerate(value):
+            try:
+                out.append(_convert(item, secrets))
+            except _Unjsonable as bad:
+                bad.path.insert(0, f"[{i}]")
+                raise
+        return out
     if isinstance(value, Mapping):
-        out = {}
+        converted = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                raise InputError(f"{where} has key {key!r} of type {type(key).__name__}: JSON keys must be str")
-            out[key] = to_jsonable(item, f"{where}[{key!r}]")
-        return out
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(item, f"{where}[{i}]") for i, item in enumerate(value)]
+                raise _Unjsonable(key, f"key of type {type(key).__name__}: JSON keys must be str")
+            try:
+                converted[key] = _convert(item, secrets)
+            except _Unjsonable as bad:
+                bad.path.insert(0, f"[{key!r}]")
+                raise
+        return converted
     # numpy scalars/arrays and torch tensors all have .tolist(), which returns Python scalars or
     # nested lists; duck typing keeps numpy and torch out of this module's imports.
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
-        return to_jsonable(tolist(), where)
+        return _convert(tolist(), secrets)
     if isinstance(value, Path):
         return str(value)
-    raise InputError(f"{where} has type {type(value).__name__}, which has no JSON form; "
-                     "convert it to a number, string, list or dict first")
+    raise _Unjsonable(
+        value,
+        f"type {type(value).__name__} has no JSON form; convert it to a number, string, list or dict first",
+    )
 
 
-def dumps(value: Any, where: str = "value", indent: int | None = None) -> str:
+def to_jsonable(value: Any, where: str = "value", secrets: Sequence[str] = ()) -> Any:
+    """A plain-JSON copy of ``value``: numpy/torch scalars and arrays become Python numbers and lists,
+    and every occurrence of a string in ``secrets`` is replaced by ``REDACTED``.
+
+    A NaN or infinite number, a non-str key or an object without a JSON form raises ``InputError``
+    naming its path, ``where`` (the document) first: ``training_step_3.json['training_data'][0]['loss']``.
+    """
+    try:
+        return _convert(value, secrets)
+    except _Unjsonable as bad:
+        hint = (
+            " (find the step that produced it: a 0/0 mean, an empty batch, an overflow)"
+            if isinstance(bad.value, float)
+            else ""
+        )
+        raise InputError(f"{where}{''.join(bad.path)} is {bad.value!r}: {bad.reason}{hint}") from None
+
+
+def dumps(value: Any, where: str = "value", indent: int | None = None, secrets: Sequence[str] = ()) -> str:
     """Strict JSON text of ``value`` (see ``to_jsonable``)."""
-    return json.dumps(to_jsonable(value, where), indent=indent, allow_nan=False)
+    return json.dumps(to_jsonable(value, where, secrets), indent=indent, allow_nan=False)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -74,10 +124,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_json(path: Path, value: Any, where: str | None = None) -> None:
-    """Validate ``value`` completely, then write it as indented JSON atomically."""
+def atomic_write_json(
+    path: Path, value: Any, where: str | None = None, indent: int | None = None, secrets: Sequence[str] = ()
+) -> None:
+    """Validate ``value`` completely, then write it as JSON atomically.
+
+    ``indent`` suits small documents people read (metadata); leave it None for step files, where
+    it would switch ``json`` to its pure-Python encoder and put every token id on its own line.
+    """
     # Serialise before opening anything: a NaN deep inside must not leave a temp file.
-    text = dumps(value, where or Path(path).name, indent=1)
+    text = dumps(value, where or Path(path).name, indent=indent, secrets=secrets)
     atomic_write_text(path, text + "\n")
 
 

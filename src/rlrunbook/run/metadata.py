@@ -18,21 +18,44 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-REDACTED = "<redacted>"
+from rlrunbook.run.jsonio import REDACTED, redact_text
+
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "tinker", "rlrunbook", "numpy")
-ENV_PREFIXES = ("TINKER_", "RLRUNBOOK_", "CUDA_", "PYTORCH_", "HF_", "TRANSFORMERS_", "OMP_", "MALLOC_", "PYTHON")
+ENV_PREFIXES = (
+    "TINKER_",
+    "RLRUNBOOK_",
+    "CUDA_",
+    "PYTORCH_",
+    "HF_",
+    "TRANSFORMERS_",
+    "OMP_",
+    "MALLOC_",
+    "PYTHON",
+)
 SECRET_NAME_PATTERNS = ("*_KEY", "*_TOKEN", "*SECRET*", "*PASSWORD*", "*CREDENTIAL*")
 # Config keys and CLI flags use narrower patterns: "*_TOKEN" would also hide `stop_token` and
 # `--pad-token`, which are exactly what a reader of a run needs to see.
-SECRET_KEY_PATTERNS = ("*API_KEY*", "*APIKEY*", "*ACCESS_KEY*", "*PRIVATE_KEY*", "*SECRET*", "*PASSWORD*",
-                       "*CREDENTIAL*", "*ACCESS_TOKEN*", "*AUTH_TOKEN*", "*API_TOKEN*", "HF_TOKEN", "*HUB_TOKEN")
+SECRET_KEY_PATTERNS = (
+    "*API_KEY*",
+    "*APIKEY*",
+    "*ACCESS_KEY*",
+    "*PRIVATE_KEY*",
+    "*SECRET*",
+    "*PASSWORD*",
+    "*CREDENTIAL*",
+    "*ACCESS_TOKEN*",
+    "*AUTH_TOKEN*",
+    "*API_TOKEN*",
+    "HF_TOKEN",
+    "*HUB_TOKEN",
+)
 # Values shorter than this are not scrubbed from free text: replacing every "1" or "abc" would
 # mangle the record while protecting nothing a secret could be.
 _MIN_SCRUB_LENGTH = 6
 
 
 def is_secret_name(name: str, patterns: tuple[str, ...] = SECRET_NAME_PATTERNS) -> bool:
-    """Whether an environment variable name (or, with ``SECRET_KEY_PATTERNS``, a config key or flag) is secret."""
+    """Whether an environment variable name (with ``SECRET_KEY_PATTERNS``: a config key or flag) is secret."""
     upper = name.upper().replace("-", "_")
     return any(fnmatch.fnmatchcase(upper, pattern) for pattern in patterns)
 
@@ -54,7 +77,9 @@ def package_versions() -> dict[str, str]:
 
 def _git(args: list[str], cwd: Path) -> str | None:
     try:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20, check=False)
+        done = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
@@ -94,8 +119,9 @@ def hardware() -> dict[str, Any]:
         return info
     available = bool(torch.cuda.is_available())
     info["torch_cuda_available"] = available
-    info["cuda_devices"] = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                            if available else [])
+    info["cuda_devices"] = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if available else []
+    )
     return info
 
 
@@ -119,30 +145,24 @@ def secret_values(environ: Mapping[str, str]) -> list[str]:
 
 def filtered_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables that shape a run (see ``ENV_PREFIXES``), secret-named ones redacted."""
-    return {k: (REDACTED if is_secret_name(k) else v)
-            for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}
-
-
-def scrub(value: Any, secrets: list[str]) -> Any:
-    """A copy of ``value`` with every occurrence of a secret value in any string replaced by ``REDACTED``."""
-    if not secrets:
-        return value
-    if isinstance(value, str):
-        for secret in secrets:
-            value = value.replace(secret, REDACTED)
-        return value
-    if isinstance(value, Mapping):
-        return {k: scrub(v, secrets) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [scrub(v, secrets) for v in value]
-    return value
+    return {
+        k: (REDACTED if is_secret_name(k) else v)
+        for k, v in sorted(environ.items())
+        if k.startswith(ENV_PREFIXES)
+    }
 
 
 def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with the values of secret-named keys (``api_key``, ``hub_token``...) redacted, recursively."""
-    return {k: (redact_config(v) if isinstance(v, Mapping)
-                else REDACTED if _is_secret_key(str(k)) and v is not None else v)
-            for k, v in config.items()}
+    """``config`` with the values of secret-named keys (``api_key``, ``hub_token``) redacted, recursively."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out[key] = redact_config(value)
+        elif value is not None and _is_secret_key(str(key)):
+            out[key] = REDACTED
+        else:
+            out[key] = value
+    return out
 
 
 def scrub_argv(argv: list[str], secrets: list[str]) -> list[str]:
@@ -158,5 +178,5 @@ def scrub_argv(argv: list[str], secrets: list[str]) -> list[str]:
             out.append(f"{flag}={REDACTED}" if eq else arg)
             redact_next = not eq
         else:
-            out.append(scrub(arg, secrets))
+            out.append(redact_text(arg, secrets))
     return out

@@ -42,13 +42,16 @@ def _check_component(kind: str, value: str) -> str:
     separators = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
     bad = sorted(c for c in separators | {"\0"} if c in value)
     if bad or value in {".", ".."}:
-        raise ConfigError(f"run {kind} {value!r} contains a path separator or is a relative path "
-                          f"({bad or value}): it becomes part of one directory name; use letters, digits, '-', '_'")
+        raise ConfigError(
+            f"run {kind} {value!r} contains a path separator or is a relative path "
+            f"({bad or value}): it becomes part of one directory name; use letters, digits, '-', '_'"
+        )
     return value
 
 
-def new_run_dir(root: str | os.PathLike[str], mode: str, env: str, name: str,
-                now: datetime | None = None) -> Path:
+def new_run_dir(
+    root: str | os.PathLike[str], mode: str, env: str, name: str, now: datetime | None = None
+) -> Path:
     """Create and return ``<root>/<YYYYmmdd-HHMMSS>_<mode>_<env>_<name>/``, never an existing directory.
 
     ``now`` (default: local time) fixes the timestamp, for tests. Creation uses ``mkdir`` without
@@ -67,5 +70,7 @@ def new_run_dir(root: str | os.PathLike[str], mode: str, env: str, name: str,
         except FileExistsError:
             continue
         return candidate
-    raise ConfigError(f"{root / base} and {_MAX_SUFFIX - 1} suffixed variants already exist: "
-                      "clean up the log root or pick another --name")
+    raise ConfigError(
+        f"{root / base} and {_MAX_SUFFIX - 1} suffixed variants already exist: "
+        "clean up the log root or pick another --name"
+    )

@@ -30,8 +30,9 @@ def _has(rows: Sequence[Mapping[str, Any]], key: str) -> bool:
     return any(key in row for row in rows)
 
 
-def plot_report(train_log_rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike[str],
-                title: str | None = None) -> Path:
+def plot_report(
+    train_log_rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike[str], title: str | None = None
+) -> Path:
     """Write a PNG of per-step curves from train-log rows; ``title`` defaults to the run directory name.
 
     Panels: reward mean with its min-max band, ``loss/sum``, mean completion length, and the
@@ -40,6 +41,7 @@ def plot_report(train_log_rows: Sequence[Mapping[str, Any]], out_path: str | os.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     if not train_log_rows:
         raise InputError(f"no train-log rows to plot into {out_path}: the run logged no step")
@@ -47,26 +49,36 @@ def plot_report(train_log_rows: Sequence[Mapping[str, Any]], out_path: str | os.
     rows = sorted(train_log_rows, key=lambda row: row.get("step", 0))
     steps = [row.get("step", i) for i, row in enumerate(rows)]
 
-    panels: list[tuple[str, str]] = [("reward/mean", "reward"), ("loss/sum", "loss (sum)"),
-                                      ("completion_length/mean", "completion length (tokens)")]
-    for key, label in (("advantage/nonzero_fraction", "non-zero advantage fraction"),
-                       ("advantage/nonzero_count", "non-zero advantages")):
+    panels: list[tuple[str, str]] = [
+        ("reward/mean", "reward"),
+        ("loss/sum", "loss (sum)"),
+        ("completion_length/mean", "completion length (tokens)"),
+    ]
+    for key, label in (
+        ("advantage/nonzero_fraction", "non-zero advantage fraction"),
+        ("advantage/nonzero_count", "non-zero advantages"),
+    ):
         if _has(rows, key):
             panels.append((key, label))
             break
 
-    fig = Figure(figsize=(5.0 * len(panels), 4.0), layout="constrained")
+    fig = Figure(figsize=(4.5 * len(panels), 3.6))
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.14, top=0.82, wspace=0.3)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (key, label) in zip(axes, panels, strict=True):
         ax.plot(steps, _series(rows, key), marker="o", label=key)
         if key == "reward/mean" and _has(rows, "reward/min") and _has(rows, "reward/max"):
-            ax.fill_between(steps, _series(rows, "reward/min"), _series(rows, "reward/max"),
-                            alpha=0.25, label="min-max")
+            low, high = _series(rows, "reward/min"), _series(rows, "reward/max")
+            if len(steps) > 1:
+                ax.fill_between(steps, low, high, alpha=0.25, label="min-max")
+            else:  # a band over one x has no width: draw the range as a bar
+                ax.vlines(steps, low, high, alpha=0.5, linewidth=6, label="min-max")
             ax.legend(loc="best", fontsize="small")
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len(steps) == 1:  # a lone point would otherwise sit on an autoscaled axis of width 0
             ax.set_xlim(steps[0] - 1, steps[0] + 1)
     fig.suptitle(title if title is not None else out_path.parent.name)

@@ -17,13 +17,14 @@ from typing import Any
 from rlrunbook.errors import InputError
 from rlrunbook.run import metadata as meta
 from rlrunbook.run.jsonio import atomic_write_json, dumps
-
-SCHEMA_VERSION = 1
-METADATA_FILE = "run_metadata.json"
-TRAIN_LOG_FILE = "train_log.jsonl"
-REPORT_FILE = "report.png"
-ROLLOUT_KINDS = ("baseline", "summary", "debate")
-FINAL_STATUSES = ("completed", "failed")
+from rlrunbook.run.schema import (
+    FINAL_STATUSES,
+    METADATA_FILE,
+    REPORT_FILE,
+    ROLLOUT_KINDS,
+    SCHEMA_VERSION,
+    TRAIN_LOG_FILE,
+)
 
 
 def _utc_now() -> str:
@@ -64,14 +65,19 @@ class RunWriter:
     def train_log_path(self) -> Path:
         return self.run_dir / TRAIN_LOG_FILE
 
-    def _write(self, name: str, payload: Any) -> Path:
+    def _write(self, name: str, payload: Any, indent: int | None = None) -> Path:
         path = self.run_dir / name
         # Secret values are cut out of every document: a prompt or a config echo can carry them too.
-        atomic_write_json(path, meta.scrub(payload, self._secrets), where=name)
+        atomic_write_json(path, payload, where=name, indent=indent, secrets=self._secrets)
         return path
 
-    def write_metadata(self, config: Mapping[str, Any], config_sources: Mapping[str, str],
-                       argv: list[str], dataset: Mapping[str, Any]) -> Path:
+    def write_metadata(
+        self,
+        config: Mapping[str, Any],
+        config_sources: Mapping[str, str],
+        argv: list[str],
+        dataset: Mapping[str, Any],
+    ) -> Path:
         """Write ``run_metadata.json`` with status "running" (see the package docstring for its fields)."""
         self._metadata = {
             "schema_version": SCHEMA_VERSION,
@@ -89,7 +95,7 @@ class RunWriter:
             "environment": meta.filtered_environment(self._environ),
             "dataset": meta.redact_config(dataset),
         }
-        return self._write(METADATA_FILE, self._metadata)
+        return self._write(METADATA_FILE, self._metadata, indent=1)
 
     def finish(self, status: str, error: str | None = None) -> Path:
         """Mark the run "completed" or "failed" (with ``error``) and stamp ``finished_at``."""
@@ -100,14 +106,16 @@ class RunWriter:
             try:
                 self._metadata = json.loads(self.metadata_path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
-                raise InputError(f"cannot finish {self.metadata_path}: {exc}; call write_metadata() first") from exc
+                raise InputError(
+                    f"cannot finish {self.metadata_path}: {exc}; call write_metadata() first"
+                ) from exc
         self._metadata.update(status=status, finished_at=_utc_now(), error=error)
-        return self._write(METADATA_FILE, self._metadata)
+        return self._write(METADATA_FILE, self._metadata, indent=1)
 
     def log_step(self, metrics: Mapping[str, Any]) -> None:
         """Append one row to ``train_log.jsonl`` and fsync it, so a crash loses at most the current step."""
         _check_step(metrics.get("step"), f"{TRAIN_LOG_FILE} row")
-        line = dumps(meta.scrub(dict(metrics), self._secrets), f"{TRAIN_LOG_FILE} step {metrics['step']}")
+        line = dumps(metrics, f"{TRAIN_LOG_FILE} step {metrics['step']}", secrets=self._secrets)
         with open(self.train_log_path, "a", encoding="utf-8") as handle:
             handle.write(line + "\n")
             handle.flush()

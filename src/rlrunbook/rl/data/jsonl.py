@@ -12,13 +12,13 @@ import json
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from rlrunbook.rl.data.errors import DatasetError
 
-# `list[str]` is a types.GenericAlias, which is not a `type`; both are accepted in a schema.
-FieldType = Union[type, Any]
-Schema = Mapping[str, Union[FieldType, tuple[FieldType, ...]]]
+# Values are a type, ``list[X]`` (a types.GenericAlias, not a `type`) or a tuple of these; typed
+# as Any because no annotation says "a type or a generic alias" on Python 3.10.
+Schema = Mapping[str, Any]
 
 
 def read_jsonl(path: str | Path, schema: Schema) -> list[dict]:
@@ -63,7 +63,7 @@ def _parse_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, dict]]
             raise DatasetError(f"{path}: line {line_no}: is not valid JSON ({exc.msg} at column "
                                f"{exc.colno}). Each line must hold one complete JSON object.") from exc
         if not isinstance(row, dict):
-            raise DatasetError(f"{path}: line {line_no}: is a JSON {_json_kind(row)}, expected an "
+            raise DatasetError(f"{path}: line {line_no}: is {_describe_value(row)}, expected a JSON "
                                "object such as {\"question\": ..., \"answer\": ...}.")
         yield line_no, row
 
@@ -109,7 +109,8 @@ def _describe_value(value: Any) -> str:
     shown = json.dumps(value, ensure_ascii=False)
     if len(shown) > 60:
         shown = shown[:57] + "..."
-    return f"a {_json_kind(value)} ({shown})"
+    kind = _json_kind(value)
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({shown})"
 
 
 _JSON_NAMES = {str: "str", int: "int", float: "float", bool: "bool", list: "list", dict: "object",

@@ -62,7 +62,8 @@ def load_cnn_dailymail(source: Source, *, split: str | None = None) -> list[Summ
             # An empty document makes every summary reward 0 and the group's spread 0: refuse it here.
             raise DatasetError(f"{where}: field 'article' is empty; every row needs a document to "
                                "summarise. Drop the row.")
-        records.append(SummaryRecord(id=str(row["id"]), document=row["article"], highlights=row["highlights"]))
+        records.append(SummaryRecord(id=str(row["id"]), document=row["article"],
+                                     highlights=row["highlights"]))
     return records
 
 

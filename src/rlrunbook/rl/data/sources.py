@@ -93,7 +93,8 @@ def hub_spec_for(kind: str, source: str) -> HubSpec:
         return spec
     names = ", ".join(repr(n) for n in (spec.name, *spec.aliases))
     raise DatasetError(f"{source}: no such file or folder, and not a hub name for {kind} ({names}). "
-                       f"Check the path; the project's copy is at {default_local_path(kind) or 'shared/data'}.")
+                       f"Check the path; the project's copy is at "
+                       f"{default_local_path(kind) or '../shared/data'}.")
 
 
 def load_hub_rows(spec: HubSpec, split: str | None = None) -> list[dict]:
@@ -107,7 +108,7 @@ def load_hub_rows(spec: HubSpec, split: str | None = None) -> list[dict]:
                            "(the project's copies live in ../shared/data).") from exc
     try:
         dataset = datasets.load_dataset(spec.name, spec.config, split=split)
-    except Exception as exc:  # noqa: BLE001 - network, auth and cache failures all mean the same to the user
+    except Exception as exc:  # network, auth and cache failures all mean the same to the user
         raise DatasetError(f"{spec.name} (config {spec.config}, split {split}): load_dataset failed "
                            f"({type(exc).__name__}: {exc}). Without network access pass a local "
                            "JSONL path instead.") from exc

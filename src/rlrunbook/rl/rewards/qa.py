@@ -15,9 +15,11 @@ from fractions import Fraction
 from rlrunbook.rl.rewards.base import RewardResult
 
 # A number as people write it: optional minus (ASCII or U+2212), optional "$", thousands groups
-# of exactly three digits ("1,000" but not "1,0000"), optional decimals. The look-behind keeps
-# "5-3" from reading as "-3", and "x2" or "v1.2" from yielding stray numbers.
-_NUMBER = re.compile(r"(?<![\w.\-\u2212])([-\u2212]?)\$?((?:\d{1,3}(?:,\d{3})+(?!\d))|\d+)(\.\d+)?")
+# of exactly three digits ("1,000" but not "1,0000"), optional decimals. A minus counts as a sign
+# only after a non-word character, so "5-3" reads as 5 and 3, not 5 and -3; digits glued to a
+# letter or a dot ("x2", the "2" of "v1.2") are not numbers.
+NUMBER_PATTERN = r"(?:(?<![\w.)\]])([-\u2212]))?(?<![\w.])\$?(\d{1,3}(?:,\d{3})+(?!\d)|\d+)(\.\d+)?"
+_NUMBER = re.compile(NUMBER_PATTERN)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 

@@ -1,0 +1,81 @@
+"""The run directory ("artifact trail") of a training run: its paths, writer, report and rubric.
+
+A run writes ``<log_root>/<YYYYmmdd-HHMMSS>_<mode>_<env>_<name>/`` (``new_run_dir``), only through
+``RunWriter``: every JSON file is written atomically with finite numbers only, so a killed run
+leaves complete files and status "running". ``check_run`` applies the seed runbooks' rubrics to
+such a directory; the e2e tests and a user on a GPU machine run the same checks
+(``python -m rlrunbook.run <run_dir>``).
+
+Artifact schema (version 1)
+---------------------------
+
+``run_metadata.json``::
+
+    {"schema_version": 1, "status": "running" | "completed" | "failed",
+     "started_at": ISO-8601 UTC, "finished_at": ISO-8601 UTC | null, "error": str | null,
+     "config": {... "mode": "single_turn" | "debate", "env": str, "steps": int, "seed": int ...},
+     "config_sources": {key: "default" | "cli" | "env" | ...}, "argv": [str],
+     "versions": {"python", "torch", "transformers", "peft", "tinker", "rlrunbook", "numpy": str | "missing"},
+     "git": {"commit": str, "dirty": bool} | null, "hardware": {...}, "seeds": {dotted key: value},
+     "environment": {TINKER_*, RLRUNBOOK_*, CUDA_*, PYTORCH_*, HF_*, TRANSFORMERS_*, OMP_*, MALLOC_*,
+                     PYTHON*: value, secret-named ones "<redacted>"},
+     "dataset": {...}}
+
+``train_log.jsonl``, one row per step (extra keys allowed)::
+
+    {"step": int, "reward/mean", "reward/std", "reward/min", "reward/max",
+     "advantage/nonzero_count": int, "advantage/min", "advantage/max", "loss/sum",
+     "num_datums": int, "num_trained_tokens": int, "completion_length/mean",
+     "time/sample_s", "time/score_s", "time/forward_backward_s", "time/optim_s", "time/step_s",
+     "throughput/sampled_tokens_per_s", "throughput/trained_tokens_per_s", "memory/rss_mb"}
+
+``training_step_<k>.json``::
+
+    {"step": k, "loss_fn": str,
+     "training_data": [{"prompt_tokens": [int], "completion_tokens": [int],
+                        "completion_logprobs": [float], "completion_advantages": [float],
+                        "completion_mask": [0 | 1],
+                        "metadata": {"reward": float, "centered_reward": float | null,
+                                     "role": str, "group": int, "problem_id": str}}],
+     "results": {"metrics": {"loss:sum": float, ...}}, "num_trained_tokens": int}
+
+The four completion arrays have equal lengths. ``completion_mask`` is 1 on the trained
+debater's own tokens and 0 on injected opponent/judge tokens (single-turn: all 1); advantages
+are exactly 0 where the mask is 0.
+
+``baseline_<k>.json`` (single-turn qa/math) and ``summary_<k>.json`` (single-turn summary)::
+
+    {"step": k, "env": str,
+     "records": [{"problem_id": str, "group": int, "completion_text": str, "completion_tokens": [int],
+                  "reward": float, "reward_metrics": {str: float}, "stop_reason": str}]}
+
+``debate_<k>.json``::
+
+    {"step": k, "env": str,
+     "debates": [{"debate_id": str, "problem_id": str, "group": int,
+                  "rounds": [{"round": 1 | 2 | 3, "a": {"text": str, "tokens": [int]}, "b": {...}}],
+                  "verdict": {"winner": "a" | "b", "judge": str, "scores": {"a": float, "b": float}},
+                  "task_rewards": {"a": float, "b": float}}]}
+
+``report.png``: reward (mean, min-max band), loss, completion length and non-zero advantage
+curves per step.
+"""
+
+from rlrunbook.run.checks import CheckResult
+from rlrunbook.run.paths import log_root, new_run_dir
+from rlrunbook.run.report import plot_report
+from rlrunbook.run.rubric import check_run, format_results, rubric_passed
+from rlrunbook.run.schema import SCHEMA_VERSION
+from rlrunbook.run.writer import RunWriter
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CheckResult",
+    "RunWriter",
+    "check_run",
+    "format_results",
+    "log_root",
+    "new_run_dir",
+    "plot_report",
+    "rubric_passed",
+]

@@ -1,0 +1,59 @@
+"""Names and required fields of the run-directory artifacts, shared by the writer and the rubric.
+
+The full contract, with every field, is in the ``rlrunbook.run`` package docstring.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+METADATA_FILE = "run_metadata.json"
+TRAIN_LOG_FILE = "train_log.jsonl"
+REPORT_FILE = "report.png"
+ROLLOUT_KINDS = ("baseline", "summary", "debate")
+FINAL_STATUSES = ("completed", "failed")
+
+# train_log.jsonl: every row carries these (extra keys allowed).
+TRAIN_LOG_INT_KEYS = ("step", "advantage/nonzero_count", "num_datums", "num_trained_tokens")
+TRAIN_LOG_FLOAT_KEYS = (
+    "reward/mean",
+    "reward/std",
+    "reward/min",
+    "reward/max",
+    "advantage/min",
+    "advantage/max",
+    "loss/sum",
+    "completion_length/mean",
+    "time/sample_s",
+    "time/score_s",
+    "time/forward_backward_s",
+    "time/optim_s",
+    "time/step_s",
+    "throughput/sampled_tokens_per_s",
+    "throughput/trained_tokens_per_s",
+    "memory/rss_mb",
+)
+
+# training_step_<k>.json: per-datum arrays that must all have the completion's length.
+COMPLETION_ARRAYS = ("completion_tokens", "completion_logprobs", "completion_advantages", "completion_mask")
+LOSS_METRIC = "loss:sum"
+# |loss:sum| above this in at least one step: below it the update is a no-op in float32.
+LOSS_EPSILON = 1e-9
+
+DEBATE_ROUNDS = (1, 2, 3)
+DEBATE_SIDES = ("a", "b")
+
+# A PNG starts with this signature and an IHDR chunk and ends with the IEND chunk (length 0,
+# type, CRC); checking both ends catches a file cut short, which the signature alone would not.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
+def rollout_kind(mode: str, env: str) -> str:
+    """Which rollout file a run writes each step: ``debate`` for debate runs, else by env.
+
+    Single-turn summary runs log ``summary_<k>.json``; every other single-turn env (qa, math)
+    logs ``baseline_<k>.json``, as in the seed repository.
+    """
+    if mode == "debate":
+        return "debate"
+    return "summary" if env == "summary" else "baseline"

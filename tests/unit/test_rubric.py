@@ -1,0 +1,439 @@
+"""Tests of rlrunbook.run.rubric: the seed runbooks' rubrics over a run directory.
+
+Two synthetic runs are written through ``RunWriter`` exactly as the training loop writes them (a
+2-step single-turn summary run, a 2-step debate run with injected opponent tokens under mask 0);
+every check passes on both. Then each mutation breaks one rule, and exactly that check must fail,
+with a detail naming the file or step, and without the checker raising.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rlrunbook.run import RunWriter, check_run, format_results, rubric_passed
+from rlrunbook.run.__main__ import main as rubric_main
+
+STEPS = 2
+
+
+def _log_row(step: int) -> dict:
+    return {
+        "step": step,
+        "reward/mean": 0.5,
+        "reward/std": 0.1,
+        "reward/min": 0.25,
+        "reward/max": 0.75,
+        "advantage/nonzero_count": 12,
+        "advantage/min": -0.25,
+        "advantage/max": 0.25,
+        "loss/sum": 0.3 - step,
+        "num_datums": 4,
+        "num_trained_tokens": 12,
+        "completion_length/mean": 3.0,
+        "time/sample_s": 0.1,
+        "time/score_s": 0.01,
+        "time/forward_backward_s": 0.2,
+        "time/optim_s": 0.05,
+        "time/step_s": 0.4,
+        "throughput/sampled_tokens_per_s": 30.0,
+        "throughput/trained_tokens_per_s": 60.0,
+        "memory/rss_mb": 512.0,
+    }
+
+
+def _datum(step: int, i: int, mask: list[int]) -> dict:
+    """A datum whose advantages are the centred reward on mask-1 tokens and exactly 0 on mask-0 tokens."""
+    centred = 0.25 if i % 2 == 0 else -0.25
+    n = len(mask)
+    return {
+        "prompt_tokens": [1, 2, 3 + step],
+        "completion_tokens": [10 + j for j in range(n)],
+        "completion_logprobs": [-0.5] * n,
+        "completion_advantages": [centred * m for m in mask],
+        "completion_mask": mask,
+        "metadata": {
+            "reward": 0.5 + centred,
+            "centered_reward": centred,
+            "role": "a" if i % 2 == 0 else "b",
+            "group": i // 2,
+            "problem_id": f"p{i // 2}",
+        },
+    }
+
+
+def _step_payload(step: int, mask: list[int]) -> dict:
+    return {
+        "loss_fn": "importance_sampling",
+        "training_data": [_datum(step, i, mask) for i in range(4)],
+        "results": {"metrics": {"loss:sum": 0.3 - step}},
+        "num_trained_tokens": 4 * sum(mask),
+    }
+
+
+def _summary_records(step: int) -> dict:
+    records = [
+        {
+            "problem_id": f"p{i // 2}",
+            "group": i // 2,
+            "completion_text": "a short summary",
+            "completion_tokens": [10, 11, 12],
+            "reward": 0.5 + 0.1 * i,
+            "reward_metrics": {"compression": 0.3, "rouge1": 0.2 * i},
+            "stop_reason": "stop",
+        }
+        for i in range(4)
+    ]
+    return {"env": "summary", "records": records}
+
+
+def _debates(step: int) -> dict:
+    def turn(text: str, first: int) -> dict:
+        return {"text": text, "tokens": [first, first + 1]}
+
+    debates = [
+        {
+            "debate_id": f"s{step}-d{g}",
+            "problem_id": f"p{g}",
+            "group": g,
+            "rounds": [
+                {"round": r, "a": turn(f"a{r}", 10 * r), "b": turn(f"b{r}", 10 * r + 5)} for r in (1, 2, 3)
+            ],
+            "verdict": {"winner": "a", "judge": "mock", "scores": {"a": 0.7, "b": 0.3}},
+            "task_rewards": {"a": 1.0, "b": 0.0},
+        }
+        for g in range(2)
+    ]
+    return {"env": "qa", "debates": debates}
+
+
+def write_fake_run(run_dir: Path, mode: str) -> Path:
+    """A complete, rubric-passing 2-step run written by RunWriter ("single_turn" summary or "debate" qa)."""
+    run_dir.mkdir(parents=True)
+    env = "summary" if mode == "single_turn" else "qa"
+    writer = RunWriter(run_dir, environ={})
+    writer.write_metadata(
+        {"mode": mode, "env": env, "steps": STEPS, "seed": 0},
+        {"steps": "cli"},
+        ["rlrunbook", "train"],
+        {"name": "fake", "fingerprint": "0" * 16},
+    )
+    # Debate: the trained debater's tokens (1) around an injected opponent turn (0).
+    mask = [1, 1, 1] if mode == "single_turn" else [1, 1, 0, 0, 1]
+    for step in range(STEPS):
+        writer.log_step(_log_row(step))
+        writer.write_step(step, _step_payload(step, mask))
+        if mode == "single_turn":
+            writer.write_rollouts("summary", step, _summary_records(step))
+        else:
+            writer.write_rollouts("debate", step, _debates(step))
+    writer.write_report()
+    writer.finish("completed")
+    return run_dir
+
+
+def edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+def failing(results) -> dict[str, str]:
+    return {r.name: r.detail for r in results if not r.passed}
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory) -> dict[str, Path]:
+    """One fake run per mode, written once (drawing report.png is the slow part) and copied per test."""
+    root = tmp_path_factory.mktemp("templates")
+    return {mode: write_fake_run(root / mode, mode) for mode in ("single_turn", "debate")}
+
+
+@pytest.fixture
+def fresh_run(templates, tmp_path) -> Callable[[str], Path]:
+    return lambda mode, name="run": Path(shutil.copytree(templates[mode], tmp_path / name))
+
+
+@pytest.fixture(params=["single_turn", "debate"])
+def fake_run(request, fresh_run) -> Path:
+    return fresh_run(request.param, f"run_{request.param}")
+
+
+def test_fake_runs_pass_every_check(fake_run):
+    results = check_run(fake_run)
+    assert failing(results) == {}, format_results(results)
+    assert rubric_passed(results)
+    names = [r.name for r in results]
+    mode_checks = (
+        {"rollouts.records"} if "single_turn" in fake_run.name else {"debate.rounds", "debate.verdicts"}
+    )
+    assert mode_checks <= set(names)
+    assert len(names) == len(set(names)) == 13 + len(mode_checks)
+
+
+def _set_datum(step_file: str, field: str, value) -> Callable[[Path], None]:
+    return lambda d: edit_json(d / step_file, lambda doc: doc["training_data"][0].__setitem__(field, value))
+
+
+def _zero_advantages(run_dir: Path) -> None:
+    def change(doc):
+        for datum in doc["training_data"]:
+            datum["completion_advantages"] = [0.0] * len(datum["completion_advantages"])
+
+    edit_json(run_dir / "training_step_1.json", change)
+
+
+def _zero_losses(run_dir: Path) -> None:
+    for step in range(STEPS):
+        edit_json(
+            run_dir / f"training_step_{step}.json",
+            lambda doc: doc["results"]["metrics"].update({"loss:sum": 0.0}),
+        )
+
+
+def _drop_round_3(run_dir: Path) -> None:
+    edit_json(run_dir / "debate_1.json", lambda doc: doc["debates"][1]["rounds"].pop())
+
+
+def _leak_masked_advantage(run_dir: Path) -> None:
+    # Token 2 is the opponent's (mask 0): giving it an advantage would train on the opponent's words.
+    edit_json(
+        run_dir / "training_step_0.json",
+        lambda doc: doc["training_data"][3]["completion_advantages"].__setitem__(2, 0.25),
+    )
+
+
+def _truncate(name: str, keep: int | None = None) -> Callable[[Path], None]:
+    def cut(run_dir: Path) -> None:
+        data = (run_dir / name).read_bytes()
+        (run_dir / name).write_bytes(data[: keep if keep is not None else len(data) // 2])
+
+    return cut
+
+
+def _train_log_lines(change: Callable[[list[str]], list[str]]) -> Callable[[Path], None]:
+    def edit(run_dir: Path) -> None:
+        path = run_dir / "train_log.jsonl"
+        path.write_text("".join(line + "\n" for line in change(path.read_text().splitlines())))
+
+    return edit
+
+
+# (mode, mutation id, mutate, the one check that must fail, text its detail must contain)
+MUTATIONS = [
+    (
+        "single_turn",
+        "delete training step",
+        lambda d: (d / "training_step_1.json").unlink(),
+        "training_steps.present",
+        "training_step_1.json: missing",
+    ),
+    (
+        "single_turn",
+        "delete summary records",
+        lambda d: (d / "summary_0.json").unlink(),
+        "rollouts.present",
+        "summary_0.json: missing",
+    ),
+    (
+        "debate",
+        "delete debate records",
+        lambda d: (d / "debate_1.json").unlink(),
+        "rollouts.present",
+        "debate_1.json",
+    ),
+    ("debate", "delete report", lambda d: (d / "report.png").unlink(), "report.png", "report.png: missing"),
+    (
+        "single_turn",
+        "delete train log",
+        lambda d: (d / "train_log.jsonl").unlink(),
+        "train_log",
+        "train_log.jsonl",
+    ),
+    (
+        "single_turn",
+        "unequal array lengths",
+        _set_datum("training_step_1.json", "completion_logprobs", [-0.5, -0.5]),
+        "datums.shapes",
+        "training_step_1.json datum 0: unequal lengths",
+    ),
+    (
+        "debate",
+        "empty prompt",
+        _set_datum("training_step_0.json", "prompt_tokens", []),
+        "datums.shapes",
+        "training_step_0.json datum 0: prompt_tokens",
+    ),
+    (
+        "single_turn",
+        "all-zero advantages",
+        _zero_advantages,
+        "datums.nonzero_advantages",
+        "training_step_1.json",
+    ),
+    ("debate", "all-zero advantages", _zero_advantages, "datums.nonzero_advantages", "training_step_1.json"),
+    ("debate", "loss all zero", _zero_losses, "loss.nonzero", "loss:sum is 0 in every step [0, 1]"),
+    (
+        "single_turn",
+        "loss missing",
+        lambda d: edit_json(
+            d / "training_step_1.json", lambda doc: doc["results"]["metrics"].pop("loss:sum")
+        ),
+        "loss.present",
+        "training_step_1.json",
+    ),
+    (
+        "single_turn",
+        "no trained tokens",
+        lambda d: edit_json(d / "training_step_0.json", lambda doc: doc.update(num_trained_tokens=0)),
+        "trained_tokens.positive",
+        "training_step_0.json",
+    ),
+    (
+        "debate",
+        "missing round 3",
+        _drop_round_3,
+        "debate.rounds",
+        "debate_1.json debate s1-d1: rounds [1, 2]",
+    ),
+    (
+        "debate",
+        "empty side",
+        lambda d: edit_json(
+            d / "debate_0.json", lambda doc: doc["debates"][0]["rounds"][1]["b"].update(tokens=[])
+        ),
+        "debate.rounds",
+        "debate_0.json debate s0-d0: round 2 side b",
+    ),
+    (
+        "debate",
+        "no verdict",
+        lambda d: edit_json(d / "debate_0.json", lambda doc: doc["debates"][1].pop("verdict")),
+        "debate.verdicts",
+        "debate_0.json debate 1",
+    ),
+    (
+        "single_turn",
+        "half-written run (status running)",
+        lambda d: edit_json(d / "run_metadata.json", lambda doc: doc.update(status="running")),
+        "metadata.completed",
+        "status is 'running'",
+    ),
+    (
+        "debate",
+        "failed run",
+        lambda d: edit_json(d / "run_metadata.json", lambda doc: doc.update(status="failed", error="OOM")),
+        "metadata.completed",
+        "error: OOM",
+    ),
+    (
+        "single_turn",
+        "no versions",
+        lambda d: edit_json(d / "run_metadata.json", lambda doc: doc.pop("versions")),
+        "metadata.fields",
+        "versions",
+    ),
+    (
+        "debate",
+        "advantage on a mask-0 token",
+        _leak_masked_advantage,
+        "datums.mask_advantages",
+        "training_step_0.json datum 3: 1 mask-0 tokens",
+    ),
+    (
+        "single_turn",
+        "corrupt training step JSON",
+        _truncate("training_step_0.json"),
+        "training_steps.present",
+        "training_step_0.json: invalid JSON",
+    ),
+    (
+        "debate",
+        "corrupt debate JSON",
+        _truncate("debate_1.json"),
+        "rollouts.present",
+        "debate_1.json: invalid JSON",
+    ),
+    (
+        "single_turn",
+        "summary record without reward metrics",
+        lambda d: edit_json(d / "summary_1.json", lambda doc: doc["records"][2].update(reward_metrics={})),
+        "rollouts.records",
+        "summary_1.json record 2",
+    ),
+    ("single_turn", "truncated PNG", _truncate("report.png"), "report.png", "truncated"),
+    ("debate", "PNG header only", _truncate("report.png", keep=4), "report.png", "not a PNG"),
+    (
+        "single_turn",
+        "train log missing a step",
+        _train_log_lines(lambda lines: lines[:1]),
+        "train_log",
+        "missing [1]",
+    ),
+    (
+        "debate",
+        "train log cut mid-line",
+        _train_log_lines(lambda lines: [lines[0], lines[1][:30]]),
+        "train_log",
+        "train_log.jsonl line 2: invalid JSON",
+    ),
+    (
+        "single_turn",
+        "train log row without a key",
+        _train_log_lines(lambda lines: [lines[0], json.dumps({**json.loads(lines[1]), "loss/sum": None})]),
+        "train_log",
+        "step 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "mutate", "check", "expected_detail"),
+    [pytest.param(m, f, c, e, id=f"{m}: {i}") for m, i, f, c, e in MUTATIONS],
+)
+def test_each_mutation_fails_exactly_its_check(fresh_run, mode, mutate, check, expected_detail):
+    run_dir = fresh_run(mode)
+    mutate(run_dir)
+    results = check_run(run_dir)
+    assert set(failing(results)) == {check}, format_results(results)
+    assert expected_detail in failing(results)[check]
+    assert not rubric_passed(results)
+
+
+def test_corrupt_metadata_fails_without_raising(fresh_run):
+    run_dir = fresh_run("debate")
+    (run_dir / "run_metadata.json").write_text('{"status": "compl')
+    details = failing(check_run(run_dir))
+    assert "run_metadata.json: invalid JSON" in details["metadata.readable"]
+    # Without the config the step count and mode are unknown: those checks say so instead of passing.
+    assert {"metadata.completed", "metadata.fields", "train_log", "rollouts.present"} <= set(details)
+
+
+def test_missing_directory_fails_every_check_without_raising(tmp_path):
+    results = check_run(tmp_path / "nowhere")
+    assert results and not any(r.passed for r in results)
+    assert str(tmp_path / "nowhere" / "run_metadata.json") in results[0].detail
+
+
+def test_format_results_one_line_per_check(fresh_run):
+    run_dir = fresh_run("single_turn")
+    (run_dir / "report.png").unlink()
+    results = check_run(run_dir)
+    lines = format_results(results).splitlines()
+    assert len(lines) == len(results)
+    assert lines[0].startswith("PASS metadata.readable: ")
+    assert f"FAIL report.png: report.png: missing ({run_dir / 'report.png'})" in lines
+    assert not rubric_passed([])
+
+
+def test_command_exit_status(fresh_run, capsys):
+    good, bad = fresh_run("debate", "good"), fresh_run("single_turn", "bad")
+    _zero_advantages(bad)
+    assert rubric_main([str(good)]) == 0
+    assert rubric_main([str(good), str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert f"== {bad}: FAIL" in out and "FAIL datums.nonzero_advantages: training_step_1.json" in out
