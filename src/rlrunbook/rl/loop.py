@@ -71,8 +71,13 @@ def prepare(config: TrainConfig):
 
 def run_training(config: TrainConfig, *, service_factory: Callable[[], object] | None = None,
                  argv: Sequence[str] = (), config_sources: dict[str, str] | None = None,
-                 log: Callable[[str], None] = print, progress: Callable | None = None) -> Path:
-    """Run ``config`` and return its run directory (see DESIGN §5 for the files it holds)."""
+                 log: Callable[[str], None] = print, progress: Callable | None = None,
+                 evaluate: Callable[[str, object, object], None] | None = None) -> Path:
+    """Run ``config`` and return its run directory (see DESIGN §5 for the files it holds).
+
+    ``evaluate(label, training_client, tokenizer)``, if given, is called with ``"initial"`` before
+    the first step and ``"final"`` after the last: the hook for held-out evaluation.
+    """
     config, paradigm, task, problems = prepare(config)
     advantages_of = advantage_mode(config.run_mode)
     run_dir = new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name)
@@ -87,10 +92,14 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         tokenizer = training.get_tokenizer()
         judge = _build_judge(config, service, tokenizer)
         order = _order(problems, config.seed)
+        if evaluate is not None:
+            evaluate("initial", training, tokenizer)
         steps = range(config.steps) if progress is None else progress(range(config.steps))
         for step in steps:
             _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge,
                       advantages_of, writer, log)
+        if evaluate is not None:
+            evaluate("final", training, tokenizer)
         writer.write_report()
         writer.finish("completed")
     except BaseException as error:
