@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--judge-model", help="debate: the model judge's model (default: the base model)")
     train.add_argument("--debate-train", choices=["rejection", "rs_grpo"], help="debate training mode (rejection)")
     train.add_argument("--debate-grpo-reward", choices=["task"], help="rs_grpo's reward: task")
-    train.add_argument("--model", help="built-in name, local folder or hub id (tiny)")
+    train.add_argument("--model", help="built-in name, local folder or hub id (smollm2-135m)")
     train.add_argument("--log-root", help="root of run directories (RLRUNBOOK_LOG_ROOT, else ./logs)")
     train.add_argument("--learning-rate", type=float, help="AdamW learning rate (1e-4)")
     train.add_argument("--lora-rank", type=int, help="LoRA rank (16)")

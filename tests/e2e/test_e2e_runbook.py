@@ -29,21 +29,22 @@ def train(tmp_path: Path, capsys, *args: str) -> tuple[Path, str]:
 
 def test_single_turn_qa_smoke(tmp_path, capsys):
     run, out = train(tmp_path, capsys, "--mode", "single_turn", "--env", "qa", "--dataset", "test",
-                     "-n", "16", "-s", "1", "--name", "smoke_normal_qa")
+                     "-n", "16", "-s", "1", "--name", "smoke_normal_qa", "--model", "tiny")
     assert "_grpo_qa_smoke_normal_qa" in run.name
     assert list(run.glob("baseline_*.json")) and "Training data: " in out
 
 
 def test_single_turn_summary_smoke(tmp_path, capsys):
     run, out = train(tmp_path, capsys, "--mode", "single_turn", "--env", "summary", "--dataset", "cnn_dailymail",
-                     "--reward-fn", "compression", "-n", "16", "-s", "1", "--name", "smoke_normal_summary")
+                     "--reward-fn", "compression", "-n", "16", "-s", "1", "--name", "smoke_normal_summary",
+                     "--model", "tiny")
     assert list(run.glob("summary_*.json"))
 
 
 def test_debate_rejection_smoke(tmp_path, capsys):
     run, out = train(tmp_path, capsys, "--mode", "debate", "--env", "qa", "--dataset", "test", "-n", "32",
                      "--num-groups", "2", "-s", "1", "--mock-judge", "--debate-train", "rejection",
-                     "--name", "smoke_debate_rejection")
+                     "--name", "smoke_debate_rejection", "--model", "tiny")
     for round_index in (1, 2, 3):
         assert f"[debate] Round {round_index}/3" in out
     assert "Loss: " in out and "Tokens: " in out
@@ -90,6 +91,7 @@ def test_empty_file_is_named(tmp_path, capsys):
 
 def test_prompt_longer_than_context_fails_the_run(tmp_path, capsys):
     code = cli.main(["train", "--env", "summary", "-n", "4", "--summary-max-words", "5000", "--max-tokens", "1500",
+                     "--model", "tiny",
                      "--log-root", str(tmp_path), "--name", "too_long"])
     err = capsys.readouterr().err
     assert code == 2

@@ -41,7 +41,7 @@ def toy_task(monkeypatch):
 
 
 def test_registered_task_trains_one_step(toy_task, tmp_path, capsys):
-    config = TrainConfig(env="toy_digits", num_rollouts=8, steps=1, max_tokens=16, log_root=str(tmp_path),
+    config = TrainConfig(env="toy_digits", model="tiny", num_rollouts=8, steps=1, max_tokens=16, log_root=str(tmp_path),
                          name="toy")
     run_dir = run_training(config)
     results = check_run(run_dir)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.models.registry import DEFAULT_MODEL
 from rlrunbook.rl.tasks import get_task_class
 
 DebateTrain = Literal["rejection", "rs_grpo"]
@@ -36,7 +37,7 @@ class TrainConfig:
     judge_model: str | None = None      # debate: model of the model judge (default: the base model)
     debate_train: DebateTrain = "rejection"  # debate: train on winners, or RS then GRPO on the task reward
     debate_grpo_reward: Literal["task"] | None = None  # rs_grpo's reward: the task reward of the winners
-    model: str = "tiny"                 # built-in name, local folder or hub id
+    model: str = DEFAULT_MODEL          # built-in name, local folder or hub id (smollm2-135m)
     log_root: str | None = None         # root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)
     learning_rate: float = 1e-4         # AdamW learning rate
     lora_rank: int = 16                 # LoRA rank

@@ -68,6 +68,9 @@ def plot_report(
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (key, label) in zip(axes, panels, strict=True):
         ax.plot(steps, _series(rows, key), marker="o", label=key)
+        if key == "reward/mean" and _has(rows, "task_reward/mean"):
+            # Debate trains on the verdict (mean 0.5 by construction); the task reward shows learning.
+            ax.plot(steps, _series(rows, "task_reward/mean"), marker="s", label="task_reward/mean")
         if key == "reward/mean" and _has(rows, "reward/min") and _has(rows, "reward/max"):
             low, high = _series(rows, "reward/min"), _series(rows, "reward/max")
             if len(steps) > 1:
