@@ -100,3 +100,52 @@ def test_prompt_longer_than_context_fails_the_run(tmp_path, capsys):
     results = check_run(run)
     assert not rubric_passed(results)
     assert not next(r for r in results if r.name == "metadata.completed").passed
+
+
+def _find(haystack: list[int], needle: list[int]) -> int:
+    for i in range(len(haystack) - len(needle) + 1):
+        if haystack[i:i + len(needle)] == needle:
+            return i
+    return -1
+
+
+def test_debate_injects_opponent_tokens_verbatim_and_trains_own_tokens_only(tmp_path, capsys):
+    """Round r >= 2 context holds the opponent's round r-1 tokens as ids (mask 0); own turns carry mask 1."""
+    import json
+
+    run, _ = train(tmp_path, capsys, "--mode", "debate", "--env", "qa", "--dataset", "test", "-n", "8",
+                   "--num-groups", "2", "-s", "1", "--mock-judge", "--model", "tiny", "--name", "inject")
+    debates = {d["debate_id"]: d for d in json.loads((run / "debate_0.json").read_text())["debates"]}
+    step = json.loads((run / "training_step_0.json").read_text())
+    eos = 2  # tiny's <|im_end|>
+    assert step["training_data"], "rejection trains the winners"
+    for datum in step["training_data"]:
+        meta = datum["metadata"]
+        me, them = meta["role"][-1], "b" if meta["role"][-1] == "a" else "a"
+        rounds = debates[meta["debate_id"]]["rounds"]
+        tokens, mask = datum["completion_tokens"], datum["completion_mask"]
+        cursor = 0
+        for r in range(3):
+            own = rounds[r][me]["tokens"]
+            at = _find(tokens[cursor:], own) + cursor
+            assert at >= cursor and all(m == 1 for m in mask[at:at + len(own)]), f"own round {r + 1}"
+            cursor = at + len(own)
+            if r < 2:
+                theirs = rounds[r][them]["tokens"]
+                theirs = theirs[:-1] if theirs and theirs[-1] == eos else theirs
+                at = _find(tokens[cursor:], theirs) + cursor
+                assert at >= cursor and all(m == 0 for m in mask[at:at + len(theirs)]), f"opponent round {r + 1}"
+                cursor = at + len(theirs)
+        assert sum(mask) == sum(len(rounds[r][me]["tokens"]) for r in range(3))
+
+
+def test_debate_with_the_model_judge(tmp_path, capsys):
+    run, _ = train(tmp_path, capsys, "--mode", "debate", "--env", "qa", "--dataset", "test", "-n", "8",
+                   "--num-groups", "2", "-s", "1", "--model", "tiny", "--name", "model_judge")
+    import json
+
+    verdicts = [d["verdict"] for d in json.loads((run / "debate_0.json").read_text())["debates"]]
+    assert {v["judge"] for v in verdicts} == {"model"}
+    for v in verdicts:  # the winner is the letter the judge model gave the higher logprob
+        assert v["winner"] == ("a" if v["scores"]["a"] >= v["scores"]["b"] else "b")
+        assert v["scores"]["a"] < 0 and v["scores"]["b"] < 0
