@@ -38,7 +38,8 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
     from rlrunbook.backend.host import load_host
     from rlrunbook.backend.sampling_client import resolve_stop
     from rlrunbook.backend.settings import LocalSettings
-    from rlrunbook.diagnostics import default_tolerance, logprob_parity
+    from rlrunbook.diagnostics import (FP32_MAX_BOUNDARY_FLIPS, HALF_MAX_BOUNDARY_FLIPS, default_tolerance,
+                                       logprob_parity)
     from rlrunbook.engines.base import GenerationRequest
     from rlrunbook.engines.filters import SamplingFilters
 
@@ -55,7 +56,9 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
     prompt = _encode_prompt(host.tokenizer, args.prompt, args.raw)
     request = dataclasses.replace(request, stop=resolve_stop(None, host.eos_token_ids))
     tolerance = args.tolerance if args.tolerance is not None else default_tolerance(dtype)
-    report = logprob_parity(host.engine, [prompt], request, num_samples=args.num_samples, tolerance=tolerance)
+    flips = FP32_MAX_BOUNDARY_FLIPS if dtype == torch.float32 else HALF_MAX_BOUNDARY_FLIPS
+    report = logprob_parity(host.engine, [prompt], request, num_samples=args.num_samples, tolerance=tolerance,
+                            max_flip_fraction=flips)
     print(f"prompt tokens: {len(prompt)}  sampled tokens: {report.num_tokens} "
           f"in {len(report.completions)} completion(s)")
     if report.completions:
@@ -63,6 +66,8 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
     print(f"max_abs_diff: {report.max_abs_diff:.3e}")
     print(f"mean_abs_diff: {report.mean_abs_diff:.3e}")
     print(f"tolerance: {tolerance:.1e} (max |sampled - teacher-forced| logprob, {args.dtype})")
+    print(f"boundary_flips: {report.boundary_flips} (sampled tokens the recomputed filters drop; "
+          f"allowed {flips:.0%} of tokens)")
     if report.ok:
         print("ok")
         return 0

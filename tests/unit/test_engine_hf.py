@@ -183,3 +183,22 @@ def test_prompt_longer_than_context(tiny_host):
     too_long = [5] * (tiny_host.engine.max_context + 1)
     with pytest.raises(InputError, match="exceeds the model's context"):
         tiny_host.engine.sample([too_long], 1, GenerationRequest(max_tokens=4))
+
+
+def test_boundary_flips_are_counted_apart_from_gaps(tiny_host, prompts8, monkeypatch):
+    """A token the recomputation filters out (-inf) is a boundary flip, not an infinite gap."""
+    from rlrunbook import diagnostics
+
+    real = diagnostics.teacher_forced_logprobs
+
+    def one_flip(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out[0][-1] = float("-inf")
+        return out
+
+    monkeypatch.setattr(diagnostics, "teacher_forced_logprobs", one_flip)
+    request = GenerationRequest(max_tokens=8, filters=SamplingFilters(temperature=0.7, top_p=0.9), stop=(), seed=0)
+    strict = logprob_parity(tiny_host.engine, prompts8[:2], request)
+    assert strict.boundary_flips == 1 and strict.max_abs_diff <= FP32_TOLERANCE and not strict.ok
+    lenient = logprob_parity(tiny_host.engine, prompts8[:2], request, max_flip_fraction=0.1)
+    assert lenient.ok
