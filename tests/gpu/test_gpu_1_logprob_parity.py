@@ -14,7 +14,7 @@ import torch
 from gpu_support import DEVICE, chat_prompts
 
 from rlrunbook.backend.sampling_client import resolve_stop
-from rlrunbook.diagnostics import FP32_TOLERANCE, HALF_TOLERANCE, logprob_parity
+from rlrunbook.diagnostics import FP32_TOLERANCE, HALF_MAX_BOUNDARY_FLIPS, HALF_TOLERANCE, logprob_parity
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
 
@@ -54,18 +54,20 @@ def ieee_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-def _parity(host, filters: SamplingFilters, tolerance: float, record_property):
+def _parity(host, filters: SamplingFilters, tolerance: float, record_property, max_flip_fraction=0.0):
     prompts = chat_prompts(host.tokenizer, 8)
     assert len({len(p) for p in prompts}) == 8, "prompts must differ in length to exercise padding"
     # EOS stops as in production: rows finish at different steps and keep generating padding.
     stop = resolve_stop(None, host.eos_token_ids)
     request = GenerationRequest(max_tokens=32, filters=filters, stop=stop, seed=0)
-    report = logprob_parity(host.engine, prompts, request, num_samples=1, tolerance=tolerance)
+    report = logprob_parity(host.engine, prompts, request, num_samples=1, tolerance=tolerance,
+                            max_flip_fraction=max_flip_fraction)
     print(f"max |Δ| {report.max_abs_diff:.3g}, mean |Δ| {report.mean_abs_diff:.3g} "
           f"over {report.num_tokens} tokens")
     record_property("max_abs_diff", report.max_abs_diff)
     record_property("mean_abs_diff", report.mean_abs_diff)
     record_property("num_tokens", report.num_tokens)
+    record_property("boundary_flips", report.boundary_flips)
     assert len(report.completions) == 8, "every prompt must yield a non-empty completion"
     assert next(host.model.parameters()).device.type == DEVICE
     return report
@@ -86,7 +88,9 @@ def test_fp32_parity(model_name, filters, cuda_hosts, ieee_fp32, record_property
 def test_bf16_parity(model_name, filters, cuda_hosts, record_property):
     """bf16 (the GPU default dtype): max |Δ| within HALF_TOLERANCE / T and mean |Δ| within 0.01 / T nats."""
     max_gate, mean_gate = HALF_TOLERANCE / filters.temperature, BF16_MEAN_TOLERANCE / filters.temperature
-    report = _parity(cuda_hosts(model_name, torch.bfloat16), filters, max_gate, record_property)
+    # Tokens at the top-p edge may flip in or out of the nucleus under bf16 rounding: counted apart.
+    report = _parity(cuda_hosts(model_name, torch.bfloat16), filters, max_gate, record_property,
+                     max_flip_fraction=HALF_MAX_BOUNDARY_FLIPS)
     assert report.ok, f"bf16 logprob mismatch: max |Δ| {report.max_abs_diff:.3g} > {max_gate:.3g}"
     assert report.mean_abs_diff <= mean_gate, (
         f"bf16 mean |Δ| {report.mean_abs_diff:.3g} > {mean_gate:.3g}: a systematic gap, not rounding"
