@@ -54,3 +54,19 @@ def test_unregistered_task_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="not a registered task"):
         run_training(TrainConfig(env="toy_digits", log_root=str(tmp_path)))
+
+
+def test_constant_reward_stops_the_run_with_the_diagnosis(toy_task, tmp_path, monkeypatch):
+    """All-zero advantages stop the run, name the cause and the fixes, and leave a failed run directory."""
+    from rlrunbook.errors import NoLearningSignalError
+
+    monkeypatch.setattr(toy_task, "reward", lambda self, problem, text: RewardResult(0.5, {}))
+    config = TrainConfig(env="toy_digits", model="tiny", num_rollouts=8, steps=2, max_tokens=8,
+                         log_root=str(tmp_path), name="flat")
+    with pytest.raises(NoLearningSignalError, match="All token advantages are 0.0") as caught:
+        run_training(config)
+    assert "constant within every group" in str(caught.value) and "Increase -n" in str(caught.value)
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    results = check_run(run_dir)
+    assert not rubric_passed(results)
+    assert not next(r for r in results if r.name == "metadata.completed").passed
