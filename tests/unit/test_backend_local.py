@@ -218,7 +218,7 @@ def test_bad_training_input_is_named(trainer_client, make_data, loss, error, mat
     ([1, 10**7], types.SamplingParams(max_tokens=4), InputError, "outside the vocabulary"),
     (PROMPT, types.SamplingParams(max_tokens=0), ConfigError, "max_tokens"),
     (PROMPT, types.SamplingParams(max_tokens=-1), ConfigError, "max_tokens"),
-    (PROMPT, types.SamplingParams(max_tokens=4, stop=["\n"]), ConfigError, "stop strings"),
+    (PROMPT, types.SamplingParams.model_construct(max_tokens=4, stop=["\n", 5]), ConfigError, "stop strings"),
 ])
 def test_bad_sampling_input_is_named(trainer_client, prompt, params, error, match):
     sampler = trainer_client.save_weights_and_get_sampling_client()
@@ -290,3 +290,19 @@ def test_unseeded_samples_follow_submission_order(local_service):
     b1, b2 = run()
     assert (a1, a2) == (b1, b2)
     assert a1 != a2
+
+
+def test_requests_submitted_in_a_batch_block_are_one_engine_call_whatever_the_timing(trainer_client, local_service):
+    import time as _time
+
+    sampler = trainer_client.save_weights_and_get_sampling_client()
+    worker = local_service._worker
+    before = worker.batches_run
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=1, stop=[])
+    with sampler.batch():
+        futures = []
+        for i in range(4):
+            futures.append(sampler.sample(types.ModelInput.from_ints(PROMPT + [i + 3]), 1, params))
+            _time.sleep(0.02)  # far longer than the coalescing window
+    assert all(len(f.result().sequences) == 1 for f in futures)
+    assert worker.batches_run - before == 1

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 
+from rlrunbook.backend.rest_client import LocalRestClient
 from rlrunbook.backend.sampling_client import LocalSamplingClient
-from rlrunbook.backend.service_client import LocalServiceClient
+from rlrunbook.backend.service_client import LocalServiceClient, SdkLocalServiceClient
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.backend.training_client import LocalTrainingClient
 from rlrunbook.errors import ConfigError
@@ -36,5 +37,5 @@ def create_service_client(**kwargs: object):
     return tinker.ServiceClient(**kwargs)
 
 
-__all__ = ["BACKENDS", "LocalSamplingClient", "LocalServiceClient", "LocalSettings", "LocalTrainingClient",
-           "backend_name", "create_service_client"]
+__all__ = ["BACKENDS", "LocalRestClient", "LocalSamplingClient", "LocalServiceClient", "LocalSettings",
+           "LocalTrainingClient", "SdkLocalServiceClient", "backend_name", "create_service_client"]

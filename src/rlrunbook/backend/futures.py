@@ -19,7 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ class OrderedWorker:
         self.batch_window_s = batch_window_s
         self.max_batch_rows = max_batch_rows
         self.batches_run = 0  # engine calls made for batchable tasks (for tests and benchmarks)
+        self._holds = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -68,6 +70,20 @@ class OrderedWorker:
                          rows: int = 1) -> AwaitableConcurrentFuture:
         """Queue ``item``; consecutive items with the same ``key`` are handed to ``batch_fn`` together."""
         return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows))
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Within the block the worker starts nothing new, so everything submitted in it queues up and
+        consecutive batchable requests become one batch whatever the timing. Submit only: waiting on a
+        future inside the block would wait forever."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
 
     def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Submit and wait: for calls that the SDK makes synchronous."""
@@ -92,7 +108,7 @@ class OrderedWorker:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._holds) and not self._closed:
                     self._cv.wait()
                 if not self._queue:
                     return
@@ -131,3 +147,30 @@ def completed(value: T) -> AwaitableConcurrentFuture[T]:
     future: Future[T] = Future()
     future.set_result(value)
     return AwaitableConcurrentFuture(future)
+
+
+class ResolvedClient:
+    """A client that is also its own finished future.
+
+    The SDK's ``create_*`` methods return a future of the client, which code either awaits
+    (``await service.create_lora_training_client(...)``) or resolves (``.result()``). The local
+    backend creates clients eagerly, so each client stands in for that finished future too:
+    ``.result()``, ``await client``, ``.result_async()`` and ``.future()`` all give the client.
+    """
+
+    def result(self, timeout: float | None = None):
+        return self
+
+    async def result_async(self, timeout: float | None = None):
+        return self
+
+    def future(self) -> Future:
+        future: Future = Future()
+        future.set_result(self)
+        return future
+
+    async def coroutine(self):
+        return self
+
+    def __await__(self):
+        return self.result_async().__await__()

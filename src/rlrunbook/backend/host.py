@@ -53,8 +53,17 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
         max_context=getattr(config, "max_position_embeddings", None),
         max_batch_rows=settings.max_batch_rows,
         seed=settings.seed,
+        decode_batch=_text_decoder(tokenizer),
     )
     return ModelHost(base_model, folder, tokenizer, model, engine)
+
+
+def _text_decoder(tokenizer):
+    """Token-id rows -> text, special tokens kept as written: what stop strings are matched against."""
+    def decode_batch(rows: list[list[int]]) -> list[str]:
+        return tokenizer.batch_decode(rows, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    return decode_batch
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class SamplerWeights:
     version: int = -1
 
     @classmethod
-    def base(cls) -> "SamplerWeights":
+    def base(cls) -> SamplerWeights:
         return cls(adapter=None)
 
 

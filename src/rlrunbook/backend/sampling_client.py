@@ -9,8 +9,9 @@ from collections.abc import Callable
 import numpy as np
 from tinker import types
 
-from rlrunbook.backend.futures import OrderedWorker
+from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
 from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
+from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.hf import SampleJob
@@ -22,29 +23,81 @@ _DEFAULT_MAX_TOKENS = 256  # the seeds' local backend used 256 when max_tokens i
 _sequence_ids = itertools.count()
 
 
-def resolve_stop(stop: object, eos_token_ids: list[int]) -> tuple[tuple[int, ...], ...]:
-    """SDK ``stop`` → token-id stop sequences.
+StopConditions = tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]  # (token-id sequences, strings)
 
-    ``None`` keeps EOS; ``[]`` disables every stop, EOS included; a list of ints makes each id a
-    single-token stop. Stop strings are refused: tokens are the source of truth here, so pass the
-    stop token ids (``tokenizer.encode(text, add_special_tokens=False)`` of a special token).
+
+def resolve_stop_conditions(stop: object, eos_token_ids: list[int]) -> StopConditions:
+    """SDK ``SamplingParams.stop`` → ``(token-id stop sequences, stop strings)``.
+
+    - ``None``: stop at EOS (every eos id of the model).
+    - ``[]``: no stop at all, EOS included; generation runs to ``max_tokens``.
+    - a list of ints: each id is a single-token stop, and only those (EOS is not added).
+    - a string or a list of strings: each string stops a row once it appears in the decoded text of the
+      row's generated tokens; EOS keeps stopping too, as on the hosted service (the cookbook's
+      ``role_colon`` renderer reads a response that ends in EOS without its stop string as clean).
+
+    The SDK's type is ``str | list[str] | list[int]``: a list mixing ids and strings is refused.
     """
     if stop is None:
-        return tuple((i,) for i in eos_token_ids)
-    if isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop)):
-        raise ConfigError(
-            f"stop={stop!r}: stop strings are not supported by the local backend; pass stop token ids "
-            "(a list of ints), e.g. the tokenizer's id of '<|im_end|>'."
-        )
+        return tuple((i,) for i in eos_token_ids), ()
+    if isinstance(stop, str):
+        stop = [stop]
     if not isinstance(stop, (list, tuple)):
-        raise ConfigError(f"stop={stop!r} must be None, [] or a list of token ids.")
-    return tuple((int(s),) for s in stop)
+        raise ConfigError(f"stop={stop!r} must be None, [], a list of token ids, or a string / list of strings.")
+    strings = [s for s in stop if isinstance(s, str)]
+    if strings and len(strings) != len(stop):
+        raise ConfigError(
+            f"stop={list(stop)!r} mixes stop strings and token ids; SamplingParams.stop takes one kind per request "
+            "(str | list[str] | list[int]). Pass only the ids (e.g. the tokenizer's id of '<|im_end|>') or only "
+            "the strings (tokenizer.decode([id]) of each id)."
+        )
+    if strings:
+        if any(s == "" for s in strings):
+            raise ConfigError("an empty stop string would match at once; remove it.")
+        return tuple((i,) for i in eos_token_ids), tuple(dict.fromkeys(strings))
+    for s in stop:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ConfigError(f"stop={list(stop)!r}: {s!r} is neither a token id (int) nor a stop string.")
+    return tuple((int(s),) for s in stop), ()
 
 
-class LocalSamplingClient:
+def resolve_stop(stop: object, eos_token_ids: list[int]) -> tuple[tuple[int, ...], ...]:
+    """Token-id stop sequences only (``None`` → EOS, ``[]`` → none, ints → those ids); strings are refused.
+
+    For callers without a sampling client (``rlrunbook check-logprobs``); sampling clients use
+    :func:`resolve_stop_conditions`, which also takes stop strings.
+    """
+    tokens, strings = resolve_stop_conditions(stop, eos_token_ids)
+    if strings:
+        raise ConfigError(f"stop={stop!r}: stop strings need a sampling client; pass stop token ids here.")
+    return tokens
+
+
+def refuse_stability_info(record_stability_info: bool) -> None:
+    """``record_stability_info=True`` serves ``stable_reinforce``, which the local backend does not reproduce."""
+    if record_stability_info:
+        raise ConfigError(
+            "record_stability_info=True is for loss_fn='stable_reinforce', which the local backend does not "
+            "reproduce exactly (its stability information comes from the hosted sampler). The nearest supported "
+            "losses are 'cispo' (bounded, detached importance weight) and 'importance_sampling': pass "
+            "loss_fn=importance_sampling (or cispo) to the recipe."
+        )
+
+
+def _refuse_unsupported_sample_options(**options: object) -> None:
+    neutral = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
+               "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None}
+    for name, value in options.items():
+        if value != neutral[name] and value is not None:
+            raise ConfigError(f"{name}={value!r} is not supported by the local backend; leave it at "
+                              f"{neutral[name]!r} (use include_prompt_logprobs / compute_logprobs for prompt logprobs).")
+
+
+class LocalSamplingClient(ResolvedClient):
     """Samples from one set of weights (base model or a saved adapter) of a local model.
 
     ``sample`` takes a keyword-only ``min_p`` beyond the SDK (the SDK's SamplingParams has none).
+    Like the SDK's client futures it also resolves to itself (``.result()``, ``await``).
     """
 
     def __init__(self, host: ModelHost, weights: SamplerWeights, worker: OrderedWorker,
@@ -55,12 +108,15 @@ class LocalSamplingClient:
         self._live_version = live_version
         self.model_path = model_path
 
-    # Created clients are returned directly; like the SDK's client futures they also resolve to themselves.
-    def result(self, timeout: float | None = None) -> "LocalSamplingClient":
-        return self
+    def __getattr__(self, name: str):
+        from tinker.lib.public_interfaces.sampling_client import SamplingClient
 
-    async def result_async(self, timeout: float | None = None) -> "LocalSamplingClient":
-        return self
+        raise refuse_sdk_attribute("SamplingClient", SamplingClient, name)
+
+    def batch(self):
+        """Local extension: ``with sampler.batch(): <submit sample calls>`` guarantees that the calls
+        submitted in the block (with the same settings) run as one engine call. Do not wait inside it."""
+        return self._worker.hold()
 
     def sample(
         self,
@@ -69,43 +125,57 @@ class LocalSamplingClient:
         sampling_params: types.SamplingParams,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
         *,
         min_p: float = 0.0,
     ):
-        """Sample ``num_samples`` completions of ``prompt``; returns an APIFuture of a SampleResponse."""
-        if topk_prompt_logprobs:
-            raise ConfigError("topk_prompt_logprobs is not supported by the local backend; leave it 0.")
+        """Sample ``num_samples`` completions of ``prompt``; returns an APIFuture of a SampleResponse.
+
+        Requests that share weights, ``max_tokens``, filters and stops and sit next to each other in
+        the queue run as one batched engine call (see futures.OrderedWorker).
+        """
+        _refuse_unsupported_sample_options(
+            topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
+            prompt_logprobs_last_n=prompt_logprobs_last_n)
         tokens = prompt.to_ints()
         check_token_ids(tokens, self._host.engine.vocab_size, "prompt")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise InputError(f"num_samples={num_samples!r} must be a positive int.")
+        stop_tokens, stop_strings = resolve_stop_conditions(sampling_params.stop, self._host.eos_token_ids)
         request = GenerationRequest(
             max_tokens=_DEFAULT_MAX_TOKENS if sampling_params.max_tokens is None else sampling_params.max_tokens,
             filters=SamplingFilters(temperature=float(sampling_params.temperature), top_k=int(sampling_params.top_k),
                                     top_p=float(sampling_params.top_p), min_p=float(min_p)),
-            stop=resolve_stop(sampling_params.stop, self._host.eos_token_ids),
+            stop=stop_tokens,
             seed=sampling_params.seed,
+            stop_strings=stop_strings,
         )
         self._host.engine.validate(tokens, request)
         if request.seed is None:  # drawn at submission, so results follow submission order, not timing
             request = dataclasses.replace(request, seed=self._host.engine._next_seed())
         job = SampleJob(tokens, num_samples, request)
-        key = (id(self._host), id(self._weights), request.max_tokens, request.filters, request.stop)
+        key = (id(self._host), id(self._weights), request.max_tokens, request.filters, request.stop,
+               request.stop_strings)
         return self._worker.submit_batchable(key, (job, include_prompt_logprobs), self._sample_batch,
                                              rows=num_samples)
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int,
                            sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,
-                           topk_prompt_logprobs: int = 0, *, min_p: float = 0.0) -> types.SampleResponse:
+                           topk_prompt_logprobs: int = 0, **options: object) -> types.SampleResponse:
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
-                                 topk_prompt_logprobs, min_p=min_p)
+                                 topk_prompt_logprobs, **options)
 
     def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
         """One engine call for every queued request that shares these weights and settings."""
         with active_weights(self._host, self._weights, self._live_version()):
             results = self._host.engine.sample_jobs([job for job, _ in items])
             prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
-        return [self._response(completions, prompt_lp) for completions, prompt_lp in zip(results, prompt_lps)]
+        return [self._response(completions, prompt_lp)
+                for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
 
     @staticmethod
     def _response(completions, prompt_lp) -> types.SampleResponse:

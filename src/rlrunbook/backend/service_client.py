@@ -1,48 +1,64 @@
 """The local ServiceClient: creates training and sampling clients on in-process models.
 
-``tinker://<model_id>/sampler_weights/<name>`` paths map onto folders under the storage
-directory (``TINKER_LOCAL_STORAGE``); each holds a peft adapter and the name of its base model.
+``tinker://<model_id>/<weights|sampler_weights>/<name>`` paths map onto folders under the
+storage directory (``TINKER_LOCAL_STORAGE``; see :mod:`rlrunbook.backend.storage`), so a run
+can be resumed, or sampled from, by another process.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from pathlib import Path
+from typing import Any
 
-from peft import PeftModel, set_peft_model_state_dict
-from safetensors.torch import load_file
+from peft import PeftModel
 from tinker import types
-from tinker.types.get_server_capabilities_response import SupportedModel
+from typing_extensions import Self
 
-from rlrunbook.backend.futures import OrderedWorker
+from rlrunbook.backend.checkpoints import BASE_MODEL_FILE, read_adapter
+from rlrunbook.backend.futures import OrderedWorker, completed
 from rlrunbook.backend.host import ModelHost, SamplerWeights, load_host
-from rlrunbook.backend.lora import clone_adapter, load_adapter, wrap_with_lora
-from rlrunbook.backend.sampling_client import LocalSamplingClient
+from rlrunbook.backend.lora import clone_adapter, wrap_with_lora
+from rlrunbook.backend.rest_client import LocalRestClient, capabilities
+from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.settings import LocalSettings
+from rlrunbook.backend.storage import CheckpointStore, RunRecord, parse_tinker_path
 from rlrunbook.backend.trainer import LoraTrainer
 from rlrunbook.backend.training_client import LocalTrainingClient
+from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.errors import ConfigError, ModelNotFoundError
-from rlrunbook.models import BUILTIN_MODELS
-
-_BASE_MODEL_FILE = "rlrunbook_base_model.json"
 
 
 class LocalServiceClient:
     """Entry point of the local backend, with the SDK ServiceClient's creation methods.
 
-    Keyword arguments the hosted SDK takes (``api_key``, ``base_url``, ...) are accepted and
-    ignored, so code written for the service constructs this one unchanged.
+    Keyword arguments the hosted SDK takes (``api_key``, ``base_url``, ``display_name``, ...) are
+    accepted and ignored, so code written for the service constructs this one unchanged. Created
+    clients are returned ready; they also behave as the SDK's finished client futures
+    (``.result()``, ``await``). ``with LocalServiceClient() as service:`` closes it at the end.
     """
 
     def __init__(self, settings: LocalSettings | None = None, **_sdk_kwargs: object):
         self.settings = settings if settings is not None else LocalSettings.from_env()
+        self._store = CheckpointStore(self.settings.resolved_storage_dir())
         self._worker = OrderedWorker(max_batch_rows=self.settings.max_batch_rows)
         self._base_hosts: dict[str, ModelHost] = {}
         self._training: dict[str, LocalTrainingClient] = {}
+        self._closed = False
 
-    def result(self, timeout: float | None = None) -> "LocalServiceClient":
+    def result(self, timeout: float | None = None) -> Self:
         return self
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        from tinker.lib.public_interfaces.service_client import ServiceClient
+
+        raise refuse_sdk_attribute("ServiceClient", ServiceClient, name)
 
     # -- training ---------------------------------------------------------------------------
     def create_lora_training_client(
@@ -53,41 +69,88 @@ class LocalServiceClient:
         """A LoRA training client on a fresh copy of ``base_model`` (a built-in name, folder or hub id)."""
         if optimizer is not None and not isinstance(optimizer, types.AdamOptimizerConfig):
             raise ConfigError(f"the local backend trains with AdamW only; got optimizer={optimizer!r}.")
-        settings = self.settings
-
-        def build() -> LocalTrainingClient:
-            host = load_host(base_model, settings)
-            host.model = wrap_with_lora(
-                host.model, rank=rank, alpha=settings.lora_alpha, seed=settings.seed if seed is None else seed,
-                train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed,
-            )
-            host.engine.model = host.model
-            trainer = LoraTrainer(host.model, pad_token_id=host.pad_token_id,
-                                  vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks)
-            model_id = f"local-{uuid.uuid4().hex[:12]}"
-            client = LocalTrainingClient(host, trainer, self._worker, model_id=model_id, rank=rank,
-                                         storage_dir=settings.resolved_storage_dir(),
-                                         sampling_client_factory=self._sampling_client)
-            return client
-
-        client = self._worker.run(build)
-        self._training[client.model_id] = client
-        return client
+        record = RunRecord(model_id=f"local-{uuid.uuid4().hex[:12]}", base_model=base_model, lora_rank=rank,
+                           train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed,
+                           user_metadata=dict(user_metadata or {}))
+        return self._training_client(record, seed)
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
                                                 **kwargs: object) -> LocalTrainingClient:
         return self.create_lora_training_client(base_model, rank, seed, **kwargs)
 
+    def _training_client(self, record: RunRecord, seed: int | None) -> LocalTrainingClient:
+        settings = self.settings
+
+        def build() -> LocalTrainingClient:
+            host = load_host(record.base_model, settings)
+            host.model = wrap_with_lora(
+                host.model, rank=record.lora_rank, alpha=settings.lora_alpha,
+                seed=settings.seed if seed is None else seed, train_attn=record.train_attn,
+                train_mlp=record.train_mlp, train_unembed=record.train_unembed,
+            )
+            host.engine.model = host.model
+            trainer = LoraTrainer(host.model, pad_token_id=host.pad_token_id,
+                                  vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
+                                  accept_zero_advantages=settings.zero_advantage_batches == "accept")
+            self._store.write_run(record)
+            return LocalTrainingClient(host, trainer, self._worker, model_id=record.model_id,
+                                       rank=record.lora_rank, store=self._store,
+                                       sampling_client_factory=self._sampling_client)
+
+        client = self._worker.run(build)
+        self._training[client.model_id] = client
+        return client
+
+    def create_training_client_from_state(self, path: str, base_model: str | None = None,
+                                          user_metadata: dict[str, str] | None = None,
+                                          weights_access_token: str | None = None,
+                                          optimizer: object = None) -> LocalTrainingClient:
+        """A new training run whose adapter starts from ``save_state``'s checkpoint; the optimizer starts fresh."""
+        return self._from_state(path, base_model, user_metadata, optimizer, with_optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
+                                                         user_metadata: dict[str, str] | None = None,
+                                                         weights_access_token: str | None = None
+                                                         ) -> LocalTrainingClient:
+        """Like ``create_training_client_from_state``, and AdamW continues from the checkpoint's state."""
+        return self._from_state(path, base_model, user_metadata, None, with_optimizer=True)
+
+    async def create_training_client_from_state_async(self, path, base_model=None, user_metadata=None,
+                                                      weights_access_token=None, optimizer=None):
+        return self.create_training_client_from_state(path, base_model, user_metadata, optimizer=optimizer)
+
+    async def create_training_client_from_state_with_optimizer_async(self, path, base_model=None,
+                                                                     user_metadata=None, weights_access_token=None):
+        return self.create_training_client_from_state_with_optimizer(path, base_model, user_metadata)
+
+    def _from_state(self, path: str, base_model: str | None, user_metadata: dict[str, str] | None,
+                    optimizer: object, *, with_optimizer: bool) -> LocalTrainingClient:
+        if optimizer is not None and not isinstance(optimizer, types.AdamOptimizerConfig):
+            raise ConfigError(f"the local backend trains with AdamW only; got optimizer={optimizer!r}.")
+        parsed = parse_tinker_path(path, kind="weights")
+        self._store.existing_folder(parsed)
+        source = self._store.read_run(parsed.model_id)
+        record = RunRecord(model_id=f"local-{uuid.uuid4().hex[:12]}", base_model=base_model or source.base_model,
+                           lora_rank=source.lora_rank, train_mlp=source.train_mlp, train_attn=source.train_attn,
+                           train_unembed=source.train_unembed,
+                           user_metadata=dict(source.user_metadata if user_metadata is None else user_metadata))
+        client = self._training_client(record, seed=None)
+        client._load(path, with_optimizer=with_optimizer).result()
+        return client
+
     # -- sampling ---------------------------------------------------------------------------
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
-                               retry_config: object = None, **_: object) -> LocalSamplingClient:
-        """A SamplingClient on saved sampler weights (``model_path``) or on a base model."""
+                               retry_config: object = None, record_stability_info: bool = False,
+                               **_: object) -> LocalSamplingClient:
+        """A SamplingClient on saved weights (``model_path``, either kind of checkpoint) or on a base model."""
+        refuse_stability_info(record_stability_info)
         if (model_path is None) == (base_model is None):
-            raise ConfigError("pass exactly one of model_path (saved sampler weights) or base_model.")
+            raise ConfigError("pass exactly one of model_path (saved weights) or base_model.")
         return self._sampling_client(None, None, model_path, None, base_model=base_model)
 
-    async def create_sampling_client_async(self, model_path=None, base_model=None, retry_config=None, **_):
-        return self.create_sampling_client(model_path, base_model, retry_config)
+    async def create_sampling_client_async(self, model_path=None, base_model=None, retry_config=None,
+                                           record_stability_info=False, **_):
+        return self.create_sampling_client(model_path, base_model, retry_config, record_stability_info)
 
     def _sampling_client(self, host: ModelHost | None, weights: SamplerWeights | None, model_path: str | None,
                          live_version, *, base_model: str | None = None) -> LocalSamplingClient:
@@ -97,10 +160,11 @@ class LocalServiceClient:
             host = self._worker.run(self._base_host, base_model)
             return LocalSamplingClient(host, SamplerWeights.base(), self._worker, lambda: None, None)
         assert model_path is not None
-        model_id, folder = self._parse_path(model_path)
-        live = self._training.get(model_id)
-        if live is not None:
-            weights = self._worker.run(self._read_adapter, live._host, folder)
+        parsed = parse_tinker_path(model_path)
+        folder = self._store.existing_folder(parsed)
+        live = self._training.get(parsed.model_id)
+        if live is not None:  # the run is in this process: share its model, sample the saved snapshot
+            weights = SamplerWeights(adapter=self._worker.run(read_adapter, live._host, folder), version=-1)
             return LocalSamplingClient(live._host, weights, self._worker, live._live_version, model_path)
         host = self._worker.run(self._host_from_adapter, folder)
         return LocalSamplingClient(host, SamplerWeights(adapter=clone_adapter(host.model), version=0),
@@ -111,43 +175,43 @@ class LocalServiceClient:
             self._base_hosts[base_model] = load_host(base_model, self.settings)
         return self._base_hosts[base_model]
 
-    def _parse_path(self, model_path: str) -> tuple[str, Path]:
-        prefix = "tinker://"
-        parts = model_path[len(prefix):].split("/") if model_path.startswith(prefix) else []
-        if len(parts) != 3 or parts[1] != "sampler_weights":
-            raise ConfigError(f"model_path {model_path!r} is not of the form tinker://<model_id>/sampler_weights/<name>.")
-        folder = self.settings.resolved_storage_dir() / parts[0] / "sampler_weights" / parts[2]
-        if not (folder / "adapter_config.json").is_file():
-            raise ModelNotFoundError(
-                f"no saved sampler weights at {model_path} (looked in {folder}); save them first with "
-                "training_client.save_weights_for_sampler(name), or check TINKER_LOCAL_STORAGE."
-            )
-        return parts[0], folder
-
-    @staticmethod
-    def _read_adapter(host: ModelHost, folder: Path) -> SamplerWeights:
-        live = clone_adapter(host.model)
-        set_peft_model_state_dict(host.model, load_file(str(folder / "adapter_model.safetensors")))
-        snapshot = clone_adapter(host.model)
-        load_adapter(host.model, live)
-        return SamplerWeights(adapter=snapshot, version=-1)
-
-    def _host_from_adapter(self, folder: Path) -> ModelHost:
-        meta = folder / _BASE_MODEL_FILE
-        base_model = json.loads(meta.read_text())["base_model"] if meta.is_file() else None
-        if base_model is None:
-            raise ModelNotFoundError(f"{folder} does not name its base model ({_BASE_MODEL_FILE} missing).")
-        host = load_host(base_model, self.settings)
+    def _host_from_adapter(self, folder) -> ModelHost:
+        meta = folder / BASE_MODEL_FILE
+        if not meta.is_file():
+            raise ModelNotFoundError(f"{folder} does not name its base model ({BASE_MODEL_FILE} missing).")
+        host = load_host(json.loads(meta.read_text())["base_model"], self.settings)
         host.model = PeftModel.from_pretrained(host.model, str(folder))
         host.engine.model = host.model
         return host
 
     # -- information ------------------------------------------------------------------------
+    def create_rest_client(self) -> LocalRestClient:
+        """Run and checkpoint queries over this backend's storage folder."""
+        return LocalRestClient(self._store)
+
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         """The built-in models; any local folder or cached hub id works as well."""
-        return types.GetServerCapabilitiesResponse(
-            supported_models=[SupportedModel(model_name=name) for name in BUILTIN_MODELS]
-        )
+        return capabilities()
 
-    def close(self) -> None:
-        self._worker.shutdown()
+    async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
+        return capabilities()
+
+    def close(self, status: str = "success", detail: str | None = None):
+        """Stop the worker thread (after the calls already queued). Returns a finished future, as the SDK does."""
+        if not self._closed:
+            self._closed = True
+            self._worker.shutdown()
+        return completed(None)
+
+
+class SdkLocalServiceClient(LocalServiceClient):
+    """``LocalServiceClient`` with the SDK ServiceClient's constructor, settings read from the environment.
+
+    This is what ``python -m rlrunbook.cookbook`` binds ``tinker.ServiceClient`` to: recipes call
+    ``tinker.ServiceClient(user_metadata, project_id, base_url=..., ...)``, whose first positional
+    argument is session metadata, not :class:`LocalSettings`.
+    """
+
+    def __init__(self, user_metadata: dict[str, str] | None = None, project_id: str | None = None,
+                 **sdk_kwargs: object):
+        super().__init__(None)

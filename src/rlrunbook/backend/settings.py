@@ -49,6 +49,11 @@ class LocalSettings:
         storage_dir: where ``tinker://`` checkpoints live (``TINKER_LOCAL_STORAGE``;
             default ``$RLRUNBOOK_CACHE_DIR/tinker`` or ``~/.cache/rlrunbook/tinker``).
         max_batch_rows: most sequences per generate call (``TINKER_LOCAL_MAX_BATCH_ROWS``, 256).
+        zero_advantage_batches: what ``forward_backward`` does with an advantage-based loss on a batch
+            whose advantages are all 0 (``TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES``): ``error`` (default,
+            NoLearningSignalError: a silent no-op step is a bug in this project's loop) or ``accept``
+            (computed like the hosted service does: loss and gradient 0; what unmodified cookbook
+            recipes need, whose loops send such batches when every group's rewards tie).
     """
 
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -59,6 +64,11 @@ class LocalSettings:
     sampler: str = "hf"
     storage_dir: Path | None = None
     max_batch_rows: int = 256
+    zero_advantage_batches: str = "error"
+
+    def __post_init__(self) -> None:
+        if self.zero_advantage_batches not in ("error", "accept"):
+            raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:
@@ -73,7 +83,7 @@ class LocalSettings:
         return root / "tinker"
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "LocalSettings":
+    def from_env(cls, env: dict[str, str] | None = None) -> LocalSettings:
         """Read the ``TINKER_LOCAL_*`` variables; invalid values raise ``ConfigError``."""
         env = dict(os.environ if env is None else env)
         kwargs: dict[str, object] = {}
@@ -92,6 +102,10 @@ class LocalSettings:
                 "TINKER_LOCAL_SAMPLER=vllm: the vLLM engine is not part of this build yet; "
                 "unset TINKER_LOCAL_SAMPLER to sample with transformers (hf)."
             )
+        zero = env.get("TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES", "").strip().lower() or "error"
+        if zero not in ("error", "accept"):
+            raise ConfigError(f"TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES={zero!r} must be 'error' or 'accept'.")
+        kwargs["zero_advantage_batches"] = zero
         if env.get("TINKER_LOCAL_STORAGE"):
             kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
         return cls(

@@ -92,14 +92,19 @@ def _merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float
 class LoraTrainer:
     """Owns a LoRA-wrapped model and its optimizer; every method runs on the backend's worker thread."""
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1):
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1,
+                 accept_zero_advantages: bool = False):
         self.model = model
+        # False (the project's default): a batch with no non-zero advantage raises NoLearningSignalError.
+        # True: it is computed as the hosted service computes it, loss and gradient 0 (for unmodified recipes).
+        self.accept_zero_advantages = accept_zero_advantages
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
         self.grad_accum_chunks = grad_accum_chunks
-        self.weights_version = 0  # bumped by every optimizer step; sampler snapshots record it
+        self.weights_version = 0  # bumped by every optimizer step or load; sampler snapshots record it
         self._optimizer: torch.optim.AdamW | None = None
         self._has_gradients = False
+        self._pending_loss = 0.0  # summed loss of the forward_backward calls the next step applies
 
     @property
     def device(self) -> torch.device:
@@ -124,12 +129,13 @@ class LoraTrainer:
             raise InputError("empty batch: forward_backward needs at least one Datum.")
         items = [_datum_item(d, i, spec, self.vocab_size) for i, d in enumerate(data)]
         trained = sum(_trained_positions(item, spec) for item in items)
-        if spec.uses_advantages and trained == 0:
+        if spec.uses_advantages and trained == 0 and not self.accept_zero_advantages:
             raise NoLearningSignalError(
                 f"No non-zero advantages in batch (nothing to train on): loss {spec.name!r} got "
                 f"{len(items)} datums whose advantages are all 0.0, so this step would be a silent no-op. "
                 "Rewards were constant within every group (centering made them 0): increase the group size, "
-                "use a reward with more spread, or raise the temperature."
+                "use a reward with more spread, or raise the temperature. (Code written for the hosted service, "
+                "which trains such a batch as a no-op, can set TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES=accept.)"
             )
         n_chunks = min(self.grad_accum_chunks, len(items))
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
@@ -143,6 +149,8 @@ class LoraTrainer:
                 loss.backward()
                 self._has_gradients = True
             loss_total += float(loss.detach())
+            if backward:
+                self._pending_loss += float(loss.detach())
             logprobs += chunk_logprobs
             parts.append((metrics, n_positions))
         metrics = _merge_metrics(parts)
@@ -193,6 +201,7 @@ class LoraTrainer:
             group.update(hyper)
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
+        applied_loss, self._pending_loss = self._pending_loss, 0.0
         if not math.isfinite(grad_norm):
             self._optimizer.zero_grad(set_to_none=True)
             self._has_gradients = False
@@ -204,8 +213,32 @@ class LoraTrainer:
         self._optimizer.zero_grad(set_to_none=True)
         self._has_gradients = False
         self.weights_version += 1
+        # loss:sum is the summed loss of the forward_backward calls this step applied: recipes that log
+        # only optim_step metrics (the cookbook's RL loops) then still record the loss they optimised.
         return types.OptimStepResponse(metrics={"grad_norm:mean": grad_norm,
-                                                "learning_rate:mean": params.learning_rate})
+                                                "learning_rate:mean": params.learning_rate,
+                                                "loss:sum": applied_loss})
 
     def optimizer_state(self) -> dict | None:
+        """AdamW's ``state_dict()`` (tensors and plain numbers only), or None before the first step."""
         return None if self._optimizer is None else self._optimizer.state_dict()
+
+    def parameter_names(self) -> list[str]:
+        """The adapter parameters in the optimizer's order (its state is keyed by position)."""
+        return list(adapter_parameters(self.model))
+
+    def weights_loaded(self, optimizer_state: dict | None, *, keep_optimizer: bool) -> None:
+        """Call after new adapter weights were copied in: drop gradients, set the optimizer, bump the version.
+
+        ``keep_optimizer`` restores ``optimizer_state`` (AdamW moments and step counts; hyperparameters
+        are set again by every ``optim_step``); otherwise the optimizer starts fresh at the next step.
+        """
+        self.model.zero_grad(set_to_none=True)
+        self._has_gradients = False
+        self._pending_loss = 0.0
+        self._optimizer = None
+        if keep_optimizer and optimizer_state is not None:
+            optimizer = torch.optim.AdamW(list(adapter_parameters(self.model).values()))
+            optimizer.load_state_dict(optimizer_state)
+            self._optimizer = optimizer
+        self.weights_version += 1

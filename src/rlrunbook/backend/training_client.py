@@ -2,40 +2,43 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 from tinker import types
 
-from rlrunbook.backend.futures import OrderedWorker
+from rlrunbook.backend.checkpoints import load_training_state, save_training_state, write_adapter
+from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
 from rlrunbook.backend.host import ModelHost, SamplerWeights
 from rlrunbook.backend.lora import clone_adapter
-from rlrunbook.backend.sampling_client import LocalSamplingClient
+from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
+from rlrunbook.backend.storage import CheckpointStore, TinkerPath, checkpoint_name, parse_tinker_path
 from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.errors import ConfigError
 
 
-class LocalTrainingClient:
+class LocalTrainingClient(ResolvedClient):
     """A LoRA training run on a local model. Every call returns at once with an APIFuture;
-    calls take effect in submission order (one worker per ServiceClient)."""
+    calls take effect in submission order (one worker per ServiceClient).
+
+    Like the SDK's client futures it also resolves to itself (``.result()``, ``await``).
+    """
 
     def __init__(self, host: ModelHost, trainer: LoraTrainer, worker: OrderedWorker, *,
-                 model_id: str, rank: int, storage_dir: Path, sampling_client_factory):
+                 model_id: str, rank: int, store: CheckpointStore, sampling_client_factory):
         self._host = host
         self._trainer = trainer
         self._worker = worker
         self.model_id = model_id
         self._rank = rank
-        self._storage_dir = storage_dir
+        self._store = store
         self._make_sampling_client = sampling_client_factory
         self._snapshots = 0
 
-    def result(self, timeout: float | None = None) -> "LocalTrainingClient":
-        return self
+    def __getattr__(self, name: str):
+        from tinker.lib.public_interfaces.training_client import TrainingClient
 
-    async def result_async(self, timeout: float | None = None) -> "LocalTrainingClient":
-        return self
+        raise refuse_sdk_attribute("TrainingClient", TrainingClient, name)
 
     # -- training -------------------------------------------------------------------------
     def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, float | str] | None = None):
@@ -54,7 +57,11 @@ class LocalTrainingClient:
         return self.forward_backward(data, loss_fn, loss_fn_config)
 
     def optim_step(self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None):
-        """APIFuture of an OptimStepResponse (AdamW with optional grad-norm clipping)."""
+        """APIFuture of an OptimStepResponse (AdamW with optional grad-norm clipping).
+
+        Its metrics: ``grad_norm:mean``, ``learning_rate:mean`` and ``loss:sum``, the summed loss of
+        the forward_backward calls whose gradients this step applied.
+        """
         if optim_params is not None and adam_params is not None:
             raise ConfigError("pass optim_params or adam_params, not both.")
         params = optim_params if optim_params is not None else adam_params
@@ -65,6 +72,52 @@ class LocalTrainingClient:
     async def optim_step_async(self, optim_params=None, *, adam_params=None):
         return self.optim_step(optim_params, adam_params=adam_params)
 
+    # -- training state ---------------------------------------------------------------------
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None):
+        """APIFuture of a SaveWeightsResponse: adapter and optimizer under ``tinker://<model_id>/weights/<name>``.
+
+        Restore it with ``service.create_training_client_from_state(_with_optimizer)(path)`` or
+        ``load_state(_with_optimizer)(path)``. A name that exists is refused unless ``overwrite``.
+        """
+        path = TinkerPath(self.model_id, "weights", checkpoint_name(name))
+        folder = self._store.folder(path)
+
+        def run() -> types.SaveWeightsResponse:
+            if folder.exists() and not overwrite:
+                raise ConfigError(f"checkpoint {path.path} exists; pass overwrite=True or choose another name.")
+            save_training_state(self._host, self._trainer, folder)
+            return types.SaveWeightsResponse(path=path.path)
+
+        return self._worker.submit(run)
+
+    async def save_state_async(self, name, ttl_seconds=None, overwrite=False, user_metadata=None):
+        return self.save_state(name, ttl_seconds, overwrite, user_metadata)
+
+    def load_state(self, path: str, weights_access_token: str | None = None):
+        """APIFuture of a LoadWeightsResponse: the checkpoint's adapter replaces this run's; the optimizer restarts."""
+        return self._load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None):
+        """Like ``load_state``, and AdamW's moments and step counts continue from the checkpoint."""
+        return self._load(path, with_optimizer=True)
+
+    async def load_state_async(self, path, weights_access_token=None):
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path, weights_access_token=None):
+        return self.load_state_with_optimizer(path)
+
+    def _load(self, path: str, *, with_optimizer: bool):
+        parsed = parse_tinker_path(path, kind="weights")
+        folder = self._store.existing_folder(parsed)
+
+        def run() -> types.LoadWeightsResponse:
+            load_training_state(self._host, self._trainer, folder, with_optimizer=with_optimizer)
+            return types.LoadWeightsResponse(path=path)
+
+        return self._worker.submit(run)
+
     # -- sampler weights ------------------------------------------------------------------
     def _snapshot(self) -> SamplerWeights:
         return SamplerWeights(adapter=clone_adapter(self._host.model), version=self._trainer.weights_version)
@@ -72,14 +125,12 @@ class LocalTrainingClient:
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None):
         """Save the adapter under ``tinker://<model_id>/sampler_weights/<name>`` (a local folder)."""
-        path = f"tinker://{self.model_id}/sampler_weights/{name}"
-        folder = self._storage_dir / self.model_id / "sampler_weights" / name
+        path = TinkerPath(self.model_id, "sampler_weights", checkpoint_name(name))
+        folder = self._store.folder(path)
 
         def run() -> types.SaveWeightsForSamplerResponse:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            self._host.model.save_pretrained(str(folder), save_embedding_layers=False)
-            (folder / "rlrunbook_base_model.json").write_text(json.dumps({"base_model": self._host.name}))
-            return types.SaveWeightsForSamplerResponse(path=path)
+            write_adapter(self._host, folder)
+            return types.SaveWeightsForSamplerResponse(path=path.path)
 
         return self._worker.submit(run)
 
@@ -87,19 +138,31 @@ class LocalTrainingClient:
         return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: object = None,
+                                             record_stability_info: bool = False,
                                              **_: object) -> LocalSamplingClient:
-        """A SamplingClient on the weights as they are after every call submitted so far."""
+        """A SamplingClient on the weights as they are after every call submitted so far.
+
+        Several such clients stay valid at once (each samples its own snapshot), as off-policy
+        training needs.
+        """
+        refuse_stability_info(record_stability_info)
         self._snapshots += 1
         weights = self._worker.run(self._snapshot)
         path = f"tinker://{self.model_id}/sampler_weights/ephemeral-{self._snapshots}"
         return self._make_sampling_client(self._host, weights, path, self._live_version)
 
-    async def save_weights_and_get_sampling_client_async(self, name=None, retry_config=None, **_):
-        return self.save_weights_and_get_sampling_client(name, retry_config)
+    async def save_weights_and_get_sampling_client_async(self, name=None, retry_config=None,
+                                                         record_stability_info=False, **_):
+        return self.save_weights_and_get_sampling_client(name, retry_config, record_stability_info)
 
-    def create_sampling_client(self, model_path: str, retry_config: object = None) -> LocalSamplingClient:
-        """A SamplingClient on weights saved by ``save_weights_for_sampler``."""
+    def create_sampling_client(self, model_path: str, retry_config: object = None,
+                               record_stability_info: bool = False) -> LocalSamplingClient:
+        """A SamplingClient on weights saved by ``save_weights_for_sampler`` (or ``save_state``)."""
+        refuse_stability_info(record_stability_info)
         return self._make_sampling_client(None, None, model_path, None)
+
+    async def create_sampling_client_async(self, model_path, retry_config=None, record_stability_info=False):
+        return self.create_sampling_client(model_path, retry_config, record_stability_info)
 
     def _live_version(self) -> int:
         return self._trainer.weights_version

@@ -17,26 +17,37 @@ class GenerationRequest:
     """One sampling call's settings, shared by every prompt of the call.
 
     ``stop`` holds resolved stop sequences of token ids (a single-token stop is a 1-tuple);
-    an empty tuple disables stopping, so generation runs to ``max_tokens``.
+    ``stop_strings`` holds text stops, matched on the decoded text of each row's generated
+    tokens (an engine needs a decoder for them). Both empty disables stopping, so generation
+    runs to ``max_tokens``; otherwise a row ends at whichever stop completes first.
     """
 
     max_tokens: int
     filters: SamplingFilters = field(default_factory=SamplingFilters)
     stop: tuple[tuple[int, ...], ...] = ()
     seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ConfigError(f"max_tokens={self.max_tokens!r} must be a positive int.")
         if any(len(s) == 0 for s in self.stop):
             raise ConfigError("an empty stop sequence would match at once; remove it.")
+        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
+            raise ConfigError(f"stop strings {self.stop_strings!r} must be non-empty str; an empty one matches at once.")
+
+    @property
+    def stops_anything(self) -> bool:
+        return bool(self.stop or self.stop_strings)
 
 
 @dataclass(frozen=True)
 class Completion:
     """One sampled continuation.
 
-    ``tokens`` end with the stop sequence that ended them (if any) and hold nothing after it.
+    ``tokens`` end with the stop sequence that ended them (if any) and hold nothing after it; a
+    stop string ends them at the token whose text completes the string (the string itself may
+    start inside an earlier token, and that token's text may run past the string's end).
     ``logprobs`` are under the distribution actually sampled (after temperature and filters);
     ``policy_logprobs`` under the raw T = 1 policy. Both align one to one with ``tokens``.
     """

@@ -16,21 +16,32 @@ How it departs from a plain ``generate(do_sample=True)`` call, and why:
 - **O(rows) memory.** Logprobs of the chosen token (under the sampled distribution and under the
   raw T = 1 policy) are recorded at each step; no ``[rows, steps, vocab]`` history is kept.
 - **Stops** are token-id sequences checked per row after every token; the returned tokens end with
-  the stop sequence and hold nothing after it.
+  the stop sequence and hold nothing after it. **Stop strings** are the one place this engine
+  decodes: after every token, a criterion decodes the tail of each unfinished row's generated
+  tokens (never the prompt) and marks the row done once a stop string appears in that text; the
+  returned tokens end at the token where the string completes. Nothing decoded is ever re-encoded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from rlrunbook.engines.base import Completion, GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
 from rlrunbook.engines.noise import gumbel_noise, mix_seed
-from rlrunbook.errors import GenerationLeakError, InputError
+from rlrunbook.errors import ConfigError, GenerationLeakError, InputError
 from rlrunbook.tokens import check_token_ids, find_stop, pad_batch
 
 # Every GenerationConfig field that adds a logits processor or changes decoding, at its neutral value.
@@ -131,6 +142,38 @@ class _StopSequences(StoppingCriteria):
         return done
 
 
+DecodeBatch = Callable[[list[list[int]]], list[str]]  # token-id rows -> their text
+
+
+class _StopStrings(StoppingCriteria):
+    """Marks a row finished once the text of its generated tokens contains any stop string.
+
+    Only a tail window of each row is decoded: a match that completes at the newest token spans
+    at most ``len(string)`` characters, a character is at most 4 bytes and every token carries at
+    least one byte, so ``4 * len(string)`` tokens (plus a margin) always hold it. Matches are
+    looked for after every token, so the first step a string appears is where it completed.
+    ``ends[row]`` is the number of generated tokens at that step (``None`` until it stops).
+    """
+
+    def __init__(self, strings: tuple[str, ...], prompt_width: int, rows: int, decode_batch: DecodeBatch):
+        self._strings = strings
+        self._prompt_width = prompt_width
+        self._window = 4 * max(len(s) for s in strings) + 8
+        self._decode_batch = decode_batch
+        self.ends: list[int | None] = [None] * rows
+
+    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
+        generated = input_ids.shape[1] - self._prompt_width
+        pending = [row for row, end in enumerate(self.ends) if end is None]
+        if pending and generated > 0:
+            start = max(self._prompt_width, input_ids.shape[1] - self._window)
+            texts = self._decode_batch(input_ids[pending, start:].tolist())
+            for row, text in zip(pending, texts, strict=True):
+                if any(s in text for s in self._strings):
+                    self.ends[row] = generated
+        return torch.tensor([end is not None for end in self.ends], dtype=torch.bool, device=input_ids.device)
+
+
 @dataclass(frozen=True)
 class SampleJob:
     """One caller's share of a batched call: a prompt, how many samples, and their request."""
@@ -149,14 +192,17 @@ class HFSamplingEngine:
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int,
-                 max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0):
+                 max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
+                 decode_batch: DecodeBatch | None = None):
         self.model = model
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.max_batch_rows = max_batch_rows
+        self.decode_batch = decode_batch  # needed for stop strings only
         self._seed = seed
         self._unseeded_calls = 0
+        self._seed_lock = threading.Lock()  # callers on several threads may draw seeds
         self._base_model().generation_config = neutral_generation_config(pad_token_id=pad_token_id)
 
     def _base_model(self) -> torch.nn.Module:
@@ -170,6 +216,11 @@ class HFSamplingEngine:
     def validate(self, prompt: Sequence[int], request: GenerationRequest, what: str = "prompt") -> None:
         """Raise ``InputError`` for an empty prompt, an id outside the vocabulary, or no room in the context."""
         check_token_ids(prompt, self.vocab_size, what)
+        if request.stop_strings and self.decode_batch is None:
+            raise ConfigError(
+                f"stop strings {request.stop_strings!r} need a decoder, and this engine was built without one; "
+                "pass decode_batch= (the tokenizer's batch_decode) or stop on token ids instead."
+            )
         if self.max_context is not None and len(prompt) + request.max_tokens > self.max_context:
             raise InputError(
                 f"{what} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds the "
@@ -182,14 +233,16 @@ class HFSamplingEngine:
         if not prompts:
             raise InputError("no prompts given: pass at least one token-id prompt.")
         if request.seed is None:  # one seed per call, so prompts of one call still differ
-            request = GenerationRequest(request.max_tokens, request.filters, request.stop, self._next_seed())
+            request = dataclasses.replace(request, seed=self._next_seed())
         jobs = [SampleJob(list(p), num_samples, _with_seed(request, mix_seed(request.seed, i)))
                 for i, p in enumerate(prompts)]
         return self.sample_jobs(jobs)
 
     def _next_seed(self) -> int:
-        self._unseeded_calls += 1
-        return mix_seed(self._seed, self._unseeded_calls)
+        with self._seed_lock:
+            self._unseeded_calls += 1
+            calls = self._unseeded_calls
+        return mix_seed(self._seed, calls)
 
     def sample_jobs(self, jobs: Sequence[SampleJob]) -> list[list[Completion]]:
         """Sample several callers' jobs in as few generate calls as possible.
@@ -199,9 +252,9 @@ class HFSamplingEngine:
         """
         if not jobs:
             return []
-        shape = {(j.request.max_tokens, j.request.filters, j.request.stop) for j in jobs}
+        shape = {(j.request.max_tokens, j.request.filters, j.request.stop, j.request.stop_strings) for j in jobs}
         if len(shape) != 1:
-            raise InputError("jobs in one batched call must share max_tokens, filters and stop sequences.")
+            raise InputError("jobs in one batched call must share max_tokens, filters, stop sequences and strings.")
         rows: list[tuple[list[int], int]] = []
         for i, job in enumerate(jobs):
             if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
@@ -228,7 +281,13 @@ class HFSamplingEngine:
         sampler = _Sampler(request.filters, torch.tensor([s for _, s in rows], dtype=torch.int64, device=device), raw)
         config = neutral_generation_config(max_new_tokens=request.max_tokens, pad_token_id=self.pad_token_id,
                                            return_dict_in_generate=True)
-        stopping = StoppingCriteriaList([_StopSequences(request.stop, width, device)]) if request.stop else None
+        criteria: list[StoppingCriteria] = [_StopSequences(request.stop, width, device)] if request.stop else []
+        strings = None
+        if request.stop_strings:
+            assert self.decode_batch is not None  # validate() refused the request otherwise
+            strings = _StopStrings(request.stop_strings, width, len(rows), self.decode_batch)
+            criteria.append(strings)
+        stopping = StoppingCriteriaList(criteria) if criteria else None
         handle = self._base_model().get_output_embeddings().register_forward_hook(raw)
         try:
             out = self.model.generate(
@@ -248,8 +307,11 @@ class HFSamplingEngine:
         sampled_rows = torch.stack(sampler.sampled_logprobs[:steps], dim=1).cpu().tolist()
         policy_rows = torch.stack(sampler.policy_logprobs[:steps], dim=1).cpu().tolist()
         completions = []
-        for tokens, sampled, policy in zip(generated.cpu().tolist(), sampled_rows, policy_rows, strict=True):
-            end = find_stop(tokens, request.stop) if request.stop else None
+        string_ends = strings.ends if strings is not None else [None] * len(rows)
+        rows_out = zip(generated.cpu().tolist(), sampled_rows, policy_rows, string_ends, strict=True)
+        for tokens, sampled, policy, string_end in rows_out:
+            ends = [e for e in (find_stop(tokens, request.stop) if request.stop else None, string_end) if e is not None]
+            end = min(ends) if ends else None
             keep = len(tokens) if end is None else end
             completions.append(Completion(tokens=tokens[:keep], logprobs=sampled[:keep],
                                           policy_logprobs=policy[:keep],
@@ -258,4 +320,4 @@ class HFSamplingEngine:
 
 
 def _with_seed(request: GenerationRequest, seed: int) -> GenerationRequest:
-    return GenerationRequest(request.max_tokens, request.filters, request.stop, seed)
+    return dataclasses.replace(request, seed=seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -68,6 +69,12 @@ class RolloutContext:
         extra = {"min_p": self.config.min_p} if self.config.min_p > 0 else {}
         return self.sampler.sample(types.ModelInput.from_ints(prompt), num_samples, self.params(seed), **extra)
 
+    def batch(self):
+        """Submit a round's requests inside this block: on the local backend they become one engine
+        call whatever the timing (``LocalSamplingClient.batch``); elsewhere it changes nothing."""
+        hold = getattr(self.sampler, "batch", None)
+        return hold() if callable(hold) else nullcontext()
+
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -105,7 +112,8 @@ class SingleTurn(Paradigm):
     def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
         size = ctx.config.group_size
         prompts = [ctx.prompt(p) for p in problems]
-        futures = [ctx.sample(prompt, size, mix_seed(ctx.config.seed, step, g)) for g, prompt in enumerate(prompts)]
+        with ctx.batch():
+            futures = [ctx.sample(prompt, size, mix_seed(ctx.config.seed, step, g)) for g, prompt in enumerate(prompts)]
         rollouts, records, sampled = [], [], 0
         for g, (problem, prompt, future) in enumerate(zip(problems, prompts, futures, strict=True)):
             for sequence in future.result().sequences:
@@ -162,8 +170,9 @@ class Debate(Paradigm):
                         me["logprobs"] += [0.0] * len(injected)
                         me["mask"] += [0] * len(injected)
             keys = [(g, d, side) for g, d in debates for side in ("a", "b")]
-            futures = [ctx.sample(state[k]["prompt"] + state[k]["tokens"], 1,
-                                  mix_seed(ctx.config.seed, step, round_index, *k[:2], ord(k[2]))) for k in keys]
+            with ctx.batch():
+                futures = [ctx.sample(state[k]["prompt"] + state[k]["tokens"], 1,
+                                      mix_seed(ctx.config.seed, step, round_index, *k[:2], ord(k[2]))) for k in keys]
             for key, future in zip(keys, futures, strict=True):
                 sequence = future.result().sequences[0]
                 turn = list(sequence.tokens)
