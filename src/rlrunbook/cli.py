@@ -21,7 +21,8 @@ from rlrunbook.errors import RlrunbookError
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TRAIN_FIELDS = ("mode", "env", "dataset", "num_rollouts", "num_groups", "steps", "name", "seed", "temperature",
                 "max_tokens", "min_p", "reward_fn", "mock_judge", "judge_model", "debate_train",
-                "debate_grpo_reward", "model", "log_root", "learning_rate", "lora_rank", "summary_max_words")
+                "debate_grpo_reward", "model", "log_root", "learning_rate", "lora_rank", "summary_max_words",
+                "deterministic", "expected_dataset_hash")
 
 
 def _encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
@@ -287,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, help="AdamW learning rate (1e-4)")
     train.add_argument("--lora-rank", type=int, help="LoRA rank (16)")
     train.add_argument("--summary-max-words", type=int, help="summary: words of the article in the prompt (150)")
+    train.add_argument("--deterministic", action="store_const", const=True,
+                       help="seed Python/NumPy/torch and use deterministic torch algorithms")
+    train.add_argument("--expected-dataset-hash", help="refuse the run if the data set's fingerprint differs")
     train.add_argument("--no-proxy", action="store_true", help="accepted for the seeds' commands; no effect here")
     train.set_defaults(func=cmd_train, argv=None)
 

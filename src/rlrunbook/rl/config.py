@@ -43,6 +43,8 @@ class TrainConfig:
     lora_rank: int = 16                 # LoRA rank
     loss_fn: str = "importance_sampling"  # the Tinker loss trained with
     summary_max_words: int = 150        # summary: the article is cut to this many words for the prompt
+    deterministic: bool = False         # seed Python/NumPy/torch and use deterministic torch algorithms
+    expected_dataset_hash: str | None = None  # refuse the run if the data set's fingerprint differs
     extra: dict = field(default_factory=dict, compare=False)  # task plug-in options
 
     @property

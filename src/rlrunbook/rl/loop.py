@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tinker import types
 
-from rlrunbook.errors import NoLearningSignalError
+from rlrunbook.errors import ConfigError, NoLearningSignalError
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
@@ -66,7 +66,29 @@ def prepare(config: TrainConfig):
     options = {"summary_max_words": config.summary_max_words, **config.extra}
     task = get_task_class(config.env)(config.dataset, config.reward_fn, config.seed, options)
     problems = task.load()
+    if config.expected_dataset_hash is not None:
+        actual = task.dataset_info(problems).get("fingerprint")
+        if actual != config.expected_dataset_hash:
+            raise ConfigError(
+                f"data set {task.dataset!r} has fingerprint {actual}, not the expected {config.expected_dataset_hash}: "
+                "it changed since that hash was recorded. Use the recorded data, or drop --expected-dataset-hash "
+                "to accept the new one (run_metadata.json records it)."
+            )
     return config, paradigm, task, problems
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed Python, NumPy and torch; with ``deterministic``, make torch refuse nondeterministic kernels."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        if torch.cuda.is_available():
+            torch.backends.cudnn.benchmark = False
 
 
 def run_training(config: TrainConfig, *, service_factory: Callable[[], object] | None = None,
@@ -84,6 +106,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     writer = RunWriter(run_dir)
     writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems))
     log(f"[run] {run_dir}")
+    seed_everything(config.seed, config.deterministic)
     try:
         if service_factory is None:
             from rlrunbook.backend import create_service_client as service_factory
