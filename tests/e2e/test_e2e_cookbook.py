@@ -182,3 +182,60 @@ def test_sl_loop_resume_from_its_checkpoint_is_exact(tmp_path, conversations):
     for k in (2, 3):  # step 3 depends on AdamW's moments: equal only if the optimizer state was restored
         for key in ("loss:sum", "grad_norm:mean", "train_mean_nll"):
             assert resumed[k][key] == pytest.approx(original[k][key], rel=1e-5), (k, key)
+
+
+def _warm_start_state(storage: Path, log: Path) -> None:
+    """Teach tiny to answer ``\\boxed{4}`` (cross_entropy on varied prompts, through the local backend), save the
+    state, and point the recipe's own ``checkpoints.jsonl`` at it: the recipe then resumes from it as it would on
+    the service. Measured: the held-out hit rate of ``\\boxed{4}`` reaches about 0.5 after 40 steps."""
+    import random
+
+    from tinker import types
+
+    from rlrunbook.backend import LocalServiceClient, LocalSettings
+    from rlrunbook.tokens import build_datum_arrays
+
+    rng = random.Random(0)
+    words = "apples pears boxes cars miles hours cents tickets pages eggs cups dogs".split()
+    service = LocalServiceClient(LocalSettings(device="cpu", storage_dir=storage))
+    try:
+        training = service.create_lora_training_client("tiny", rank=8, seed=0)
+        tok = training.get_tokenizer()
+        answer = tok.encode("\\boxed{4}", add_special_tokens=False) + [tok.eos_token_id]
+        for _ in range(40):
+            data = []
+            for _ in range(16):
+                question = " ".join(rng.choice(words) for _ in range(rng.randint(5, 120)))
+                prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}],
+                                                            add_generation_prompt=True, tokenize=False),
+                                    add_special_tokens=False)
+                arrays = build_datum_arrays(prompt, answer)
+                data.append(types.Datum(model_input=types.ModelInput.from_ints(arrays.input_tokens),
+                                        loss_fn_inputs={"target_tokens": arrays.target_tokens,
+                                                        "weights": arrays.weights}))
+            training.forward_backward(data, "cross_entropy")
+            training.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+        state = training.save_state("warm").result()
+    finally:
+        service.close()
+    log.mkdir(parents=True)
+    (log / "checkpoints.jsonl").write_text(json.dumps({"name": "warm", "batch": 0, "state_path": state.path}) + "\n")
+
+
+def test_rl_loop_trains_from_a_warm_start_with_finite_losses(tmp_path):
+    """The minimal RL loop with real updates: resumed (by its own checkpoints.jsonl) from a tiny that answers
+    \\boxed{4} about half the time, on GSM8K-format questions whose answer is 4, so groups have reward spread."""
+    log = tmp_path / "rl_loop"
+    _warm_start_state(tmp_path / "tinker", log)
+    data = tmp_path / "fours.jsonl"
+    data.write_text("".join(json.dumps({"question": f"How many {w} are in the basket?",
+                                        "answer": f"There are 4 {w}.\n#### 4"}) + "\n"
+                            for w in ("apples", "pears", "eggs", "cups", "dogs", "pages", "cars", "boxes")))
+    done = run_recipe(tmp_path, "--renderer", "qwen3_instruct", "--hf-dataset", f"openai/gsm8k={data}",
+                      "tinker_cookbook.recipes.rl_loop", *COMMON_RL, "batch_size=4", "group_size=4",
+                      "max_tokens=16", "max_steps=2", "save_every=0", f"log_path={log}")
+    assert "Resuming from batch 0" in done.stderr
+    rows = step_rows(log, 2)
+    for row in rows:
+        finite(row, "loss:sum", "reward/total")
+        assert 0 < row["reward/total"] < 1, "rewards must vary for the update to run"
