@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
@@ -38,7 +38,6 @@ class _Task:
     item: Any = None
     batch_fn: Callable[[list[Any]], list[Any]] | None = None
     rows: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 class OrderedWorker:

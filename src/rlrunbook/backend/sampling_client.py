@@ -156,7 +156,7 @@ class LocalSamplingClient(ResolvedClient):
         )
         self._host.engine.validate(tokens, request)
         if request.seed is None:  # drawn at submission, so results follow submission order, not timing
-            request = dataclasses.replace(request, seed=self._host.engine._next_seed())
+            request = dataclasses.replace(request, seed=self._host.engine.next_seed())
         job = SampleJob(tokens, num_samples, request)
         key = (id(self._host), id(self._weights), request.max_tokens, request.filters, request.stop,
                request.stop_strings)

@@ -233,12 +233,14 @@ class HFSamplingEngine:
         if not prompts:
             raise InputError("no prompts given: pass at least one token-id prompt.")
         if request.seed is None:  # one seed per call, so prompts of one call still differ
-            request = dataclasses.replace(request, seed=self._next_seed())
+            request = dataclasses.replace(request, seed=self.next_seed())
         jobs = [SampleJob(list(p), num_samples, _with_seed(request, mix_seed(request.seed, i)))
                 for i, p in enumerate(prompts)]
         return self.sample_jobs(jobs)
 
-    def _next_seed(self) -> int:
+    def next_seed(self) -> int:
+        """The next seed of the engine's own counter, for an unseeded request (drawn at submission, so results
+        follow the order of calls, not their timing)."""
         with self._seed_lock:
             self._unseeded_calls += 1
             calls = self._unseeded_calls
@@ -260,7 +262,7 @@ class HFSamplingEngine:
             if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
                 raise InputError(f"num_samples={job.num_samples!r} must be a positive int.")
             self.validate(job.prompt, job.request, f"prompt {i}")
-            seed = job.request.seed if job.request.seed is not None else self._next_seed()
+            seed = job.request.seed if job.request.seed is not None else self.next_seed()
             rows += [(job.prompt, mix_seed(seed, j)) for j in range(job.num_samples)]
         request = jobs[0].request
         completions: list[Completion] = []
