@@ -19,10 +19,18 @@ from pathlib import Path
 from rlrunbook.errors import RlrunbookError
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
-TRAIN_FIELDS = ("mode", "env", "dataset", "num_rollouts", "num_groups", "steps", "name", "seed", "temperature",
-                "max_tokens", "min_p", "reward_fn", "mock_judge", "judge_model", "debate_train",
-                "debate_grpo_reward", "model", "log_root", "learning_rate", "lora_rank", "summary_max_words",
-                "deterministic", "expected_dataset_hash")
+# train's flags (argparse dest) → the config key they set.
+TRAIN_FLAGS = {name: name for name in (
+    "mode", "env", "dataset", "num_rollouts", "num_groups", "steps", "name", "seed", "temperature", "max_tokens",
+    "min_p", "reward_fn", "mock_judge", "judge_model", "debate_train", "debate_grpo_reward", "model", "log_root",
+    "learning_rate", "lora_rank", "loss_fn", "summary_max_words", "deterministic", "expected_dataset_hash")}
+TRAIN_FLAGS.update({
+    "kl_coef": "loss.kl_coef", "kl_estimator": "loss.kl_estimator", "entropy_coef": "loss.entropy_coef",
+    "grad_clip_norm": "loss.grad_clip_norm", "checkpoint_every": "checkpoint.every",
+    "val_every": "validation.every", "val_samples": "validation.samples", "cache_dataset": "data.cache",
+    "max_prompt_tokens": "data.max_prompt_tokens", "truncate_prompts": "data.truncate_prompts",
+    "blocklist": "reward.blocklist", "reject_blocklisted": "reward.reject_blocklisted",
+})
 
 
 def _encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
@@ -78,27 +86,71 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
     return 1
 
 
+def _train_cli_values(args: argparse.Namespace) -> dict[str, object]:
+    """The config keys given as explicit flags (dotted names), for the ``cli`` layer."""
+    return {key: getattr(args, dest) for dest, key in TRAIN_FLAGS.items() if getattr(args, dest, None) is not None}
+
+
+def _resolve_runs(args: argparse.Namespace):
+    """One resolved config per sweep point (one when there is no sweep), all validated up front."""
+    from rlrunbook.rl.config import validate
+    from rlrunbook.rl.config_sources import build_config, sweep_grid, sweep_name
+
+    layers = dict(file=args.config_file, overrides=args.overrides, cli=_train_cli_values(args),
+                  strict=args.strict_config)
+    base = build_config(**layers)
+    points = sweep_grid(args.config_file, args.sweep)
+    runs = []
+    for values in points:
+        named = {**values, "name": sweep_name(base.config.name, values)} if values else {}
+        resolved = build_config(**layers, sweep_values=named)
+        validate(resolved.config)  # every point is checked before the first run starts
+        runs.append(resolved)
+    return runs
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from rlrunbook.rl.config import TrainConfig
     from rlrunbook.rl.loop import run_training
     from rlrunbook.run import check_run, format_results, rubric_passed
 
-    provided = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
-    config = TrainConfig(**provided)
-    sources = {name: ("cli" if name in provided else "default") for name in TRAIN_FIELDS}
+    runs = _resolve_runs(args)
     argv = sys.argv[1:] if args.argv is None else args.argv
 
     def progress(steps):
         return tqdm(steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
-    run_dir = run_training(config, argv=argv, config_sources=sources, progress=progress,
-                           log=lambda line: tqdm.write(line, file=sys.stdout))
-    results = check_run(run_dir)
-    print(format_results(results))
-    print(f"run directory: {run_dir}")
-    return 0 if rubric_passed(results) else 1
+    failed = 0
+    run_dirs = []
+    for index, resolved in enumerate(runs):
+        if len(runs) > 1:
+            print(f"[sweep] run {index + 1}/{len(runs)}: {resolved.config.name}", flush=True)
+        run_dir = run_training(resolved.config, argv=argv, config_sources=resolved.sources, progress=progress,
+                               log=lambda line: tqdm.write(line, file=sys.stdout))
+        results = check_run(run_dir)
+        print(format_results(results))
+        print(f"run directory: {run_dir}")
+        failed += not rubric_passed(results)
+        run_dirs.append(run_dir)
+    if len(runs) > 1:
+        from rlrunbook.run.tools import format_table, summarize_runs
+
+        print(format_table(summarize_runs(run_dirs)))
+    return 1 if failed else 0
+
+
+def cmd_show_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    for resolved in _resolve_runs(args):
+        print(f"# config{f' from {resolved.file}' if resolved.file else ''}; value sources:")
+        for key, origin in resolved.sources.items():
+            if origin != "default":
+                print(f"#   {key}: {origin}")
+        print(yaml.safe_dump(resolved.config.to_dict(), sort_keys=False), end="")
+        print("---")
+    return 0
 
 
 def cmd_check_run(args: argparse.Namespace) -> int:
@@ -237,6 +289,60 @@ def add_run_tool_commands(commands) -> None:
     cookbook.set_defaults(func=cmd_cookbook)
 
 
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """train's options: a config file, dotted overrides, sweeps and one flag per common config key."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted config overrides, e.g. steps=4 loss.kl_coef=0.05 (beat the file, lose to flags)")
+    parser.add_argument("--config-file", help="YAML config: a path or a preset name under configs/ "
+                                              "(tiny-cpu-smoke, smollm2-cpu-mini, ...)")
+    parser.add_argument("--strict-config", action="store_true",
+                        help="refuse the run if any field falls back to a default the file does not state")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="one run per combination of the listed values (repeatable)")
+    parser.add_argument("--mode", choices=None, help="single_turn (default) | debate, or a registered paradigm")
+    parser.add_argument("--env", help="qa (default) | summary | math, or a registered task")
+    parser.add_argument("--dataset", help="qa: test (built-in arithmetic, default) | gsm8k | nq_open; "
+                                         "summary: cnn_dailymail; math: gsm8k; or a hub name or a JSONL path")
+    parser.add_argument("-n", "--num-rollouts", dest="num_rollouts", type=int, help="rollouts per step (16)")
+    parser.add_argument("--num-groups", type=int, help="question groups per step; must divide -n (1)")
+    parser.add_argument("-s", "--steps", type=int, help="optimizer steps (1)")
+    parser.add_argument("--name", help="run name (run)")
+    parser.add_argument("--seed", type=int, help="data order, LoRA init and sampling seed (0)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (1.0)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per completion / debate turn (64)")
+    parser.add_argument("--min-p", type=float, help="min-p filter, local backend only (0 = off)")
+    parser.add_argument("--reward-fn", help="qa: numeric | text; summary: compression | rouge; math: math")
+    parser.add_argument("--mock-judge", action="store_const", const=True, help="debate: deterministic judge")
+    parser.add_argument("--judge-model", help="debate: the model judge's model (default: the base model)")
+    parser.add_argument("--debate-train", choices=["rejection", "rs_grpo"], help="debate training mode (rejection)")
+    parser.add_argument("--debate-grpo-reward", choices=["task"], help="rs_grpo's reward: task")
+    parser.add_argument("--model", help="built-in name, local folder or hub id (smollm2-135m)")
+    parser.add_argument("--log-root", help="root of run directories (RLRUNBOOK_LOG_ROOT, else ./logs)")
+    parser.add_argument("--learning-rate", type=float, help="AdamW learning rate (1e-4)")
+    parser.add_argument("--lora-rank", type=int, help="LoRA rank (16)")
+    parser.add_argument("--summary-max-words", type=int, help="summary: words of the article in the prompt (150)")
+    parser.add_argument("--deterministic", action="store_const", const=True,
+                        help="seed Python/NumPy/torch and use deterministic torch algorithms")
+    parser.add_argument("--expected-dataset-hash", help="refuse the run if the data set's fingerprint differs")
+    parser.add_argument("--no-proxy", action="store_true", help="accepted for the seeds' commands; no effect here")
+    parser.add_argument("--loss-fn", help="importance_sampling (default) | ppo | cispo | dro")
+    parser.add_argument("--kl-coef", type=float, help="loss.kl_coef: KL to the reference policy (0 = off)")
+    parser.add_argument("--kl-estimator", choices=["k1", "k3", "low_var_kl"], help="loss.kl_estimator (low_var_kl)")
+    parser.add_argument("--entropy-coef", type=float, help="loss.entropy_coef: entropy bonus (0 = off)")
+    parser.add_argument("--grad-clip-norm", type=float, help="loss.grad_clip_norm: clip the gradient norm (0 = off)")
+    parser.add_argument("--checkpoint-every", type=int, help="checkpoint.every: save every N steps (0 = off)")
+    parser.add_argument("--val-every", type=int, help="validation.every: pass@k validation every N steps (0 = off)")
+    parser.add_argument("--val-samples", type=int, help="validation.samples: samples per validation problem (4)")
+    parser.add_argument("--cache-dataset", action="store_const", const=True,
+                        help="data.cache: keep a normalised copy of the data set and train from it")
+    parser.add_argument("--max-prompt-tokens", type=int, help="data.max_prompt_tokens: refuse longer prompts")
+    parser.add_argument("--truncate-prompts", action="store_const", const=True,
+                        help="data.truncate_prompts: cut over-long prompts instead of refusing the run")
+    parser.add_argument("--blocklist", action="append", help="reward.blocklist: a forbidden substring (repeatable)")
+    parser.add_argument("--reject-blocklisted", action="store_const", const=True,
+                        help="reward.reject_blocklisted: reward 0 for completions with a blocklisted substring")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rlrunbook.models.registry import DEFAULT_MODEL
 
@@ -266,33 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a LoRA policy: single-turn GRPO or debate with rejection "
                                               "sampling / RS-GRPO; writes a run directory and checks it")
-    train.add_argument("--mode", choices=None, help="single_turn (default) | debate, or a registered paradigm")
-    train.add_argument("--env", help="qa (default) | summary | math, or a registered task")
-    train.add_argument("--dataset", help="qa: test (built-in arithmetic, default) | gsm8k | nq_open; "
-                                         "summary: cnn_dailymail; math: gsm8k; or a hub name or a JSONL path")
-    train.add_argument("-n", "--num-rollouts", dest="num_rollouts", type=int, help="rollouts per step (16)")
-    train.add_argument("--num-groups", type=int, help="question groups per step; must divide -n (1)")
-    train.add_argument("-s", "--steps", type=int, help="optimizer steps (1)")
-    train.add_argument("--name", help="run name (run)")
-    train.add_argument("--seed", type=int, help="data order, LoRA init and sampling seed (0)")
-    train.add_argument("--temperature", type=float, help="sampling temperature (1.0)")
-    train.add_argument("--max-tokens", type=int, help="tokens per completion / debate turn (64)")
-    train.add_argument("--min-p", type=float, help="min-p filter, local backend only (0 = off)")
-    train.add_argument("--reward-fn", help="qa: numeric | text; summary: compression | rouge; math: math")
-    train.add_argument("--mock-judge", action="store_const", const=True, help="debate: deterministic judge")
-    train.add_argument("--judge-model", help="debate: the model judge's model (default: the base model)")
-    train.add_argument("--debate-train", choices=["rejection", "rs_grpo"], help="debate training mode (rejection)")
-    train.add_argument("--debate-grpo-reward", choices=["task"], help="rs_grpo's reward: task")
-    train.add_argument("--model", help="built-in name, local folder or hub id (smollm2-135m)")
-    train.add_argument("--log-root", help="root of run directories (RLRUNBOOK_LOG_ROOT, else ./logs)")
-    train.add_argument("--learning-rate", type=float, help="AdamW learning rate (1e-4)")
-    train.add_argument("--lora-rank", type=int, help="LoRA rank (16)")
-    train.add_argument("--summary-max-words", type=int, help="summary: words of the article in the prompt (150)")
-    train.add_argument("--deterministic", action="store_const", const=True,
-                       help="seed Python/NumPy/torch and use deterministic torch algorithms")
-    train.add_argument("--expected-dataset-hash", help="refuse the run if the data set's fingerprint differs")
-    train.add_argument("--no-proxy", action="store_true", help="accepted for the seeds' commands; no effect here")
+    _add_train_arguments(train)
+    train.add_argument("--resume-from", metavar="RUN_DIR|CHECKPOINT",
+                       help="continue a run from its last checkpoint (or the given one) in a new run directory")
     train.set_defaults(func=cmd_train, argv=None)
+
+    show = commands.add_parser("show-config", help="print the resolved config of a train command (file, overrides, "
+                                                   "flags, sweep points) and where each value came from")
+    _add_train_arguments(show)
+    show.set_defaults(func=cmd_show_config)
 
     check_run = commands.add_parser("check-run", help="apply the runbook's rubrics to a run directory; "
                                                       "exit 1 if any check fails")

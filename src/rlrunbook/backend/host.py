@@ -44,7 +44,8 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
     """Resolve ``base_model`` (built-in name, folder, or hub id), load it and build its engine."""
     folder = resolve_model(base_model)
     tokenizer = load_tokenizer(folder)
-    model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device)
+    model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device,
+                           load_in_4bit=settings.load_in_4bit)
     config = model.config
     engine = HFSamplingEngine(
         model,

@@ -54,6 +54,8 @@ class LocalSettings:
             NoLearningSignalError: a silent no-op step is a bug in this project's loop) or ``accept``
             (computed like the hosted service does: loss and gradient 0; what unmodified cookbook
             recipes need, whose loops send such batches when every group's rewards tie).
+        load_in_4bit: load frozen base weights 4-bit NF4 (bitsandbytes, CUDA only; set by a run's
+            ``backend.load_in_4bit``).
     """
 
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -65,6 +67,7 @@ class LocalSettings:
     storage_dir: Path | None = None
     max_batch_rows: int = 256
     zero_advantage_batches: str = "error"
+    load_in_4bit: bool = False
 
     def __post_init__(self) -> None:
         if self.zero_advantage_batches not in ("error", "accept"):

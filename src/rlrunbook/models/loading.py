@@ -40,14 +40,31 @@ def load_tokenizer(folder: str | Path):
 
 
 def load_causal_lm(
-    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    *, load_in_4bit: bool = False,
 ):
     """Load ``folder`` with ``AutoModelForCausalLM`` in ``dtype`` on ``device``, in eval mode.
 
     Eval mode because dropout would make sampler and trainer logprobs disagree; training code
-    calls ``.train()`` itself where it wants it.
+    calls ``.train()`` itself where it wants it. ``load_in_4bit`` quantises the frozen base weights
+    to NF4 with bitsandbytes (compute in ``dtype``); it needs a CUDA device and the bitsandbytes
+    package, and is refused with the fix named otherwise.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return model.to(device).eval()
+    if not load_in_4bit:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        return model.to(device).eval()
+    if not str(device).startswith("cuda"):
+        raise ConfigError(f"4-bit loading needs a CUDA device, not {str(device)!r}: drop load_in_4bit on CPU.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("4-bit loading needs the bitsandbytes package: pip install bitsandbytes "
+                          "(or drop backend.load_in_4bit).") from None
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, quantization_config=quantization,
+                                                 device_map={"": str(device)})
+    return model.eval()

@@ -1,51 +1,133 @@
-"""The training run's configuration, validated before any model loads.
+"""The training run's configuration: one validated pydantic model, checked before any model loads.
 
-Each rule names itself and its fix. The seeds' flags keep their names (``-n``, ``--num-groups``,
-``--debate-train``, ...); the CLI maps them onto :class:`TrainConfig`.
+Flat fields keep the seeds' flag names (``-n`` → ``num_rollouts``, ``--debate-train`` → ``debate_train``);
+the options added for trustworthy runs live in sections (``loss.kl_coef``, ``checkpoint.every``, ...),
+addressable as dotted keys from a config file, ``key.sub=value`` overrides and the CLI alike (see
+:mod:`rlrunbook.rl.config_sources` for how those layers are merged and recorded).
+
+Types are checked by pydantic (an unknown key or a wrong type is refused with its dotted name);
+the cross-field rules in :func:`validate` each name themselves and their fix.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.models.registry import DEFAULT_MODEL
 from rlrunbook.rl.tasks import get_task_class
 
+CONFIG_VERSION = 1  # bump when a field changes meaning; files stating another version are refused
+
 DebateTrain = Literal["rejection", "rs_grpo"]
+KlEstimator = Literal["k1", "k3", "low_var_kl"]
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """One training run. Attributes are the CLI's options; every one has a docstring-grade comment."""
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
-    mode: str = "single_turn"          # interaction protocol: one answer per rollout, or a 3-round debate
-    env: str = "qa"                     # task: qa (arithmetic/GSM8K/NQ-open), summary (CNN/DailyMail), math, or a plug-in
-    dataset: str | None = None          # data set: "test" (built-in arithmetic), a hub name or a JSONL path
-    num_rollouts: int = 16              # rollouts per step (-n); split evenly into question groups
-    num_groups: int = 1                 # question groups per step; each group shares one question
-    steps: int = 1                      # optimizer steps (-s)
-    name: str = "run"                   # run name, last part of the run directory's name
-    seed: int = 0                       # seeds data order, LoRA init and sampling
-    temperature: float = 1.0            # sampling temperature of the policy
-    max_tokens: int = 64                # tokens per completion (per debate turn)
-    min_p: float = 0.0                  # min-p filter (local backend only)
-    reward_fn: str | None = None        # qa: numeric|text; summary: compression|rouge; math: math
-    mock_judge: bool = False            # debate: deterministic judge (higher task reward wins) instead of a model
-    judge_model: str | None = None      # debate: model of the model judge (default: the base model)
-    debate_train: DebateTrain = "rejection"  # debate: train on winners, or RS then GRPO on the task reward
-    debate_grpo_reward: Literal["task"] | None = None  # rs_grpo's reward: the task reward of the winners
-    model: str = DEFAULT_MODEL          # built-in name, local folder or hub id (smollm2-135m)
-    log_root: str | None = None         # root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)
-    learning_rate: float = 1e-4         # AdamW learning rate
-    lora_rank: int = 16                 # LoRA rank
-    loss_fn: str = "importance_sampling"  # the Tinker loss trained with
-    summary_max_words: int = 150        # summary: the article is cut to this many words for the prompt
-    deterministic: bool = False         # seed Python/NumPy/torch and use deterministic torch algorithms
-    expected_dataset_hash: str | None = None  # refuse the run if the data set's fingerprint differs
-    extra: dict = field(default_factory=dict, compare=False)  # task plug-in options
+
+class LossSettings(_Section):
+    """Regularisers of the policy-gradient loss (the offline GRPO trainer's knobs)."""
+
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference policy (base model, "
+                                                   "adapter disabled); 0 = off")
+    kl_estimator: KlEstimator = Field("low_var_kl", description="per-token KL estimator: k1 | k3 | low_var_kl "
+                                                                "(k3 clamped to [-10, 10])")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0 = off")
+    clip_low_threshold: float | None = Field(None, ge=0, description="ppo/cispo: lower bound of the importance "
+                                                                     "ratio (None: the loss's, ppo 0.8, cispo 0)")
+    clip_high_threshold: float | None = Field(None, gt=0, description="ppo/cispo: upper bound of the importance "
+                                                                      "ratio (None: the loss's, ppo 1.2, cispo 4)")
+    grad_clip_norm: float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+
+
+class CheckpointSettings(_Section):
+    """Periodic checkpoints of everything a resume needs."""
+
+    every: int = Field(0, ge=0, description="save a checkpoint every N steps (and after the last); 0 = off")
+
+
+class ValidationSettings(_Section):
+    """The in-training validation hook: pass@k / mean@k on held-out problems."""
+
+    every: int = Field(0, ge=0, description="validate every N steps (and before the first); 0 = off")
+    samples: int = Field(4, ge=1, description="completions per validation problem (k of pass@k)")
+    num_problems: int = Field(16, ge=1, description="held-out problems per validation")
+    threshold: float = Field(1.0, description="a sample passes at reward >= this")
+
+
+class DataSettings(_Section):
+    """How the data set is loaded and how prompts are bounded."""
+
+    cache: bool = Field(False, description="keep a normalised copy of the data set and train from it")
+    cache_dir: str | None = Field(None, description="where cached data sets live (default: the model cache)")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt allowed, in tokens; None = no limit")
+    truncate_prompts: bool = Field(False, description="cut over-long prompts to max_prompt_tokens instead of "
+                                                      "refusing the run")
+
+
+class RewardSettings(_Section):
+    """Reward shaping: the blocklist guard and the multi-signal weights."""
+
+    blocklist: tuple[str, ...] = Field((), description="substrings that must not appear in a completion")
+    reject_blocklisted: bool = Field(False, description="give reward 0 to completions containing a blocklisted "
+                                                        "substring (else they are only counted)")
+    verify_weight: float = Field(1.0, ge=0, description="multi_signal α: weight of the verified answer")
+    format_weight: float = Field(0.5, ge=0, description="multi_signal β: weight of the answer format")
+    reflect_weight: float = Field(0.5, ge=0, description="multi_signal γ: weight of the self-check")
+
+
+class BackendSettings(_Section):
+    """Local backend knobs a run states itself; unset ones come from the TINKER_LOCAL_* environment."""
+
+    device: str | None = Field(None, description="torch device (default: cuda if available, else cpu)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
+    load_in_4bit: bool = Field(False, description="load the frozen base model 4-bit (bitsandbytes, cuda only)")
+    grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch")
+
+
+class TrainConfig(BaseModel):
+    """One training run. Every field documents itself (``description``); sections group the newer knobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    version: int = Field(CONFIG_VERSION, description="config schema version")
+    mode: str = Field("single_turn", description="interaction protocol: single_turn or debate (3 rounds)")
+    env: str = Field("qa", description="task: qa, summary, math, or a registered plug-in")
+    dataset: str | None = Field(None, description='"test" (built-in arithmetic), a hub name or a JSONL path')
+    num_rollouts: int = Field(16, description="rollouts per step (-n); split evenly into question groups")
+    num_groups: int = Field(1, description="question groups per step; each group shares one question")
+    steps: int = Field(1, description="optimizer steps (-s)")
+    name: str = Field("run", description="run name, last part of the run directory's name")
+    seed: int = Field(0, description="seeds data order, LoRA init and sampling")
+    temperature: float = Field(1.0, description="sampling temperature of the policy")
+    max_tokens: int = Field(64, description="tokens per completion (per debate turn)")
+    min_p: float = Field(0.0, description="min-p filter (local backend only)")
+    reward_fn: str | None = Field(None, description="qa: numeric|text|multi_signal; summary: compression|rouge; "
+                                                    "math: math|multi_signal")
+    mock_judge: bool = Field(False, description="debate: deterministic judge (higher task reward wins)")
+    judge_model: str | None = Field(None, description="debate: model of the model judge (default: the base model)")
+    debate_train: DebateTrain = Field("rejection", description="debate: train on winners, or RS then GRPO")
+    debate_grpo_reward: Literal["task"] | None = Field(None, description="rs_grpo's reward: the winners' task reward")
+    model: str = Field(DEFAULT_MODEL, description="built-in name, local folder or hub id")
+    log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
+    learning_rate: float = Field(1e-4, description="AdamW learning rate")
+    lora_rank: int = Field(16, description="LoRA rank")
+    loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with")
+    summary_max_words: int = Field(150, description="summary: the article is cut to this many words")
+    deterministic: bool = Field(False, description="seed Python/NumPy/torch, deterministic torch algorithms")
+    expected_dataset_hash: str | None = Field(None, description="refuse the run if the data set's fingerprint differs")
+    extra: dict[str, Any] = Field(default_factory=dict, description="task plug-in options")
+    loss: LossSettings = Field(default_factory=LossSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
 
     @property
     def group_size(self) -> int:
@@ -57,7 +139,26 @@ class TrainConfig:
         return "grpo" if self.mode == "single_turn" else self.debate_train
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON-able values, sections as nested dicts (the form config files use)."""
+        return self.model_dump(mode="json")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A validated copy with top-level fields changed."""
+        return TrainConfig.model_validate({**self.model_dump(), **changes})
+
+    def loss_fn_config(self) -> dict[str, float | str]:
+        """The ``loss_fn_config`` sent with forward_backward: clip bounds for ppo/cispo, regularisers if on."""
+        settings = self.loss
+        config: dict[str, float | str] = {}
+        if self.loss_fn in ("ppo", "cispo"):
+            for key in ("clip_low_threshold", "clip_high_threshold"):
+                if getattr(settings, key) is not None:
+                    config[key] = getattr(settings, key)
+        if settings.kl_coef > 0:
+            config.update(kl_coef=settings.kl_coef, kl_estimator=settings.kl_estimator)
+        if settings.entropy_coef > 0:
+            config["entropy_coef"] = settings.entropy_coef
+        return config
 
 
 def validate(config: TrainConfig) -> TrainConfig:
@@ -65,6 +166,9 @@ def validate(config: TrainConfig) -> TrainConfig:
     def fail(rule: str, fix: str) -> None:
         raise ConfigError(f"{rule}. {fix}")
 
+    if config.version != CONFIG_VERSION:
+        fail(f"config version {config.version} is not supported (this rlrunbook reads version {CONFIG_VERSION})",
+             "Update the file to the current schema and set version: 1.")
     if config.num_rollouts < 1 or config.num_groups < 1 or config.steps < 1:
         fail(f"-n {config.num_rollouts}, --num-groups {config.num_groups}, -s {config.steps} must all be >= 1",
              "Pass positive counts.")
@@ -103,6 +207,19 @@ def validate(config: TrainConfig) -> TrainConfig:
         fail(f"--min-p {config.min_p} must be in [0, 1)", "Use 0 to disable it.")
     if not config.learning_rate > 0:
         fail(f"--learning-rate {config.learning_rate} must be > 0", "Use e.g. 1e-4.")
+    if config.lora_rank < 1:
+        fail(f"--lora-rank {config.lora_rank} must be >= 1", "Use e.g. 16.")
     if not config.name or any(c in config.name for c in "/\\") or config.name in (".", ".."):
         fail(f"--name {config.name!r} must be a plain name", "Use letters, digits, '-' and '_'.")
-    return dataclasses.replace(config, reward_fn=reward)
+    low, high = config.loss.clip_low_threshold, config.loss.clip_high_threshold
+    if low is not None and high is not None and low >= high:
+        fail(f"loss.clip_low_threshold {config.loss.clip_low_threshold} must be below loss.clip_high_threshold "
+             f"{config.loss.clip_high_threshold}", "Use e.g. 0.8 and 1.2.")
+    if config.data.truncate_prompts and config.data.max_prompt_tokens is None:
+        fail("--truncate-prompts needs --max-prompt-tokens", "State the limit the prompts are cut to.")
+    if config.reward.reject_blocklisted and not config.reward.blocklist:
+        fail("--reject-blocklisted with an empty blocklist rejects nothing", "Add --blocklist WORD (repeatable).")
+    if config.backend.load_in_4bit and config.backend.device is not None and not config.backend.device.startswith("cuda"):
+        fail(f"backend.load_in_4bit needs a cuda device, not {config.backend.device!r}",
+             "Drop load_in_4bit on CPU or run on a GPU.")
+    return config.replace(reward_fn=reward)

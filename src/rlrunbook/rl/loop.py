@@ -77,6 +77,34 @@ def prepare(config: TrainConfig):
     return config, paradigm, task, problems
 
 
+def local_settings(config: TrainConfig):
+    """The local backend's settings: the TINKER_LOCAL_* environment, with the run's ``backend`` section on top."""
+    import dataclasses
+
+    import torch
+
+    from rlrunbook.backend.settings import LocalSettings
+
+    settings = LocalSettings.from_env()
+    stated = config.backend
+    changes: dict[str, object] = {"load_in_4bit": stated.load_in_4bit}
+    if stated.device is not None:
+        changes["device"] = stated.device
+    if stated.dtype is not None:
+        changes["dtype"] = getattr(torch, stated.dtype)
+    if stated.grad_accum_steps is not None:
+        changes["grad_accum_chunks"] = stated.grad_accum_steps
+    return dataclasses.replace(settings, **changes)
+
+
+def _default_service(config: TrainConfig):
+    from rlrunbook.backend import backend_name, create_service_client
+
+    if backend_name() == "local":
+        return create_service_client(settings=local_settings(config))
+    return create_service_client()
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     """Seed Python, NumPy and torch; with ``deterministic``, make torch refuse nondeterministic kernels."""
     import numpy as np
@@ -108,9 +136,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     log(f"[run] {run_dir}")
     seed_everything(config.seed, config.deterministic)
     try:
-        if service_factory is None:
-            from rlrunbook.backend import create_service_client as service_factory
-        service = service_factory()
+        service = service_factory() if service_factory is not None else _default_service(config)
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
         tokenizer = training.get_tokenizer()
         judge = _build_judge(config, service, tokenizer)
@@ -146,8 +172,9 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
         raise _no_signal(config, step, batch.rollouts)
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
     datums = [to_datum(r, a) for r, a in chosen]
-    fb_future = training.forward_backward(datums, config.loss_fn)
-    optim_future = training.optim_step(types.AdamParams(learning_rate=config.learning_rate))
+    fb_future = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None)
+    optim_future = training.optim_step(types.AdamParams(learning_rate=config.learning_rate,
+                                                        grad_clip_norm=config.loss.grad_clip_norm))
     fb = fb_future.result()
     fb_done = time.perf_counter()
     optim = optim_future.result()
