@@ -142,6 +142,10 @@ def _check_keys(flat: Mapping[str, Any], origin: str) -> None:
     for key in flat:
         if key in known or key.startswith("extra."):
             continue
+        members = [k for k in known if k.startswith(f"{key}.")]
+        if members:
+            raise ConfigError(f"{key!r} is a section, not a value ({origin}): set its keys, e.g. {members[0]}=..., "
+                              f"or in a file a mapping under '{key}:' (keys: {', '.join(members)}).")
         close = difflib.get_close_matches(key, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown config key {key!r} ({origin}).{hint} Known keys: `rlrunbook show-config`.")
