@@ -174,7 +174,7 @@ def _refuse(writer, step: int, quantity: str, value: float | None, cause: str, *
     outcome = ("the backend had already applied it: the weights after this step are suspect" if applied else
                "the optimizer step was not applied and the weights are unchanged")
     return NonFiniteStepError(
-        f"step {step} refused: {quantity} is {'non-finite' if value is None else value!r} ({cause}); {outcome}. "
+        f"step {step} refused: {quantity} is {'non-finite' if value is None else repr(value)} ({cause}); {outcome}. "
         "Look for NaN/inf rewards, advantages or sampling logprobs in the step's rollouts, or lower --learning-rate.")
 
 
@@ -190,7 +190,9 @@ def finite_optim_step(training, step: int, fb_metrics: Mapping[str, float], para
     try:
         optim = training.optim_step(params).result()
     except FloatingPointError as error:  # the local trainer's NonFiniteGradientError: nothing was applied
-        raise _refuse(writer, step, "grad_norm", None, f"the trainer refused the step: {error}") from error
+        reason = str(error).split(":", 1)[0]  # the trainer's "gradient norm is inf"
+        raise _refuse(writer, step, "grad_norm", None,
+                      f"the trainer refused the step: {type(error).__name__}: {reason}") from error
     grad_norm = float((optim.metrics or {}).get("grad_norm:mean", 0.0))
     if not math.isfinite(grad_norm):  # a backend that reports, but does not refuse, a non-finite norm
         raise _refuse(writer, step, "grad_norm", grad_norm, "optim_step reported a non-finite gradient norm",
