@@ -17,9 +17,11 @@
   before advantages and before a debate is judged.
 * **Non-finite step** (:func:`finite_optim_step`). A step whose ``loss:sum`` is NaN/inf is refused
   before ``optim_step`` is submitted; a NaN/inf gradient norm is refused by the trainer
-  (``NonFiniteGradientError``, weights untouched) or, for a backend that only reports it, here.
-  Either way the run stops with :class:`NonFiniteStepError` and ``run_metadata.json`` records the
-  refused step under ``refused_step``.
+  (``NonFiniteGradientError``, weights untouched) or, for a backend that only reports it after
+  applying the step, here (the record then says ``weights_changed: true``). Either way the run
+  stops with :class:`NonFiniteStepError` and ``run_metadata.json`` records the refused step under
+  ``refused_step``. A non-finite *reward* is refused earlier, where it is scored
+  (:func:`checked_reward`, ``RolloutContext.score``), naming the task and the problem.
 """
 
 from __future__ import annotations

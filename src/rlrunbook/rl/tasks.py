@@ -163,7 +163,8 @@ class QATask(Task):
     def reward(self, problem: Problem, completion_text: str) -> RewardResult:
         """1 for a correct answer; a wrong answer that at least states a number gets ``format_bonus``
         (0.1 by default, ``numeric`` only). The bonus gives weak models (and the random ``tiny``) reward
-        variance to learn from; a correct answer always outscores any wrong one."""
+        variance to learn from; a correct answer always outscores any wrong one. ``multi_signal``:
+        see ``rlrunbook.rl.rewards.multi_signal`` (numeric answers only)."""
         if self.reward_fn == "text":
             return qa_text_reward(completion_text, problem.record.answers)
         result = qa_numeric_reward(completion_text, problem.record.answers)
