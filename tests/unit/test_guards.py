@@ -294,3 +294,22 @@ def test_debate_blocklisted_winner_is_rejected_before_training(tmp_path):
     trained = {(d["metadata"]["debate_id"], d["metadata"]["role"][-1]) for d in datums}
     assert trained and not trained & blocked
     assert len(trained) == sum((d["debate_id"], d["verdict"]["winner"]) not in blocked for d in debates)
+
+
+def test_run_refuses_an_over_long_prompt_before_the_first_step(letters_task, tmp_path, tokenizer):
+    length = len(render_prompt(tokenizer, "Say 0 words."))
+    with pytest.raises(InputError, match=rf"problem toy-0 is {length} tokens, over --max-prompt-tokens {length - 2}"):
+        run_training(_config(tmp_path, data={"max_prompt_tokens": length - 2}), log=lambda _: None)
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert _metadata(tmp_path)["status"] == "failed" and not list(run_dir.glob("baseline_*.json"))
+
+
+def test_run_truncates_prompts_and_counts_them(letters_task, tmp_path, tokenizer):
+    limit = len(render_prompt(tokenizer, "Say 0 words.")) - 2
+    config = _config(tmp_path, num_groups=2, data={"max_prompt_tokens": limit, "truncate_prompts": True})
+    run_dir = run_training(config, log=lambda _: None)
+    (row,) = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert row["prompts/truncated"] == 2  # one prompt per question group
+    tail = _generation_tail(tokenizer)
+    for datum in json.loads((run_dir / "training_step_0.json").read_text())["training_data"]:
+        assert len(datum["prompt_tokens"]) <= limit and datum["prompt_tokens"][-len(tail):] == tail
