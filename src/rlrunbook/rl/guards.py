@@ -56,7 +56,8 @@ class PromptLimit:
         """The limit of a run's ``data`` section (``max_prompt_tokens``, ``truncate_prompts``)."""
         return cls(data.max_prompt_tokens, data.truncate_prompts)
 
-    def fit(self, tokenizer, problem_id: str, user: str, system: str | None, suffix: str = "") -> tuple[list[int], bool]:
+    def fit(self, tokenizer, problem_id: str, user: str, system: str | None,
+            suffix: str = "") -> tuple[list[int], bool]:
         """The prompt tokens of ``user + suffix`` within the limit, and whether ``user`` was cut.
 
         Raises ``InputError`` for an over-long prompt without truncation, or when even an empty
