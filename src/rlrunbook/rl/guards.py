@@ -98,8 +98,8 @@ def check_prompts(tokenizer, task, problems: Sequence, limit: PromptLimit, suffi
     system = task.system_message()
     cut = sum(limit.fit(tokenizer, p.id, task.user_message(p), system, suffix)[1]
               for p in problems for suffix in suffixes)
-    log(f"[prompts] {len(problems)} problems within --max-prompt-tokens {limit.max_tokens}"
-        + (f" ({cut} prompts will be truncated)" if cut else ""))
+    log(f"[prompts] {len(problems)} problems checked against --max-prompt-tokens {limit.max_tokens}: "
+        + (f"{cut} prompts will be truncated" if cut else "all fit"))
     return cut
 
 
