@@ -311,7 +311,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, help="sampling temperature (1.0)")
     parser.add_argument("--max-tokens", type=int, help="tokens per completion / debate turn (64)")
     parser.add_argument("--min-p", type=float, help="min-p filter, local backend only (0 = off)")
-    parser.add_argument("--reward-fn", help="qa: numeric | text; summary: compression | rouge; math: math")
+    parser.add_argument("--reward-fn", help="qa: numeric | text | multi_signal; summary: compression | rouge; "
+                                           "math: math | multi_signal")
     parser.add_argument("--mock-judge", action="store_const", const=True, help="debate: deterministic judge")
     parser.add_argument("--judge-model", help="debate: the model judge's model (default: the base model)")
     parser.add_argument("--debate-train", choices=["rejection", "rs_grpo"], help="debate training mode (rejection)")

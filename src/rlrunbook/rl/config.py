@@ -217,6 +217,9 @@ def validate(config: TrainConfig) -> TrainConfig:
              f"{config.loss.clip_high_threshold}", "Use e.g. 0.8 and 1.2.")
     if config.data.truncate_prompts and config.data.max_prompt_tokens is None:
         fail("--truncate-prompts needs --max-prompt-tokens", "State the limit the prompts are cut to.")
+    if any(not word.strip() for word in config.reward.blocklist):
+        fail(f"reward.blocklist {list(config.reward.blocklist)} holds an empty entry, which every completion contains",
+             "Drop the empty --blocklist value.")
     if config.reward.reject_blocklisted and not config.reward.blocklist:
         fail("--reject-blocklisted with an empty blocklist rejects nothing", "Add --blocklist WORD (repeatable).")
     if config.backend.load_in_4bit and config.backend.device is not None and not config.backend.device.startswith("cuda"):

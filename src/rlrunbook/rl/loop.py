@@ -18,6 +18,7 @@ from tinker import types
 
 from rlrunbook.errors import ConfigError, NoLearningSignalError
 from rlrunbook.rl.config import TrainConfig, validate
+from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
 from rlrunbook.rl.rollouts import Rollout, advantage_mode, step_record, to_datum
@@ -63,7 +64,9 @@ def prepare(config: TrainConfig):
     """Validate options and load the data set: every user error surfaces here, before any model loads."""
     config = validate(config)
     paradigm = get_paradigm(config.mode)
-    options = {"summary_max_words": config.summary_max_words, **config.extra}
+    weights = config.reward
+    options = {"summary_max_words": config.summary_max_words, "verify_weight": weights.verify_weight,
+               "format_weight": weights.format_weight, "reflect_weight": weights.reflect_weight, **config.extra}
     task = get_task_class(config.env)(config.dataset, config.reward_fn, config.seed, options)
     problems = task.load()
     if config.expected_dataset_hash is not None:
@@ -139,6 +142,8 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         service = service_factory() if service_factory is not None else _default_service(config)
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
         tokenizer = training.get_tokenizer()
+        limit = PromptLimit.from_settings(config.data)
+        check_prompts(tokenizer, task, problems, limit, paradigm.prompt_suffixes, log)
         judge = _build_judge(config, service, tokenizer)
         order = _order(problems, config.seed)
         if evaluate is not None:
@@ -172,12 +177,11 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
         raise _no_signal(config, step, batch.rollouts)
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
     datums = [to_datum(r, a) for r, a in chosen]
-    fb_future = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None)
-    optim_future = training.optim_step(types.AdamParams(learning_rate=config.learning_rate,
-                                                        grad_clip_norm=config.loss.grad_clip_norm))
-    fb = fb_future.result()
+    fb = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None).result()
     fb_done = time.perf_counter()
-    optim = optim_future.result()
+    # A NaN/inf loss or gradient norm is refused before it reaches the weights (rl/guards.py).
+    optim = finite_optim_step(training, step, fb.metrics, types.AdamParams(
+        learning_rate=config.learning_rate, grad_clip_norm=config.loss.grad_clip_norm), writer)
     done = time.perf_counter()
     trained = int(fb.metrics.get("num_trained_tokens:sum", 0))
     loss = float(fb.metrics["loss:sum"])

@@ -18,10 +18,11 @@ from typing import Any, ClassVar
 from tinker import types
 
 from rlrunbook.engines.noise import mix_seed
-from rlrunbook.errors import ConfigError
+from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.rl.config import TrainConfig
+from rlrunbook.rl.guards import Blocklist, PromptLimit, StepTally, checked_reward
 from rlrunbook.rl.judges import DebateOutcome, Judge
-from rlrunbook.rl.prompts import TurnSplicer, render_prompt
+from rlrunbook.rl.prompts import TurnSplicer
 from rlrunbook.rl.rollouts import Rollout
 from rlrunbook.rl.tasks import Problem, Task
 
@@ -41,7 +42,11 @@ class RolloutBatch:
 
 @dataclass
 class RolloutContext:
-    """What a paradigm may use: the sampler of the current weights, the tokenizer, task and config."""
+    """What a paradigm may use: the sampler of the current weights, the tokenizer, task and config.
+
+    ``score`` and ``prompt`` apply the run's guards (blocklist, prompt limit; see ``rlrunbook.rl.guards``)
+    and count what they did in ``tally``; ``step_metrics`` hands the counts to the step log.
+    """
 
     sampler: Any
     tokenizer: Any
@@ -51,14 +56,35 @@ class RolloutContext:
     judge: Judge | None = None
     log: Any = print
     score_seconds: float = 0.0
+    tally: StepTally = field(default_factory=StepTally)
 
-    def score(self, problem: Problem, text: str):
-        """The task reward of ``text``, timed (the step log separates scoring from sampling)."""
+    def score(self, problem: Problem, text: str, guarded_text: str | None = None):
+        """The task reward of ``text``, timed (the step log separates scoring from sampling).
+
+        A non-finite reward is refused here, naming the task and problem. The blocklist is checked
+        on ``guarded_text`` (default ``text``; debate passes all of a debater's own turns): a hit is
+        counted, marked ``blocked`` in the metrics, and scores 0 under ``reward.reject_blocklisted``.
+        """
         started = time.perf_counter()
         try:
-            return self.task.reward(problem, text)
+            try:
+                raw = self.task.reward(problem, text)
+            except InputError as error:  # e.g. RewardResult refusing a NaN: say which task and problem
+                raise InputError(f"task {self.task.name!r}, problem {problem.id}: {error}") from error
+            result = checked_reward(raw, self.task.name, problem.id)
+            result, blocked = self.blocklist.apply(result, text if guarded_text is None else guarded_text)
+            self.tally.scored(result, blocked)
+            return result
         finally:
             self.score_seconds += time.perf_counter() - started
+
+    @property
+    def blocklist(self) -> Blocklist:
+        return Blocklist.from_settings(self.config.reward)
+
+    def step_metrics(self) -> dict[str, float]:
+        """Scoring time and the guards' counts: ``blocklist/hits``, ``prompts/truncated``, ``reward_signal/*``."""
+        return {"time/score_s": self.score_seconds, **self.tally.metrics()}
 
     def params(self, seed: int) -> types.SamplingParams:
         return types.SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature,
@@ -79,11 +105,17 @@ class RolloutContext:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def prompt(self, problem: Problem, suffix: str = "") -> list[int]:
-        return render_prompt(self.tokenizer, self.task.user_message(problem) + suffix, self.task.system_message())
+        """The prompt tokens of ``problem`` (user message + ``suffix``), within ``data.max_prompt_tokens``."""
+        limit = PromptLimit.from_settings(self.config.data)
+        tokens, truncated = limit.fit(self.tokenizer, problem.id, self.task.user_message(problem),
+                                      self.task.system_message(), suffix)
+        self.tally.truncated += truncated
+        return tokens
 
 
 class Paradigm(ABC):
     name: ClassVar[str]
+    prompt_suffixes: ClassVar[tuple[str, ...]] = ("",)  # what ``rollout`` appends to user messages
 
     @abstractmethod
     def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
@@ -129,8 +161,7 @@ class SingleTurn(Paradigm):
                                 "reward_metrics": dict(scored.metrics), "stop_reason": sequence.stop_reason,
                                 "reference": ctx.task.reference(problem)})
         payload = {"step": step, "env": ctx.task.name, "records": records}
-        return RolloutBatch(rollouts, ctx.task.rollout_kind, payload, sampled,
-                            metrics={"time/score_s": ctx.score_seconds})
+        return RolloutBatch(rollouts, ctx.task.rollout_kind, payload, sampled, metrics=ctx.step_metrics())
 
 
 DEBATE_INSTRUCTIONS = ("\n\nYou are debater {side}. Another debater answers the same question. Over three "
@@ -142,6 +173,7 @@ OPPONENT_OUTRO = "\n\nGive your improved answer."
 @register_paradigm
 class Debate(Paradigm):
     name = "debate"
+    prompt_suffixes = tuple(DEBATE_INSTRUCTIONS.format(side=side) for side in "AB")
 
     def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
         if ctx.judge is None:
@@ -182,18 +214,22 @@ class Debate(Paradigm):
                 me["logprobs"] += list(sequence.logprobs)
                 me["mask"] += [1] * len(turn)
                 sampled += len(turn)
-        outcomes = []
+        outcomes, blocked = [], {}
         for g, d in debates:
             finals = {side: ctx.decode(state[(g, d, side)]["turns"][-1]) for side in ("a", "b")}
-            rewards = {side: ctx.score(problems[g], finals[side]).reward for side in ("a", "b")}
+            # The final turn is scored; the blocklist sees every own turn (never the opponent's injected one).
+            scored = {side: ctx.score(problems[g], finals[side], "\n".join(
+                ctx.decode(turn) for turn in state[(g, d, side)]["turns"])) for side in ("a", "b")}
+            blocked.update({(g, d, side): scored[side].metrics.get("blocked", 0.0) > 0 for side in ("a", "b")})
             outcomes.append(DebateOutcome(f"s{step}-g{g}-d{d}", ctx.task.user_message(problems[g]),
-                                          finals["a"], finals["b"], rewards["a"], rewards["b"]))
+                                          finals["a"], finals["b"], scored["a"].reward, scored["b"].reward))
         verdicts = ctx.judge.judge(outcomes)
         rollouts, records = [], []
         for (g, d), outcome, verdict in zip(debates, outcomes, verdicts, strict=True):
             for side in ("a", "b"):
                 me = state[(g, d, side)]
-                won = verdict.winner == side
+                # A rejected (blocklisted) debater never wins: reward 0, no rejection-sampling datum.
+                won = verdict.winner == side and not (blocked[(g, d, side)] and ctx.blocklist.reject)
                 task_reward = outcome.task_reward_a if side == "a" else outcome.task_reward_b
                 rollouts.append(Rollout(me["prompt"], me["tokens"], me["logprobs"], me["mask"], problems[g].id, g,
                                         f"debater_{side}", 1.0 if won else 0.0, task_reward, won=won,
@@ -206,9 +242,9 @@ class Debate(Paradigm):
                            for r in range(ROUNDS)],
                 "verdict": {"winner": verdict.winner, "judge": verdict.judge, "scores": verdict.scores},
                 "task_rewards": {"a": outcome.task_reward_a, "b": outcome.task_reward_b},
+                "blocked": {side: blocked[(g, d, side)] for side in ("a", "b")},
             })
         wins_a = sum(1 for v in verdicts if v.winner == "a")
         payload = {"step": step, "env": ctx.task.name, "debates": records}
         return RolloutBatch(rollouts, "debate", payload, sampled,
-                            metrics={"debate/a_win_fraction": wins_a / max(1, len(verdicts)),
-                                     "time/score_s": ctx.score_seconds})
+                            metrics={"debate/a_win_fraction": wins_a / max(1, len(verdicts)), **ctx.step_metrics()})

@@ -27,6 +27,7 @@ from rlrunbook.rl.data import (
 )
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rewards.math import math_reward
+from rlrunbook.rl.rewards.multi_signal import BOXED, TRAILING_NUMBER, SignalWeights, multi_signal_reward
 from rlrunbook.rl.rewards.qa import qa_numeric_reward, qa_text_reward
 from rlrunbook.rl.rewards.summary import compression_reward, rouge_reward
 
@@ -123,12 +124,23 @@ def _qa_loader(dataset: str) -> Callable[[str | Path], list[QARecord]]:
     return load_gsm8k
 
 
+def _require_numeric_answers(records: list[QARecord], dataset: str) -> None:
+    """qa's multi_signal reward verifies numbers: refuse a data set with a non-numeric reference answer."""
+    for record in records:
+        # An answer is numeric when the numeric reward accepts it as its own completion.
+        if not any(qa_numeric_reward(answer, answer).reward >= 1.0 for answer in record.answers):
+            raise ConfigError(
+                f"--reward-fn multi_signal on --env qa verifies numeric answers, but problem {record.id} of "
+                f"{dataset!r} has the answer {record.answers[0]!r}. Use --reward-fn text for text answers "
+                "(NQ-open), or a numeric data set (test, gsm8k).")
+
+
 @register_task
 class QATask(Task):
     """Short-answer questions: the built-in arithmetic set ``test``, GSM8K, or NQ-open."""
 
     name = "qa"
-    reward_fns = ("numeric", "text")
+    reward_fns = ("numeric", "text", "multi_signal")
     default_dataset = "test"
 
     def load(self) -> list[Problem]:
@@ -138,6 +150,8 @@ class QATask(Task):
             kind = "nq_open" if "nq" in self.dataset.lower() else "gsm8k"
             source = _local_or_name(self.dataset, kind)
             records = _qa_loader(str(source))(source)
+        if self.reward_fn == "multi_signal":
+            _require_numeric_answers(records, self.dataset)
         return [Problem(r.id, r) for r in records]
 
     def system_message(self) -> str | None:
@@ -149,10 +163,14 @@ class QATask(Task):
     def reward(self, problem: Problem, completion_text: str) -> RewardResult:
         """1 for a correct answer; a wrong answer that at least states a number gets ``format_bonus``
         (0.1 by default, ``numeric`` only). The bonus gives weak models (and the random ``tiny``) reward
-        variance to learn from; a correct answer always outscores any wrong one."""
+        variance to learn from; a correct answer always outscores any wrong one. ``multi_signal``:
+        see ``rlrunbook.rl.rewards.multi_signal`` (numeric answers only)."""
         if self.reward_fn == "text":
             return qa_text_reward(completion_text, problem.record.answers)
         result = qa_numeric_reward(completion_text, problem.record.answers)
+        if self.reward_fn == "multi_signal":  # verify = the numeric match, without the format bonus
+            return multi_signal_reward(completion_text, result.reward >= 1.0, TRAILING_NUMBER,
+                                       SignalWeights.from_options(self.options))
         if result.reward >= 1.0:
             return result
         bonus = float(self.options.get("format_bonus", 0.1)) * result.metrics.get("has_number", 0.0)
@@ -167,7 +185,7 @@ class MathTask(Task):
     """Math word problems (GSM8K, or MATH-style JSONL with ``question``/``answer``) with an answer checker."""
 
     name = "math"
-    reward_fns = ("math",)
+    reward_fns = ("math", "multi_signal")
     default_dataset = "gsm8k"
 
     def load(self) -> list[Problem]:
@@ -181,7 +199,11 @@ class MathTask(Task):
         return problem.record.question
 
     def reward(self, problem: Problem, completion_text: str) -> RewardResult:
-        return math_reward(completion_text, problem.record.answers[0])
+        result = math_reward(completion_text, problem.record.answers[0])
+        if self.reward_fn == "multi_signal":  # verify = the answer checker's verdict
+            return multi_signal_reward(completion_text, result.reward >= 1.0, BOXED,
+                                       SignalWeights.from_options(self.options))
+        return result
 
     def reference(self, problem: Problem) -> str:
         return problem.record.answers[0]

@@ -19,7 +19,9 @@ Artifact schema (version 1)
      "git": {"commit": str, "dirty": bool} | null, "hardware": {...}, "seeds": {dotted key: value},
      "environment": {TINKER_*, RLRUNBOOK_*, CUDA_*, PYTORCH_*, HF_*, TRANSFORMERS_*, OMP_*, MALLOC_*,
                      PYTHON*: value, secret-named ones "<redacted>"},
-     "dataset": {...}}
+     "dataset": {...},
+     "refused_step": {"step": int, "quantity": "loss:sum" | "grad_norm", "value": str | null,
+                      "cause": str, "weights_changed": bool}}   # only when a NaN/inf guard stopped the run
 
 ``train_log.jsonl``, one row per step (extra keys allowed)::
 

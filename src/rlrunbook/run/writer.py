@@ -112,6 +112,17 @@ class RunWriter:
         self._metadata.update(status=status, finished_at=_utc_now(), error=error)
         return self._write(METADATA_FILE, self._metadata, indent=1)
 
+    def record_refused_step(self, record: Mapping[str, Any]) -> Path:
+        """Add ``refused_step`` (the step a guard refused: step, quantity, value, cause) to the metadata.
+
+        The run's status stays "running" until ``finish``; the record survives it.
+        """
+        if self._metadata is None:
+            raise InputError("record_refused_step before write_metadata(): the run has no metadata yet")
+        _check_step(record.get("step"), "refused_step")
+        self._metadata["refused_step"] = dict(record)
+        return self._write(METADATA_FILE, self._metadata, indent=1)
+
     def log_step(self, metrics: Mapping[str, Any]) -> None:
         """Append one row to ``train_log.jsonl`` and fsync it, so a crash loses at most the current step."""
         _check_step(metrics.get("step"), f"{TRAIN_LOG_FILE} row")
