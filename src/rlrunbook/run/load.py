@@ -108,6 +108,10 @@ def _load_jsonl(path: Path, rows: list[dict[str, Any]], problems: list[str]) -> 
             problems.append(f"{name} line {number}: not an object")
 
 
+def _load_train_log(run: RunFiles) -> None:
+    _load_jsonl(run.run_dir / TRAIN_LOG_FILE, run.train_log_rows, run.train_log_problems)
+
+
 def _load_per_step(run: RunFiles, prefix: str, docs: dict[int, dict[str, Any]], problems: list[str]) -> None:
     for step in run.expected_steps(prefix):
         path = run.run_dir / f"{prefix}_{step}.json"
@@ -124,7 +128,7 @@ def load_run(run_dir: str | Path) -> RunFiles:
     """Load every artifact the rubric checks; never raises for a malformed directory."""
     run = RunFiles(run_dir=Path(run_dir))
     _load_metadata(run)
-    _load_jsonl(run.run_dir / TRAIN_LOG_FILE, run.train_log_rows, run.train_log_problems)
+    _load_train_log(run)
     if validation_every(run) > 0:
         _load_jsonl(run.run_dir / VALIDATION_FILE, run.validation_rows, run.validation_problems)
     _load_per_step(run, "training_step", run.step_docs, run.step_problems)
