@@ -63,7 +63,8 @@ class DataSettings(_Section):
     """How the data set is loaded and how prompts are bounded."""
 
     cache: bool = Field(False, description="keep a normalised copy of the data set and train from it")
-    cache_dir: str | None = Field(None, description="where cached data sets live (default: the model cache)")
+    cache_dir: str | None = Field(None, description="where cached data sets live (default: datasets/ under "
+                                                          "the model cache, $RLRUNBOOK_CACHE_DIR)")
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt allowed, in tokens; None = no limit")
     truncate_prompts: bool = Field(False, description="cut over-long prompts to max_prompt_tokens instead of "
                                                       "refusing the run")

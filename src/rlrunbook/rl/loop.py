@@ -7,6 +7,7 @@ a run that fails later is marked ``failed`` in its metadata, so its directory ne
 
 from __future__ import annotations
 
+import os
 import random
 import resource
 import statistics
@@ -18,12 +19,14 @@ from tinker import types
 
 from rlrunbook.errors import ConfigError, NoLearningSignalError
 from rlrunbook.rl.config import TrainConfig, validate
+from rlrunbook.rl.dataset_cache import load_problems
 from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
 from rlrunbook.rl.rollouts import Rollout, advantage_mode, step_record, to_datum
 from rlrunbook.rl.tasks import Problem, get_task_class
-from rlrunbook.run import RunWriter, log_root, new_run_dir
+from rlrunbook.rl.validation import Validator, check_held_out, split_held_out
+from rlrunbook.run import RunWriter, log_root, new_run_dir, wandb_sink
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -68,7 +71,8 @@ def prepare(config: TrainConfig):
     options = {"summary_max_words": config.summary_max_words, "verify_weight": weights.verify_weight,
                "format_weight": weights.format_weight, "reflect_weight": weights.reflect_weight, **config.extra}
     task = get_task_class(config.env)(config.dataset, config.reward_fn, config.seed, options)
-    problems = task.load()
+    problems = load_problems(task, config.data)  # task.load(), or its --cache-dataset copy
+    check_held_out(config.validation, len(problems))
     if config.expected_dataset_hash is not None:
         actual = task.dataset_info(problems).get("fingerprint")
         if actual != config.expected_dataset_hash:
@@ -133,10 +137,13 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     """
     config, paradigm, task, problems = prepare(config)
     advantages_of = advantage_mode(config.run_mode)
+    sink = wandb_sink.from_environ(os.environ)  # None without WANDB_PROJECT; ConfigError if wandb is missing
     run_dir = new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name)
-    writer = RunWriter(run_dir)
+    writer = RunWriter(run_dir, sink=sink)
     writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems))
     log(f"[run] {run_dir}")
+    if task.cache_info is not None:
+        log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)
     try:
         service = service_factory() if service_factory is not None else _default_service(config)
@@ -145,13 +152,17 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         limit = PromptLimit.from_settings(config.data)
         check_prompts(tokenizer, task, problems, limit, paradigm.prompt_suffixes, log)
         judge = _build_judge(config, service, tokenizer)
-        order = _order(problems, config.seed)
+        # With validation on, the last validation.num_problems of the seeded order are held out of training.
+        problems, order, held_out = split_held_out(problems, _order(problems, config.seed), config.validation)
+        validator = Validator(config, task, held_out, writer, log)
         if evaluate is not None:
             evaluate("initial", training, tokenizer)
+        validator(0, training, tokenizer)
         steps = range(config.steps) if progress is None else progress(range(config.steps))
         for step in steps:
             _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge,
                       advantages_of, writer, log)
+            validator(step + 1, training, tokenizer)
         if evaluate is not None:
             evaluate("final", training, tokenizer)
         writer.write_report()

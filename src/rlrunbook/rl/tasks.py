@@ -47,6 +47,7 @@ class Task(ABC):
     reward_fns: ClassVar[tuple[str, ...]]  # the first is the default
     rollout_kind: ClassVar[str] = "baseline"  # which rollout file single-turn runs write: baseline | summary
     default_dataset: ClassVar[str]
+    cache_info: dict | None = None  # set by rl.dataset_cache when the problems came through --cache-dataset
 
     def __init__(self, dataset: str | None, reward_fn: str | None, seed: int, options: dict | None = None):
         self.dataset = dataset or self.default_dataset
@@ -78,8 +79,10 @@ class Task(ABC):
         return ""
 
     def dataset_info(self, problems: list[Problem]) -> dict:
-        return {"name": self.dataset, "rows": len(problems),
+        """Name, row count and fingerprint of the data set (and, when cached, where the copy is)."""
+        info = {"name": self.dataset, "rows": len(problems),
                 "fingerprint": fingerprint_records([p.record for p in problems])}
+        return info if self.cache_info is None else {**info, "cache": dict(self.cache_info)}
 
 
 TASKS: dict[str, type[Task]] = {}

@@ -19,7 +19,8 @@ Artifact schema (version 1)
      "git": {"commit": str, "dirty": bool} | null, "hardware": {...}, "seeds": {dotted key: value},
      "environment": {TINKER_*, RLRUNBOOK_*, CUDA_*, PYTORCH_*, HF_*, TRANSFORMERS_*, OMP_*, MALLOC_*,
                      PYTHON*: value, secret-named ones "<redacted>"},
-     "dataset": {...},
+     "dataset": {"name", "rows", "fingerprint", "cache": {"path", "status": "written" | "loaded",
+                 "source_key", "source_fingerprint", "cached_fingerprint"} (with --cache-dataset)},
      "refused_step": {"step": int, "quantity": "loss:sum" | "grad_norm", "value": str | null,
                       "cause": str, "weights_changed": bool}}   # only when a NaN/inf guard stopped the run
 
@@ -59,8 +60,16 @@ are exactly 0 where the mask is 0.
                   "verdict": {"winner": "a" | "b", "judge": str, "scores": {"a": float, "b": float}},
                   "task_rewards": {"a": float, "b": float}}]}
 
+``validation.jsonl`` (only with ``validation.every > 0``), one row per validation at the steps of
+``schema.validation_schedule`` (``step`` = optimizer steps applied before it)::
+
+    {"step": int, "num_problems": int, "samples_per_problem": int, "threshold": float,
+     "confidence": float, "mean_reward": float, "mean_ci": [low, high],
+     "pass@1": float, "pass@1_ci": [low, high], "mean@1": float, "pass@<k>": ..., "mean@<k>": ...,
+     "seed": int, "problem_ids": [str], "time/validation_s": float}
+
 ``report.png``: reward (mean, min-max band), loss, completion length and non-zero advantage
-curves per step.
+curves per step (and held-out mean reward / pass@k when validation.jsonl has rows).
 """
 
 from rlrunbook.run.checks import CheckResult

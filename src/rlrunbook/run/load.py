@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlrunbook.run.schema import METADATA_FILE, TRAIN_LOG_FILE, rollout_kind
+from rlrunbook.run.schema import METADATA_FILE, TRAIN_LOG_FILE, VALIDATION_FILE, rollout_kind
 
 
 def read_json(path: Path) -> tuple[Any, str | None]:
@@ -48,6 +48,9 @@ class RunFiles:
     step_problems: list[str] = field(default_factory=list)
     rollout_docs: dict[int, dict[str, Any]] = field(default_factory=dict)
     rollout_problems: list[str] = field(default_factory=list)
+    # validation.jsonl, read only when the config turns validation on.
+    validation_rows: list[dict[str, Any]] = field(default_factory=list)
+    validation_problems: list[str] = field(default_factory=list)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -81,15 +84,15 @@ def _load_metadata(run: RunFiles) -> None:
         run.mode, run.kind = mode, rollout_kind(mode, env)
 
 
-def _load_train_log(run: RunFiles) -> None:
-    path = run.run_dir / TRAIN_LOG_FILE
+def _load_jsonl(path: Path, rows: list[dict[str, Any]], problems: list[str]) -> None:
+    name = path.name
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        run.train_log_problems.append(f"{TRAIN_LOG_FILE}: missing ({path})")
+        problems.append(f"{name}: missing ({path})")
         return
     except (OSError, UnicodeDecodeError) as exc:
-        run.train_log_problems.append(f"{TRAIN_LOG_FILE}: unreadable ({exc})")
+        problems.append(f"{name}: unreadable ({exc})")
         return
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -97,12 +100,16 @@ def _load_train_log(run: RunFiles) -> None:
         try:
             row = json.loads(line)
         except ValueError as exc:  # typically the last line of a run killed mid-write
-            run.train_log_problems.append(f"{TRAIN_LOG_FILE} line {number}: invalid JSON ({exc})")
+            problems.append(f"{name} line {number}: invalid JSON ({exc})")
             continue
         if isinstance(row, dict):
-            run.train_log_rows.append(row)
+            rows.append(row)
         else:
-            run.train_log_problems.append(f"{TRAIN_LOG_FILE} line {number}: not an object")
+            problems.append(f"{name} line {number}: not an object")
+
+
+def _load_train_log(run: RunFiles) -> None:
+    _load_jsonl(run.run_dir / TRAIN_LOG_FILE, run.train_log_rows, run.train_log_problems)
 
 
 def _load_per_step(run: RunFiles, prefix: str, docs: dict[int, dict[str, Any]], problems: list[str]) -> None:
@@ -122,7 +129,16 @@ def load_run(run_dir: str | Path) -> RunFiles:
     run = RunFiles(run_dir=Path(run_dir))
     _load_metadata(run)
     _load_train_log(run)
+    if validation_every(run) > 0:
+        _load_jsonl(run.run_dir / VALIDATION_FILE, run.validation_rows, run.validation_problems)
     _load_per_step(run, "training_step", run.step_docs, run.step_problems)
     if run.kind is not None:
         _load_per_step(run, run.kind, run.rollout_docs, run.rollout_problems)
     return run
+
+
+def validation_every(run: RunFiles) -> int:
+    """``config.validation.every`` (0 when absent or malformed: validation off)."""
+    section = run.config.get("validation")
+    every = section.get("every") if isinstance(section, dict) else None
+    return every if isinstance(every, int) and not isinstance(every, bool) and every > 0 else 0

@@ -30,14 +30,35 @@ def _has(rows: Sequence[Mapping[str, Any]], key: str) -> bool:
     return any(key in row for row in rows)
 
 
+def _plot_validation(ax, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Held-out mean reward and pass@k per validation, each with its bootstrap interval as error bars."""
+    rows = sorted(rows, key=lambda row: row.get("step", 0))
+    steps = [row.get("step", i) for i, row in enumerate(rows)]
+    keys = ["mean_reward"] + sorted({k for row in rows for k in row if k.startswith("pass@") and "_" not in k},
+                                    key=lambda k: int(k[len("pass@"):]))
+    for key in keys:
+        ci_key = "mean_ci" if key == "mean_reward" else f"{key}_ci"
+        values = _series(rows, key)
+        below, above = [], []
+        for row, value in zip(rows, values, strict=True):
+            ci = row.get(ci_key)
+            ok = isinstance(ci, list) and len(ci) == 2 and math.isfinite(value)
+            below.append(max(0.0, value - ci[0]) if ok else 0.0)
+            above.append(max(0.0, ci[1] - value) if ok else 0.0)
+        ax.errorbar(steps, values, yerr=[below, above], marker="o", capsize=3, label=key)
+    ax.legend(loc="best", fontsize="small")
+
+
 def plot_report(
-    train_log_rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike[str], title: str | None = None
+    train_log_rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike[str], title: str | None = None,
+    validation_rows: Sequence[Mapping[str, Any]] = (),
 ) -> Path:
     """Write a PNG of per-step curves from train-log rows; ``title`` defaults to the run directory name.
 
     Panels: reward mean with its min-max band, ``loss/sum``, mean completion length, and the
-    non-zero advantage fraction (or count) when logged. Every point has a marker, so a
-    one-step run still shows its values.
+    non-zero advantage fraction (or count) when logged; with ``validation_rows`` (validation.jsonl)
+    a last panel of held-out mean reward and pass@k with their intervals. Every point has a
+    marker, so a one-step run still shows its values.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -62,11 +83,18 @@ def plot_report(
             panels.append((key, label))
             break
 
-    fig = Figure(figsize=(4.5 * len(panels), 3.6))
+    count = len(panels) + bool(validation_rows)
+    fig = Figure(figsize=(4.5 * count, 3.6))
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.14, top=0.82, wspace=0.3)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    axes = fig.subplots(1, count, squeeze=False)[0]
+    if validation_rows:
+        _plot_validation(axes[-1], validation_rows)
+        axes[-1].set_title("validation (held-out)")
+        axes[-1].set_xlabel("optimizer steps applied")
+        axes[-1].grid(True, alpha=0.3)
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax, (key, label) in zip(axes[:len(panels)], panels, strict=True):
         ax.plot(steps, _series(rows, key), marker="o", label=key)
         if key == "reward/mean" and _has(rows, "task_reward/mean"):
             # Debate trains on the verdict (mean 0.5 by construction); the task reward shows learning.

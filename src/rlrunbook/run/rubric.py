@@ -20,6 +20,8 @@ in order:
   summary) or debate_<k>.json (debate) for every step.
 - single-turn ``rollouts.records``: every record has a reward; summary records have reward metrics.
 - debate ``debate.rounds``, ``debate.verdicts``: rounds 1, 2, 3 with tokens on both sides, and a verdict.
+- ``validation`` (only with ``validation.every > 0`` in the config): validation.jsonl has the
+  scheduled rows with well-formed pass@k / mean-reward numbers, on problems never trained on.
 - ``report.png``: present and a whole PNG.
 """
 
@@ -28,9 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from rlrunbook.run import checks, rollout_checks, step_checks
+from rlrunbook.run import checks, rollout_checks, step_checks, validation_checks
 from rlrunbook.run.checks import CheckResult
-from rlrunbook.run.load import RunFiles, load_run
+from rlrunbook.run.load import RunFiles, load_run, validation_every
 
 Check = Callable[[RunFiles], CheckResult]
 COMMON_CHECKS: tuple[Check, ...] = (
@@ -56,7 +58,8 @@ MODE_CHECKS: dict[str, tuple[Check, ...]] = {
 def check_run(run_dir: str | Path) -> list[CheckResult]:
     """Apply every rubric rule to ``run_dir``; never raises for a malformed or missing directory."""
     run = load_run(run_dir)
-    selected = COMMON_CHECKS + MODE_CHECKS.get(run.mode or "", ()) + (checks.report_png,)
+    optional = (validation_checks.validation,) if validation_every(run) > 0 else ()
+    selected = COMMON_CHECKS + MODE_CHECKS.get(run.mode or "", ()) + optional + (checks.report_png,)
     return [check(run) for check in selected]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 SCHEMA_VERSION = 1
 METADATA_FILE = "run_metadata.json"
 TRAIN_LOG_FILE = "train_log.jsonl"
+VALIDATION_FILE = "validation.jsonl"
 REPORT_FILE = "report.png"
 ROLLOUT_KINDS = ("baseline", "summary", "debate")
 FINAL_STATUSES = ("completed", "failed")
@@ -57,3 +58,25 @@ def rollout_kind(mode: str, env: str) -> str:
     if mode == "debate":
         return "debate"
     return "summary" if env == "summary" else "baseline"
+
+
+# validation.jsonl: every row carries these (plus "pass@<k>" and "pass@<k>_ci" for k in ``VALIDATION_KS``).
+VALIDATION_INT_KEYS = ("step", "num_problems", "samples_per_problem")
+VALIDATION_FLOAT_KEYS = ("mean_reward", "threshold")
+
+
+def validation_ks(samples: int) -> tuple[int, ...]:
+    """The k values a validation reports: 1 and the number of samples per problem."""
+    return tuple(sorted({1, samples}))
+
+
+def validation_schedule(steps: int, every: int) -> list[int]:
+    """The ``step`` of each validation row of a run of ``steps`` optimizer steps validating ``every`` N.
+
+    A row's ``step`` counts the optimizer steps applied before it: 0 (the initial weights), every
+    multiple of ``every``, and ``steps`` (the final weights) once. ``every=0`` means no validation.
+    Example: ``steps=3, every=2`` gives ``[0, 2, 3]``; ``steps=4, every=2`` gives ``[0, 2, 4]``.
+    """
+    if every <= 0:
+        return []
+    return sorted({0, *range(every, steps + 1, every), steps})

@@ -16,7 +16,7 @@ from typing import Any
 
 from rlrunbook.errors import InputError
 from rlrunbook.run import metadata as meta
-from rlrunbook.run.jsonio import atomic_write_json, dumps
+from rlrunbook.run.jsonio import atomic_write_json, dumps, to_jsonable
 from rlrunbook.run.schema import (
     FINAL_STATUSES,
     METADATA_FILE,
@@ -24,7 +24,9 @@ from rlrunbook.run.schema import (
     ROLLOUT_KINDS,
     SCHEMA_VERSION,
     TRAIN_LOG_FILE,
+    VALIDATION_FILE,
 )
+from rlrunbook.run.wandb_sink import WandbSink
 
 
 def _utc_now() -> str:
@@ -48,7 +50,9 @@ def _with_step(step: int, payload: Mapping[str, Any], where: str) -> dict[str, A
 class RunWriter:
     """Writes the artifact trail of one run into ``run_dir`` (which must exist; see ``new_run_dir``)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], environ: Mapping[str, str] | None = None):
+    def __init__(self, run_dir: str | os.PathLike[str], environ: Mapping[str, str] | None = None,
+                 sink: WandbSink | None = None):
+        """``sink`` (see ``wandb_sink.from_environ``) mirrors the metadata's config and every logged row."""
         self.run_dir = Path(run_dir)
         if not self.run_dir.is_dir():
             raise InputError(f"run directory {self.run_dir} does not exist: create it with new_run_dir()")
@@ -56,6 +60,7 @@ class RunWriter:
         self._environ = dict(os.environ if environ is None else environ)
         self._secrets = meta.secret_values(self._environ)
         self._metadata: dict[str, Any] | None = None
+        self._sink = sink
 
     @property
     def metadata_path(self) -> Path:
@@ -64,6 +69,10 @@ class RunWriter:
     @property
     def train_log_path(self) -> Path:
         return self.run_dir / TRAIN_LOG_FILE
+
+    @property
+    def validation_path(self) -> Path:
+        return self.run_dir / VALIDATION_FILE
 
     def _write(self, name: str, payload: Any, indent: int | None = None) -> Path:
         path = self.run_dir / name
@@ -95,7 +104,10 @@ class RunWriter:
             "environment": meta.filtered_environment(self._environ),
             "dataset": meta.redact_config(dataset),
         }
-        return self._write(METADATA_FILE, self._metadata, indent=1)
+        path = self._write(METADATA_FILE, self._metadata, indent=1)
+        if self._sink is not None:
+            self._sink.start(self.run_dir.name, to_jsonable(self._metadata["config"], "config", self._secrets))
+        return path
 
     def finish(self, status: str, error: str | None = None) -> Path:
         """Mark the run "completed" or "failed" (with ``error``) and stamp ``finished_at``."""
@@ -110,7 +122,10 @@ class RunWriter:
                     f"cannot finish {self.metadata_path}: {exc}; call write_metadata() first"
                 ) from exc
         self._metadata.update(status=status, finished_at=_utc_now(), error=error)
-        return self._write(METADATA_FILE, self._metadata, indent=1)
+        path = self._write(METADATA_FILE, self._metadata, indent=1)
+        if self._sink is not None:
+            self._sink.finish(status)
+        return path
 
     def record_refused_step(self, record: Mapping[str, Any]) -> Path:
         """Add ``refused_step`` (the step a guard refused: step, quantity, value, cause) to the metadata.
@@ -125,12 +140,21 @@ class RunWriter:
 
     def log_step(self, metrics: Mapping[str, Any]) -> None:
         """Append one row to ``train_log.jsonl`` and fsync it, so a crash loses at most the current step."""
-        _check_step(metrics.get("step"), f"{TRAIN_LOG_FILE} row")
-        line = dumps(metrics, f"{TRAIN_LOG_FILE} step {metrics['step']}", secrets=self._secrets)
-        with open(self.train_log_path, "a", encoding="utf-8") as handle:
+        self._append(self.train_log_path, metrics, prefix="")
+
+    def log_validation(self, metrics: Mapping[str, Any]) -> None:
+        """Append one row to ``validation.jsonl`` (``step``: optimizer steps applied before it), durably."""
+        self._append(self.validation_path, metrics, prefix="val/")
+
+    def _append(self, path: Path, row: Mapping[str, Any], prefix: str) -> None:
+        _check_step(row.get("step"), f"{path.name} row")
+        line = dumps(row, f"{path.name} step {row['step']}", secrets=self._secrets)
+        with open(path, "a", encoding="utf-8") as handle:
             handle.write(line + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        if self._sink is not None:
+            self._sink.log(json.loads(line), step=row["step"], prefix=prefix)
 
     def write_step(self, step: int, payload: Mapping[str, Any]) -> Path:
         """Write ``training_step_<step>.json``: the step's datums and the trainer's results."""
@@ -146,15 +170,22 @@ class RunWriter:
 
     def read_train_log(self) -> list[dict[str, Any]]:
         """The rows of ``train_log.jsonl`` written so far."""
-        if not self.train_log_path.exists():
-            return []
-        lines = self.train_log_path.read_text(encoding="utf-8").splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
+        return _read_rows(self.train_log_path)
+
+    def read_validation(self) -> list[dict[str, Any]]:
+        """The rows of ``validation.jsonl`` written so far (none when validation is off)."""
+        return _read_rows(self.validation_path)
 
     def write_report(self) -> Path:
         """Plot ``report.png`` from the train log (see ``rlrunbook.run.report``)."""
         from rlrunbook.run.report import plot_report  # matplotlib only when a report is drawn
 
         path = self.run_dir / REPORT_FILE
-        plot_report(self.read_train_log(), path, title=self.run_dir.name)
+        plot_report(self.read_train_log(), path, title=self.run_dir.name, validation_rows=self.read_validation())
         return path
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

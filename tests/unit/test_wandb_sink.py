@@ -1,0 +1,73 @@
+"""The W&B mirror: on only with WANDB_PROJECT, fed by RunWriter with redacted config, fail-fast without wandb.
+
+A real training run with a fake ``wandb`` module is in test_validation.py (rows, steps, finish).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types as pytypes
+
+import pytest
+
+from rlrunbook import cli
+from rlrunbook.errors import ConfigError
+from rlrunbook.run import RunWriter, wandb_sink
+
+
+class FakeWandb(pytypes.ModuleType):
+    def __init__(self):
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def init(self, *args, **kwargs):
+        self.calls.append(("init", args, kwargs))
+
+    def log(self, *args, **kwargs):
+        self.calls.append(("log", args, kwargs))
+
+    def finish(self, *args, **kwargs):
+        self.calls.append(("finish", args, kwargs))
+
+
+def test_writer_mirrors_metadata_rows_and_status(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    environ = {"WANDB_PROJECT": "proj", "OPENAI_API_KEY": "sk-secret-value-123"}
+    writer = RunWriter(tmp_path, environ=environ, sink=wandb_sink.from_environ(environ))
+    writer.write_metadata({"env": "qa", "api_key": "sk-secret-value-123", "note": "key sk-secret-value-123",
+                           "loss": {"kl_coef": 0.1}}, {}, [], {})
+    writer.log_step({"step": 0, "loss/sum": 1.5, "num_datums": 4})
+    writer.log_validation({"step": 1, "pass@1": 0.25, "pass@1_ci": [0.0, 0.5], "problem_ids": ["a"], "seed": 3})
+    writer.finish("failed", error="boom")
+    assert fake.calls == [
+        ("init", (), {"project": "proj", "name": tmp_path.name,
+                      "config": {"env": "qa", "api_key": "<redacted>", "note": "key <redacted>",
+                                 "loss": {"kl_coef": 0.1}}}),
+        ("log", ({"loss/sum": 1.5, "num_datums": 4},), {"step": 0}),
+        ("log", ({"val/pass@1": 0.25, "val/pass@1_ci_low": 0.0, "val/pass@1_ci_high": 0.5, "val/seed": 3},),
+         {"step": 1}),
+        ("finish", (), {"exit_code": 1}),
+    ]
+
+
+def test_nothing_is_imported_without_wandb_project(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # any `import wandb` would raise ImportError
+    assert wandb_sink.from_environ({}) is None
+    assert wandb_sink.from_environ({"WANDB_PROJECT": "  "}) is None
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        wandb_sink.from_environ({"WANDB_PROJECT": "proj"})
+
+
+def test_missing_wandb_fails_before_any_model_or_run_directory(tmp_path, monkeypatch, capsys):
+    import rlrunbook.backend as backend
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    monkeypatch.setattr(backend, "create_service_client", lambda **_: pytest.fail("a model was loaded"))
+    code = cli.main(["train", "--model", "tiny", "--env", "qa", "-n", "4", "--log-root", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert code == 2 and "pip install wandb" in err and "WANDB_PROJECT='proj'" in err
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
