@@ -91,6 +91,9 @@ def init(layout: Layout | None = None, device: str | torch.device | None = None)
 
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if layout.local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK={layout.local_rank} but this machine has {torch.cuda.device_count()} "
+                              "GPU(s): use --nproc_per_node <= the number of GPUs (one process per GPU).")
         torch.cuda.set_device(layout.local_rank)
     dist.init_process_group(backend=backend_for(device), rank=layout.rank, world_size=layout.world_size)
     atexit.register(shutdown)
