@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -32,15 +33,13 @@ class SeedEchoSampler:
 
 @pytest.fixture(scope="module")
 def qa(tiny_host):
-    config, paradigm, task, problems = prepare(TrainConfig(env="qa", dataset="test", num_rollouts=8, num_groups=4,
+    config, _, task, problems = prepare(TrainConfig(env="qa", dataset="test", num_rollouts=8, num_groups=4,
                                                            model="tiny"))
     return config, task, problems, tiny_host.tokenizer
 
 
 def _rollout(mode, qa, group_ids, step=3, **config_changes):
     config, task, problems, tokenizer = qa
-    import dataclasses
-
     config = dataclasses.replace(config, mode=mode, **config_changes)
     sampler = SeedEchoSampler()
     ids = list(range(config.num_groups)) if group_ids is None else group_ids

@@ -119,7 +119,7 @@ def shared_run_dir(make: Callable[[], Path]) -> Path:
     if distributed.is_main():
         try:
             path = make()
-        except Exception as exc:  # told to the other ranks, then re-raised below
+        except Exception as exc:  # noqa: BLE001 - any failure: told to the other ranks, re-raised below
             error = exc
     shared = distributed.broadcast_object(
         str(path) if path is not None else f"error: {type(error).__name__}: {error}" if error else None)
