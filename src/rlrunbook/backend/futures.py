@@ -40,6 +40,19 @@ class _Task:
     rows: int = 1
 
 
+def _current_cuda_device() -> int | None:
+    """The creating thread's CUDA device if it already uses CUDA, else None (CUDA left uninitialised).
+
+    Looked up in ``sys.modules`` so that this module still does not import torch itself.
+    """
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
 class OrderedWorker:
     """A single worker thread with a FIFO queue; ``submit`` returns an awaitable SDK future."""
 
@@ -51,6 +64,9 @@ class OrderedWorker:
         self.max_batch_rows = max_batch_rows
         self.batches_run = 0  # engine calls made for batchable tasks (for tests and benchmarks)
         self._holds = 0
+        # The current CUDA device is per thread; a process that picked its GPU (torchrun: cuda:LOCAL_RANK,
+        # see rlrunbook.distributed.init) must not have its model land on cuda:0 from this thread.
+        self._cuda_device = _current_cuda_device()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -105,6 +121,10 @@ class OrderedWorker:
                 self._cv.wait(remaining)
 
     def _loop(self) -> None:
+        if self._cuda_device is not None:
+            import torch
+
+            torch.cuda.set_device(self._cuda_device)
         while True:
             with self._cv:
                 while (not self._queue or self._holds) and not self._closed:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from tinker import types
 
+from rlrunbook import distributed
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.engines.scoring import gather_logprobs
 from rlrunbook.errors import InputError, NoLearningSignalError, RlrunbookError
@@ -189,10 +190,13 @@ class LoraTrainer:
 
         ``grad_clip_norm > 0`` clips the global norm first. A NaN/inf gradient norm refuses the
         step: gradients are dropped, weights stay as they were, ``NonFiniteGradientError`` is raised.
+        Under torchrun the gradients are first summed over ranks (see ``_sync_gradients``), so the
+        norm, the clipping, the NaN guard and the step are the same on every rank.
         """
+        trainable = list(adapter_parameters(self.model).values())
+        applied_loss = self._sync_gradients(trainable)
         if not self._has_gradients:
             raise InputError("optim_step with no accumulated gradient: call forward_backward first.")
-        trainable = list(adapter_parameters(self.model).values())
         hyper = dict(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                      weight_decay=params.weight_decay)
         if self._optimizer is None:
@@ -201,7 +205,6 @@ class LoraTrainer:
             group.update(hyper)
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
-        applied_loss, self._pending_loss = self._pending_loss, 0.0
         if not math.isfinite(grad_norm):
             self._optimizer.zero_grad(set_to_none=True)
             self._has_gradients = False
@@ -218,6 +221,27 @@ class LoraTrainer:
         return types.OptimStepResponse(metrics={"grad_norm:mean": grad_norm,
                                                 "learning_rate:mean": params.learning_rate,
                                                 "loss:sum": applied_loss})
+
+    def _sync_gradients(self, trainable: list[torch.nn.Parameter]) -> float:
+        """Data parallel: sum gradients over ranks; return the summed loss those gradients came from.
+
+        Losses are token sums, so the sum of the ranks' gradients is the gradient of the union
+        batch in one process. A rank whose shard produced no datum joins with zeros (no deadlock);
+        whether any rank had a gradient and the pending loss ride in the same reduction, so every
+        rank then agrees on ``_has_gradients``. With one process nothing is communicated.
+        """
+        applied_loss, self._pending_loss = self._pending_loss, 0.0
+        if distributed.world_size() == 1:
+            return applied_loss
+        for param in trainable:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        extras = torch.tensor([float(self._has_gradients), applied_loss], dtype=torch.float64, device=self.device)
+        distributed.all_reduce_sum([param.grad for param in trainable] + [extras])
+        self._has_gradients = bool(extras[0] > 0)
+        if not self._has_gradients:
+            self.model.zero_grad(set_to_none=True)
+        return float(extras[1])
 
     def optimizer_state(self) -> dict | None:
         """AdamW's ``state_dict()`` (tensors and plain numbers only), or None before the first step."""

@@ -181,14 +181,17 @@ def _refuse(writer, step: int, quantity: str, value: float | None, cause: str, *
         "Look for NaN/inf rewards, advantages or sampling logprobs in the step's rollouts, or lower --learning-rate.")
 
 
-def finite_optim_step(training, step: int, fb_metrics: Mapping[str, float], params, writer):
+def finite_optim_step(training, step: int, fb_metrics: Mapping[str, float], params, writer, *,
+                      check_loss: bool = True):
     """Apply ``optim_step(params)`` only after a finite ``loss:sum``; refuse a non-finite gradient norm.
 
     Waiting for forward_backward's loss before submitting the optimizer step costs one round trip
     and guarantees that a NaN loss never reaches the weights, whatever the backend does with it.
+    ``check_loss=False`` (data parallel: every rank must join the step's gradient all-reduce) leaves
+    a NaN loss to the trainer, whose summed gradient norm is then NaN on every rank.
     """
     loss = float(fb_metrics["loss:sum"])
-    if not math.isfinite(loss):
+    if check_loss and not math.isfinite(loss):
         raise _refuse(writer, step, "loss:sum", loss, "forward_backward returned a non-finite loss")
     try:
         optim = training.optim_step(params).result()

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from tinker import types
 
+from rlrunbook import distributed
 from rlrunbook.errors import ConfigError, NoLearningSignalError
+from rlrunbook.rl import data_parallel as dp
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.dataset_cache import load_problems
 from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
@@ -134,13 +136,26 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
 
     ``evaluate(label, training_client, tokenizer)``, if given, is called with ``"initial"`` before
     the first step and ``"final"`` after the last: the hook for held-out evaluation.
+
+    Under ``torchrun`` (see :mod:`rlrunbook.rl.data_parallel`) every process samples and trains
+    its block of each step's groups; rank 0 alone creates and writes the run directory and logs,
+    and every rank returns its path once rank 0 has finished it.
     """
     config, paradigm, task, problems = prepare(config)
+    layout = distributed.launch_layout()
+    dp.check_divisible(config.num_groups, layout.world_size)
+    distributed.init(layout)
+    if not distributed.is_main():
+        log, progress = (lambda line: None), None
     advantages_of = advantage_mode(config.run_mode)
-    sink = wandb_sink.from_environ(os.environ)  # None without WANDB_PROJECT; ConfigError if wandb is missing
-    run_dir = new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name)
-    writer = RunWriter(run_dir, sink=sink)
-    writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems))
+    # W&B: None without WANDB_PROJECT; ConfigError if wandb is missing. Rank 0 alone logs.
+    sink = wandb_sink.from_environ(os.environ) if distributed.is_main() else None
+    run_dir = dp.shared_run_dir(
+        lambda: new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name))
+    writer = RunWriter(run_dir, sink=sink) if distributed.is_main() else dp.NullWriter()
+    writer.write_metadata({**config.to_dict(), "world_size": layout.world_size},
+                          {**(config_sources or {}), "world_size": "torchrun (WORLD_SIZE)"}, list(argv),
+                          task.dataset_info(problems))
     log(f"[run] {run_dir}")
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
@@ -170,16 +185,18 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     except BaseException as error:
         writer.finish("failed", error=f"{type(error).__name__}: {error}")
         raise
+    distributed.barrier()  # the other ranks return the directory only once rank 0 has completed it
     return run_dir
 
 
 def _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge, advantages_of,
               writer: RunWriter, log) -> None:
     started = time.perf_counter()
-    groups = [problems[order[(step * config.num_groups + g) % len(problems)]] for g in range(config.num_groups)]
+    group_ids = dp.local_group_ids(config.num_groups)
+    groups = [problems[order[(step * config.num_groups + g) % len(problems)]] for g in group_ids]
     sampler = training.save_weights_and_get_sampling_client()
-    ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id], judge, log)
-    batch = paradigm.rollout(ctx, groups, step)
+    ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id], judge, log, group_ids=group_ids)
+    batch = dp.union_batch(paradigm.rollout(ctx, groups, step))
     sampled_at = time.perf_counter()
     advantages = advantages_of(batch.rollouts)
     chosen = [(r, a) for r, a in zip(batch.rollouts, advantages, strict=True) if a != 0]
@@ -187,20 +204,26 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
     if not chosen:
         raise _no_signal(config, step, batch.rollouts)
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
-    datums = [to_datum(r, a) for r, a in chosen]
-    fb = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None).result()
+    datums = [to_datum(r, a) for r, a in dp.own_share(chosen, group_ids)]
+    fb = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None).result() if datums else None
     fb_done = time.perf_counter()
-    # A NaN/inf loss or gradient norm is refused before it reaches the weights (rl/guards.py).
-    optim = finite_optim_step(training, step, fb.metrics, types.AdamParams(
-        learning_rate=config.learning_rate, grad_clip_norm=config.loss.grad_clip_norm), writer)
+    # A NaN/inf loss or gradient norm is refused before it reaches the weights (rl/guards.py). Every rank
+    # submits optim_step (its gradient all-reduce needs all of them); a NaN on one rank makes the summed
+    # gradient norm NaN everywhere, so the trainer refuses the step on every rank alike.
+    optim = finite_optim_step(training, step, fb.metrics if fb is not None else {"loss:sum": 0.0}, types.AdamParams(
+        learning_rate=config.learning_rate, grad_clip_norm=config.loss.grad_clip_norm), writer,
+        check_loss=distributed.world_size() == 1)
     done = time.perf_counter()
-    trained = int(fb.metrics.get("num_trained_tokens:sum", 0))
-    loss = float(fb.metrics["loss:sum"])
+    # Only after optim_step (whose gradient all-reduce runs on the backend's thread) has returned:
+    # the ranks' collectives must come in the same order on every rank.
+    fb_metrics = dp.union_metrics(fb.metrics if fb is not None else {})
+    trained = int(fb_metrics.get("num_trained_tokens:sum", 0))
+    loss = float(fb_metrics["loss:sum"])
     centred = {id(r): a for r, a in chosen}
     writer.write_step(step, {
         "loss_fn": config.loss_fn,
         "training_data": [step_record(r, a, centred.get(id(r))) for r, a in chosen],
-        "results": {"metrics": dict(fb.metrics), "optim_metrics": dict(optim.metrics or {})},
+        "results": {"metrics": fb_metrics, "optim_metrics": dict(optim.metrics or {})},
         "num_trained_tokens": trained,
     })
     rewards = _stats([r.reward for r in batch.rollouts])
@@ -214,7 +237,7 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
         "advantage/nonzero_count": len(nonzero),
         "advantage/nonzero_fraction": len(nonzero) / len(advantages),
         "advantage/min": min(advantages), "advantage/max": max(advantages),
-        "loss/sum": loss, "num_datums": len(datums), "num_trained_tokens": trained,
+        "loss/sum": loss, "num_datums": len(chosen), "num_trained_tokens": trained,
         "completion_length/mean": statistics.fmean(lengths),
         "grad_norm": float((optim.metrics or {}).get("grad_norm:mean", float("nan"))),
         "time/sample_s": sampled_at - started - batch.metrics.get("time/score_s", 0.0),

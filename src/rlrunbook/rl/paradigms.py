@@ -57,6 +57,14 @@ class RolloutContext:
     log: Any = print
     score_seconds: float = 0.0
     tally: StepTally = field(default_factory=StepTally)
+    # The step-global index of each problem handed to the paradigm (None: 0, 1, 2, ...). Under
+    # data parallelism a process gets a block of the step's groups; seeds, group ids and debate
+    # ids use the global index, so a group samples the same tokens whichever process samples it.
+    group_ids: list[int] | None = None
+
+    def group_index(self, g: int) -> int:
+        """The step-global index of ``problems[g]``: its group id and the seed of its samples."""
+        return g if self.group_ids is None else self.group_ids[g]
 
     def score(self, problem: Problem, text: str, guarded_text: str | None = None):
         """The task reward of ``text``, timed (the step log separates scoring from sampling).
@@ -145,9 +153,11 @@ class SingleTurn(Paradigm):
         size = ctx.config.group_size
         prompts = [ctx.prompt(p) for p in problems]
         with ctx.batch():
-            futures = [ctx.sample(prompt, size, mix_seed(ctx.config.seed, step, g)) for g, prompt in enumerate(prompts)]
+            futures = [ctx.sample(prompt, size, mix_seed(ctx.config.seed, step, ctx.group_index(g)))
+                       for g, prompt in enumerate(prompts)]
         rollouts, records, sampled = [], [], 0
-        for g, (problem, prompt, future) in enumerate(zip(problems, prompts, futures, strict=True)):
+        for local, (problem, prompt, future) in enumerate(zip(problems, prompts, futures, strict=True)):
+            g = ctx.group_index(local)
             for sequence in future.result().sequences:
                 tokens = list(sequence.tokens)
                 text = ctx.decode(tokens)
@@ -204,7 +214,8 @@ class Debate(Paradigm):
             keys = [(g, d, side) for g, d in debates for side in ("a", "b")]
             with ctx.batch():
                 futures = [ctx.sample(state[k]["prompt"] + state[k]["tokens"], 1,
-                                      mix_seed(ctx.config.seed, step, round_index, *k[:2], ord(k[2]))) for k in keys]
+                                      mix_seed(ctx.config.seed, step, round_index, ctx.group_index(k[0]), k[1],
+                                               ord(k[2]))) for k in keys]
             for key, future in zip(keys, futures, strict=True):
                 sequence = future.result().sequences[0]
                 turn = list(sequence.tokens)
@@ -221,7 +232,7 @@ class Debate(Paradigm):
             scored = {side: ctx.score(problems[g], finals[side], "\n".join(
                 ctx.decode(turn) for turn in state[(g, d, side)]["turns"])) for side in ("a", "b")}
             blocked.update({(g, d, side): scored[side].metrics.get("blocked", 0.0) > 0 for side in ("a", "b")})
-            outcomes.append(DebateOutcome(f"s{step}-g{g}-d{d}", ctx.task.user_message(problems[g]),
+            outcomes.append(DebateOutcome(f"s{step}-g{ctx.group_index(g)}-d{d}", ctx.task.user_message(problems[g]),
                                           finals["a"], finals["b"], scored["a"].reward, scored["b"].reward))
         verdicts = ctx.judge.judge(outcomes)
         rollouts, records = [], []
@@ -231,11 +242,12 @@ class Debate(Paradigm):
                 # A rejected (blocklisted) debater never wins: reward 0, no rejection-sampling datum.
                 won = verdict.winner == side and not (blocked[(g, d, side)] and ctx.blocklist.reject)
                 task_reward = outcome.task_reward_a if side == "a" else outcome.task_reward_b
-                rollouts.append(Rollout(me["prompt"], me["tokens"], me["logprobs"], me["mask"], problems[g].id, g,
+                rollouts.append(Rollout(me["prompt"], me["tokens"], me["logprobs"], me["mask"], problems[g].id,
+                                        ctx.group_index(g),
                                         f"debater_{side}", 1.0 if won else 0.0, task_reward, won=won,
                                         metadata={"debate_id": outcome.debate_id, "rounds": ROUNDS}))
             records.append({
-                "debate_id": outcome.debate_id, "problem_id": problems[g].id, "group": g,
+                "debate_id": outcome.debate_id, "problem_id": problems[g].id, "group": ctx.group_index(g),
                 "rounds": [{"round": r + 1,
                             **{side: {"text": ctx.decode(state[(g, d, side)]["turns"][r]),
                                       "tokens": state[(g, d, side)]["turns"][r]} for side in ("a", "b")}}
