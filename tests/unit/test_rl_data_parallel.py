@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -40,7 +39,7 @@ def qa(tiny_host):
 
 def _rollout(mode, qa, group_ids, step=3, **config_changes):
     config, task, problems, tokenizer = qa
-    config = dataclasses.replace(config, mode=mode, **config_changes)
+    config = config.replace(mode=mode, **config_changes)
     sampler = SeedEchoSampler()
     ids = list(range(config.num_groups)) if group_ids is None else group_ids
     ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id], MockJudge(), lambda _: None,
