@@ -101,7 +101,8 @@ def test_mismatch_by_hand():
     lp = t(-1.0, -2.0, -0.5)
     zero = sampler_mismatch(lp, lp.clone())
     assert (zero.abs_logprob_diff.item(), zero.kl.item()) == (0.0, 0.0)
-    # d = lp - q = (0.1, -0.2, 0.0): mean |d| = 0.1; k3 = e^d - d - 1 = (0.0051709, 0.0187308, 0) -> mean 0.0079672
+    # d = lp - q = (0.1, -0.2, 0.0): mean |d| = 0.1
+    # k3 = e^d - d - 1 = (0.0051709, 0.0187308, 0) -> mean 0.0079672
     q = lp - t(0.1, -0.2, 0.0)
     m = sampler_mismatch(lp.requires_grad_(), q)
     assert m.abs_logprob_diff.item() == pytest.approx(0.1, abs=1e-6)
