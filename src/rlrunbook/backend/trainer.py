@@ -5,13 +5,18 @@ Semantics kept from the Tinker API: losses are token sums; gradients accumulate 
 every target token per datum and metrics named ``name:reduction`` (``loss:sum`` always).
 A batch is split into ``grad_accum_chunks`` chunks, each with its own backward, which lowers
 peak memory and, the loss being a sum, leaves the gradient unchanged.
+
+LOCAL EXTENSION (the hosted Tinker service does not know these ``loss_fn_config`` keys): ``kl_coef``,
+``kl_estimator`` and ``entropy_coef`` add ``kl_coef * sum_t kl_t - entropy_coef * sum_t H_t`` to the loss,
+summed over the trained positions (see :mod:`rlrunbook.regularizers`). The KL reference is the base model,
+i.e. this same model with the LoRA adapter disabled, so no second copy of the weights is held.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tinker import types
@@ -21,6 +26,13 @@ from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.engines.scoring import gather_logprobs
 from rlrunbook.errors import InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
+from rlrunbook.regularizers import (
+    RegularizerConfig,
+    clip_fraction,
+    sampler_mismatch,
+    split_regularizer_config,
+    token_entropy,
+)
 from rlrunbook.tokens import check_token_ids, pad_batch
 
 
@@ -36,6 +48,7 @@ class _Item:
     targets: torch.Tensor
     inputs: dict[str, torch.Tensor]
     mask: torch.Tensor  # [L] bool: positions the loss sees
+    regularized: torch.Tensor  # [L] bool: trained positions, where KL and entropy terms apply (within mask)
 
 
 def _datum_item(datum: types.Datum, index: int, spec: LossSpec, vocab_size: int) -> _Item:
@@ -64,7 +77,9 @@ def _datum_item(datum: types.Datum, index: int, spec: LossSpec, vocab_size: int)
         mask = (inputs["logprobs"] != 0) | (inputs["advantages"] != 0)
         if "weights" in arrays:  # an explicit mask of trained positions wins
             mask = arrays["weights"].reshape(-1) != 0
-    return _Item(tokens, targets, inputs, mask)
+    # cross_entropy sees every position (weight 0 on the prompt); regularize only the weighted ones.
+    regularized = mask & (inputs["weights"] != 0) if "weights" in inputs else mask
+    return _Item(tokens, targets, inputs, mask, regularized)
 
 
 def _trained_positions(item: _Item, spec: LossSpec) -> int:
@@ -72,12 +87,67 @@ def _trained_positions(item: _Item, spec: LossSpec) -> int:
     return int(((item.inputs[key] != 0) & item.mask).sum())
 
 
-def _merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """Combine per-chunk metrics by their reduction suffix; ``mean`` is weighted by token count."""
+@dataclass(frozen=True)
+class _ChunkOutput:
+    """What one gradient-accumulation chunk contributes: loss (with graph), per-datum logprobs, metrics."""
+
+    loss: torch.Tensor  # () the total: the loss's own plus the regularizer terms
+    logprobs: list[torch.Tensor]
+    metrics: dict[str, float]
+    positions: int  # tokens the loss saw: the weight of this chunk's ``:mean`` metrics
+    weights: dict[str, int] = field(default_factory=dict)  # per-metric weights where they differ
+
+
+# ``:mean`` metrics over the regularized positions (a subset of the loss's for cross_entropy).
+_REGULARIZED_MEANS = ("kl_divergence:mean", "entropy:mean")
+_DEFAULT_RATIO_BOUNDS = (0.8, 1.2)  # PPO's epsilon 0.2, for clip_fraction of losses without clip bounds
+
+
+def _padded(chunk: list[_Item], attribute: str, width: int) -> torch.Tensor:
+    """The items' ``[L]`` bool masks named ``attribute``, right-padded with False to ``[B, width]``."""
+    masks = [getattr(item, attribute) for item in chunk]
+    return torch.stack([torch.nn.functional.pad(m, (0, width - len(m)), value=False) for m in masks])
+
+
+def _sampler_stats(lp: torch.Tensor, q: torch.Tensor, config: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """Clip fraction and sampler-trainer mismatch on the loss's positions, measured before this update.
+
+    The clip bounds are the loss's own (ppo, cispo) or else ``[0.8, 1.2]``.
+    """
+    low = config.get("clip_low_threshold", _DEFAULT_RATIO_BOUNDS[0])
+    high = config.get("clip_high_threshold", _DEFAULT_RATIO_BOUNDS[1])
+    mismatch = sampler_mismatch(lp, q)
+    return {"clip_fraction:mean": clip_fraction(lp, q, low, high),
+            "mismatch/abs_logprob_diff:mean": mismatch.abs_logprob_diff, "mismatch/kl:mean": mismatch.kl}
+
+
+def _regularizer_terms(logits: torch.Tensor, lp: torch.Tensor, ref: torch.Tensor | None, where: torch.Tensor,
+                       reg: RegularizerConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """``kl_coef * sum kl - entropy_coef * sum H`` over ``where`` [B, L], its parts as metrics, and the count.
+
+    ``logits`` [B, L, V] and ``lp`` [B, L] carry the policy's graph; ``ref`` [B, L] is the reference's
+    logprobs (None when ``kl_coef`` is 0). Entropy is computed only when ``entropy_coef > 0``.
+    """
+    n = int(where.sum())
+    kl_loss = entropy_loss = lp.new_zeros(())
+    stats: dict[str, torch.Tensor] = {}
+    if ref is not None and n > 0:
+        kl = reg.estimator(lp[where], ref[where])  # (n,)
+        kl_loss = reg.kl_coef * kl.sum()
+        stats["kl_divergence:mean"] = kl.mean()
+    if reg.entropy_coef > 0 and n > 0:
+        entropy = token_entropy(logits[where])  # (n, V) -> (n,)
+        entropy_loss = -reg.entropy_coef * entropy.sum()
+        stats["entropy:mean"] = entropy.mean()
+    stats.update({"loss_kl:sum": kl_loss, "loss_entropy:sum": entropy_loss})
+    return kl_loss + entropy_loss, stats, n
+
+
+def _merge_metrics(parts: list[_ChunkOutput]) -> dict[str, float]:
+    """Merge chunk metrics by reduction suffix; ``mean`` is weighted by the chunk's token count."""
     merged: dict[str, float] = {}
-    total = sum(n for _, n in parts) or 1
-    for key in {k for metrics, _ in parts for k in metrics}:
-        values = [(m[key], n) for m, n in parts if key in m]
+    for key in {k for part in parts for k in part.metrics}:
+        values = [(p.metrics[key], p.weights.get(key, p.positions)) for p in parts if key in p.metrics]
         reduction = key.rsplit(":", 1)[-1]
         if reduction == "sum":
             merged[key] = sum(v for v, _ in values)
@@ -86,7 +156,7 @@ def _merge_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float
         elif reduction == "min":
             merged[key] = min(v for v, _ in values)
         else:
-            merged[key] = sum(v * n for v, n in values) / total
+            merged[key] = sum(v * n for v, n in values) / (sum(n for _, n in values) or 1)
     return merged
 
 
@@ -113,19 +183,35 @@ class LoraTrainer:
 
     def forward(self, data: Sequence[types.Datum], loss_fn: str,
                 loss_fn_config: Mapping[str, float | str] | None = None) -> types.ForwardBackwardOutput:
-        """Loss and logprobs without gradients."""
+        """Loss, logprobs and metrics as ``forward_backward`` gives them (same loss_fn_config), no grad."""
         with torch.no_grad():
             return self._run(data, loss_fn, loss_fn_config, backward=False)
 
     def forward_backward(self, data: Sequence[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float | str] | None = None) -> types.ForwardBackwardOutput:
-        """Loss, logprobs, and gradients added to those already accumulated."""
+        """Loss, logprobs, and gradients added to those already accumulated.
+
+        ``loss_fn_config`` holds the loss's own keys and, as a LOCAL EXTENSION unknown to the hosted
+        service, ``kl_coef`` (default 0: off), ``kl_estimator`` (``k1`` | ``k3`` | ``low_var_kl``, the
+        default) and ``entropy_coef`` (default 0: off); a negative coefficient or an unknown estimator is
+        a ``ConfigError`` before anything is computed. The optimised total is
+        ``loss_pg + kl_coef * sum_t kl_t - entropy_coef * sum_t H_t`` over the trained positions, where
+        ``kl_t`` compares the policy with the base model (the adapter disabled, no gradient).
+
+        Metrics besides the loss's own: ``loss:sum`` (the total) = ``loss_pg:sum`` + ``loss_kl:sum`` +
+        ``loss_entropy:sum`` (each term's contribution, 0 when off); ``kl_divergence:mean`` (mean per-token
+        estimate, only when ``kl_coef > 0``); ``entropy:mean`` (only when ``entropy_coef > 0``); and, for
+        losses that read sampler ``logprobs``, ``clip_fraction:mean`` (ratio outside the loss's clip bounds,
+        else [0.8, 1.2]), ``mismatch/abs_logprob_diff:mean`` and ``mismatch/kl:mean`` (KL(sampler || trainer),
+        k3), measured with the weights as they were before this call's update.
+        """
         return self._run(data, loss_fn, loss_fn_config, backward=True)
 
     def _run(self, data: Sequence[types.Datum], loss_fn: str,
              loss_fn_config: Mapping[str, float | str] | None, *, backward: bool) -> types.ForwardBackwardOutput:
         spec = get_loss(loss_fn)
-        config = resolve_loss_config(spec, loss_fn_config)
+        reg, loss_config = split_regularizer_config(loss_fn_config)
+        config = resolve_loss_config(spec, loss_config)
         if len(data) == 0:
             raise InputError("empty batch: forward_backward needs at least one Datum.")
         items = [_datum_item(d, i, spec, self.vocab_size) for i, d in enumerate(data)]
@@ -142,18 +228,17 @@ class LoraTrainer:
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         logprobs: list[torch.Tensor] = []
         loss_total = 0.0
-        parts: list[tuple[dict[str, float], int]] = []
+        parts: list[_ChunkOutput] = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            chunk = items[lo:hi]
-            loss, chunk_logprobs, metrics, n_positions = self._chunk_loss(chunk, spec, config)
+            part = self._chunk_loss(items[lo:hi], spec, config, reg)
             if backward:
-                loss.backward()
+                part.loss.backward()
                 self._has_gradients = True
-            loss_total += float(loss.detach())
+            loss_total += float(part.loss.detach())
             if backward:
-                self._pending_loss += float(loss.detach())
-            logprobs += chunk_logprobs
-            parts.append((metrics, n_positions))
+                self._pending_loss += float(part.loss.detach())
+            logprobs += part.logprobs
+            parts.append(part)
         metrics = _merge_metrics(parts)
         metrics.update({
             "loss:sum": loss_total,
@@ -164,26 +249,51 @@ class LoraTrainer:
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
                                            metrics=metrics)
 
-    def _chunk_loss(self, chunk: list[_Item], spec: LossSpec, config: dict[str, float]):
+    def _chunk_loss(self, chunk: list[_Item], spec: LossSpec, config: dict[str, float],
+                    reg: RegularizerConfig) -> _ChunkOutput:
+        """One forward over ``chunk``: the loss's value plus the regularizer terms, and their metrics."""
         device = self.device
         batch = pad_batch([item.input_tokens for item in chunk], self.pad_token_id, side="right")
-        logits = self.model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device),
-        ).logits  # [B, L, V]
+        model_inputs = {"input_ids": batch.input_ids.to(device),
+                        "attention_mask": batch.attention_mask.to(device),
+                        "position_ids": batch.position_ids.to(device)}
         width = batch.input_ids.shape[1]
         targets = torch.stack([torch.nn.functional.pad(item.targets, (0, width - len(item.targets)))
                                for item in chunk]).to(device)  # [B, L]
+        seen = _padded(chunk, "mask", width).to(device)  # [B, L] positions the loss sees
+        regularized = _padded(chunk, "regularized", width).to(device)  # [B, L] subset of seen
+        # The reference pass runs first, so its logits are freed before the policy's graph is built.
+        ref = self._reference_logprobs(model_inputs, targets) if reg.kl_coef > 0 else None  # [B, L]
+        logits = self.model(**model_inputs).logits  # [B, L, V]
         lp = gather_logprobs(logits, targets)  # [B, L]
-        flat_lp = torch.cat([lp[row, :len(item.targets)][item.mask.to(device)] for row, item in enumerate(chunk)])
+        per_datum = [lp[row, :len(item.targets)].detach().float().cpu() for row, item in enumerate(chunk)]
+        flat_lp = lp[seen]  # (N,) row-major: datum by datum, as the inputs below
+        if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward
+            return _ChunkOutput(lp.sum() * 0.0, per_datum, {}, 0)
         flat_inputs = {key: torch.cat([item.inputs[key][item.mask] for item in chunk]).to(device)
                        for key in spec.required_inputs}
-        if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward
-            return lp.sum() * 0.0, [lp[r, :len(i.targets)].detach().float().cpu() for r, i in enumerate(chunk)], {}, 0
         out = spec.fn(flat_lp, flat_inputs, config)
-        per_datum = [lp[row, :len(item.targets)].detach().float().cpu() for row, item in enumerate(chunk)]
-        return out.loss, per_datum, out.metrics, int(flat_lp.numel())
+        stats: dict[str, torch.Tensor] = {"loss_pg:sum": out.loss}
+        if "logprobs" in spec.required_inputs:
+            stats.update(_sampler_stats(flat_lp, flat_inputs["logprobs"], config))
+        reg_loss, reg_stats, n_regularized = _regularizer_terms(logits, lp, ref, regularized, reg)
+        stats.update(reg_stats)
+        names = list(stats)
+        values = torch.stack([stats[name].detach().float() for name in names]).tolist()  # one host sync
+        metrics = {**out.metrics, **dict(zip(names, values, strict=True))}
+        weights = {name: n_regularized for name in _REGULARIZED_MEANS if name in metrics}
+        return _ChunkOutput(out.loss + reg_loss, per_datum, metrics, int(flat_lp.numel()), weights)
+
+    def _reference_logprobs(self, model_inputs: Mapping[str, torch.Tensor],
+                            targets: torch.Tensor) -> torch.Tensor:
+        """Logprobs of ``targets`` [B, L] under the base model: this model with the LoRA adapter disabled.
+
+        No second copy of the weights: peft's ``disable_adapter()`` bypasses the LoRA layers for the
+        duration of the forward and restores them afterwards. No gradient reaches the adapter.
+        """
+        with torch.no_grad(), self.model.disable_adapter():
+            logits = self.model(**model_inputs).logits  # [B, L, V]
+            return gather_logprobs(logits, targets)
 
     def optim_step(self, params: types.AdamParams) -> types.OptimStepResponse:
         """One AdamW step (torch.optim.AdamW semantics) on the accumulated gradient, then zero it.

@@ -47,7 +47,12 @@ class LocalTrainingClient(ResolvedClient):
 
     def forward_backward(self, data: list[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float | str] | None = None):
-        """APIFuture of a ForwardBackwardOutput; gradients accumulate until ``optim_step``."""
+        """APIFuture of a ForwardBackwardOutput; gradients accumulate until ``optim_step``.
+
+        ``loss_fn_config`` is passed to the trainer unchanged. Besides the loss's own keys the local backend
+        accepts ``kl_coef``, ``kl_estimator`` and ``entropy_coef`` (a LOCAL EXTENSION: the hosted service
+        rejects them); see ``LoraTrainer.forward_backward`` for their meaning and the metrics they add.
+        """
         return self._worker.submit(self._trainer.forward_backward, list(data), loss_fn, loss_fn_config)
 
     async def forward_async(self, data, loss_fn, loss_fn_config=None):
