@@ -117,6 +117,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     runs = _resolve_runs(args)
     argv = sys.argv[1:] if args.argv is None else args.argv
+    resume_from = getattr(args, "resume_from", None)
+    if resume_from is not None and len(runs) > 1:
+        from rlrunbook.errors import ConfigError
+
+        raise ConfigError("--resume-from continues one run; it cannot be combined with a sweep. "
+                          "Drop --sweep (and the config file's sweep:) or resume each run on its own.")
 
     def progress(steps):
         return tqdm(steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -127,7 +133,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if len(runs) > 1:
             print(f"[sweep] run {index + 1}/{len(runs)}: {resolved.config.name}", flush=True)
         run_dir = run_training(resolved.config, argv=argv, config_sources=resolved.sources, progress=progress,
-                               log=lambda line: tqdm.write(line, file=sys.stdout))
+                               log=lambda line: tqdm.write(line, file=sys.stdout), resume_from=resume_from)
         results = check_run(run_dir)
         print(format_results(results))
         print(f"run directory: {run_dir}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from tinker import types
 
 from rlrunbook.errors import ConfigError, NoLearningSignalError
+from rlrunbook.rl.checkpointing import plan_resume, save_if_due
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
@@ -122,31 +123,44 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def run_training(config: TrainConfig, *, service_factory: Callable[[], object] | None = None,
                  argv: Sequence[str] = (), config_sources: dict[str, str] | None = None,
                  log: Callable[[str], None] = print, progress: Callable | None = None,
-                 evaluate: Callable[[str, object, object], None] | None = None) -> Path:
+                 evaluate: Callable[[str, object, object], None] | None = None,
+                 resume_from: str | Path | None = None) -> Path:
     """Run ``config`` and return its run directory (see DESIGN §5 for the files it holds).
 
     ``evaluate(label, training_client, tokenizer)``, if given, is called with ``"initial"`` before
     the first step and ``"final"`` after the last: the hook for held-out evaluation.
+    ``resume_from`` (a run directory or one of its checkpoints) continues that run in a new run
+    directory, with the checkpoint's config (see :mod:`rlrunbook.rl.checkpointing`).
     """
+    resume = None if resume_from is None else plan_resume(resume_from, config, config_sources)
+    if resume is not None:
+        config, config_sources = resume.config, resume.sources
     config, paradigm, task, problems = prepare(config)
+    if resume is not None:
+        resume.check_dataset(task.dataset_info(problems))
     advantages_of = advantage_mode(config.run_mode)
     run_dir = new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name)
     writer = RunWriter(run_dir)
-    writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems))
-    log(f"[run] {run_dir}")
+    writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems),
+                          resumed_from=None if resume is None else resume.record())
+    log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
     seed_everything(config.seed, config.deterministic)
     try:
+        if resume is not None:
+            resume.begin(writer)
         service = service_factory() if service_factory is not None else _default_service(config)
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
         tokenizer = training.get_tokenizer()
         judge = _build_judge(config, service, tokenizer)
         order = _order(problems, config.seed)
+        first = 0 if resume is None else resume.restore(training)
         if evaluate is not None:
             evaluate("initial", training, tokenizer)
-        steps = range(config.steps) if progress is None else progress(range(config.steps))
+        steps = range(first, config.steps) if progress is None else progress(range(first, config.steps))
         for step in steps:
             _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge,
                       advantages_of, writer, log)
+            save_if_due(config, training, run_dir, step + 1, log)
         if evaluate is not None:
             evaluate("final", training, tokenizer)
         writer.write_report()
