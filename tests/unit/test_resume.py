@@ -166,3 +166,11 @@ def test_import_refuses_another_layout(local_service):
     other = local_service.create_lora_training_client("tiny", rank=2, seed=0)
     with pytest.raises(ConfigError, match="another LoRA rank"):
         other.import_training_state(state)
+
+
+def test_resume_with_a_sweep_is_refused(tmp_path, capsys):
+    from rlrunbook import cli
+
+    run = fake_run(tmp_path)
+    code = cli.main(["train", "--resume-from", str(run), "--sweep", "seed=1,2", "--log-root", str(tmp_path / "x")])
+    assert code == 2 and "cannot be combined with a sweep" in capsys.readouterr().err
