@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlrunbook.errors import RlrunbookError
+from rlrunbook.errors import ConfigError, RlrunbookError
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # train's flags (argparse dest) → the config key they set.
@@ -121,8 +121,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     argv = sys.argv[1:] if args.argv is None else args.argv
     resume_from = getattr(args, "resume_from", None)
     if resume_from is not None and len(runs) > 1:
-        from rlrunbook.errors import ConfigError
-
         raise ConfigError("--resume-from continues one run; it cannot be combined with a sweep. "
                           "Drop --sweep (and the config file's sweep:) or resume each run on its own.")
 
