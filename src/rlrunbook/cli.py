@@ -4,6 +4,8 @@
     rlrunbook train --mode debate --env summary --reward-fn compression -n 16 --num-groups 2 -s 2 \
         --mock-judge --debate-train rs_grpo --debate-grpo-reward task --name mini
     rlrunbook check-run logs/<run>
+    rlrunbook train ... --checkpoint-every 2; rlrunbook train --resume-from logs/<run> -s 8
+    rlrunbook eval-checkpoints logs/<run> --samples 8 --ks 1 4 8 --out table.csv
     rlrunbook resolve-model smollm2-135m
 """
 
@@ -16,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlrunbook.errors import RlrunbookError
+from rlrunbook.errors import ConfigError, RlrunbookError
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # train's flags (argparse dest) → the config key they set.
@@ -117,6 +119,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     runs = _resolve_runs(args)
     argv = sys.argv[1:] if args.argv is None else args.argv
+    resume_from = getattr(args, "resume_from", None)
+    if resume_from is not None and len(runs) > 1:
+        raise ConfigError("--resume-from continues one run; it cannot be combined with a sweep. "
+                          "Drop --sweep (and the config file's sweep:) or resume each run on its own.")
 
     def progress(steps):
         return tqdm(steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -127,7 +133,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if len(runs) > 1:
             print(f"[sweep] run {index + 1}/{len(runs)}: {resolved.config.name}", flush=True)
         run_dir = run_training(resolved.config, argv=argv, config_sources=resolved.sources, progress=progress,
-                               log=lambda line: tqdm.write(line, file=sys.stdout))
+                               log=lambda line: tqdm.write(line, file=sys.stdout), resume_from=resume_from)
         results = check_run(run_dir)
         print(format_results(results))
         print(f"run directory: {run_dir}")
@@ -232,6 +238,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_checkpoints(args: argparse.Namespace) -> int:
+    from rlrunbook.rl.checkpoint_eval import EvalOptions, evaluate_checkpoints, table_columns
+    from rlrunbook.run.tools import format_table, write_table
+
+    options = EvalOptions(samples=args.samples, num_problems=args.num_problems, ks=tuple(args.ks),
+                          threshold=args.threshold, confidence=args.confidence, resamples=args.resamples,
+                          include_base=not args.no_base, dataset=args.dataset)
+    rows = evaluate_checkpoints(Path(args.run_dir), options, log=lambda line: print(line, flush=True))
+    columns = table_columns(options.ks)
+    print(f"held-out mean reward and pass@k (reward >= {options.threshold:g}), "
+          f"{options.confidence:.0%} bootstrap CIs over problems:")
+    print(format_table(rows, columns))
+    if args.out:
+        print(f"table: {write_table(rows, Path(args.out), columns)}")
+    return 0
+
+
 def cmd_cookbook(args: argparse.Namespace) -> int:
     from rlrunbook.cookbook.__main__ import main as cookbook_main
 
@@ -281,6 +304,22 @@ def add_run_tool_commands(commands) -> None:
     evaluate.add_argument("--min-p", type=float, help="min-p filter, local backend only (0 = off)")
     evaluate.add_argument("--out", help="write the summary, config and every reward as JSON")
     evaluate.set_defaults(func=cmd_eval)
+
+    checkpoints = commands.add_parser("eval-checkpoints", help="evaluate every checkpoint of a run (and the base "
+                                                               "model as step 0) on held-out problems: one row per "
+                                                               "step, mean reward and pass@k with bootstrap CIs")
+    checkpoints.add_argument("run_dir", metavar="RUN_DIR")
+    checkpoints.add_argument("--samples", type=_positive_int, default=8, help="completions per problem (8)")
+    checkpoints.add_argument("--num-problems", type=_positive_int, default=16, help="held-out problems (16)")
+    checkpoints.add_argument("--ks", type=_positive_int, nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
+    checkpoints.add_argument("--threshold", type=float, default=1.0, help="a sample passes at reward >= this (1.0)")
+    checkpoints.add_argument("--confidence", type=float, default=0.95, help="bootstrap CI level (0.95)")
+    checkpoints.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap resamples (2000)")
+    checkpoints.add_argument("--no-base", action="store_true", help="leave out step 0 (the base model)")
+    checkpoints.add_argument("--dataset", help="evaluate on this data set instead of the run's held-out problems "
+                                               "(those its training never drew)")
+    checkpoints.add_argument("--out", help="also write the table: .csv, .tsv or .md")
+    checkpoints.set_defaults(func=cmd_eval_checkpoints)
 
     cookbook = commands.add_parser("cookbook", help="run a tinker-cookbook recipe unmodified on the local backend: "
                                                     "rlrunbook cookbook [--renderer R] [--hf-dataset NAME=FILE] "

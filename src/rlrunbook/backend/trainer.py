@@ -24,7 +24,7 @@ from tinker import types
 from rlrunbook import distributed
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.engines.scoring import gather_logprobs
-from rlrunbook.errors import InputError, NoLearningSignalError, RlrunbookError
+from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
 from rlrunbook.regularizers import (
     RegularizerConfig,
@@ -38,6 +38,31 @@ from rlrunbook.tokens import check_token_ids, pad_batch
 
 class NonFiniteGradientError(RlrunbookError, FloatingPointError):
     """The accumulated gradient has a NaN or inf norm; the step was refused and weights are untouched."""
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Everything an optimizer step depends on, copied to CPU: what an exact resume restores.
+
+    ``adapter`` maps each trainable parameter's name (``named_parameters`` order) to its values;
+    ``optimizer`` is AdamW's ``state_dict()`` (tensors and plain numbers only), None before the
+    first step; ``weights_version`` is informational (sampler snapshots key on it, training does not).
+    """
+
+    adapter: dict[str, torch.Tensor]
+    optimizer: dict | None
+    weights_version: int
+
+
+def _to_cpu(value):
+    """``value`` with every tensor replaced by a CPU copy (dicts, lists and tuples walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -356,6 +381,34 @@ class LoraTrainer:
     def optimizer_state(self) -> dict | None:
         """AdamW's ``state_dict()`` (tensors and plain numbers only), or None before the first step."""
         return None if self._optimizer is None else self._optimizer.state_dict()
+
+    def export_state(self) -> TrainingState:
+        """A CPU copy of the adapter and the optimizer state; refused while gradients wait for ``optim_step``."""
+        if self._has_gradients:
+            raise InputError("export_state with accumulated gradients not yet applied: they would be lost; "
+                             "call optim_step first (checkpoints are taken between steps).")
+        adapter = {name: p.detach().to("cpu", copy=True) for name, p in adapter_parameters(self.model).items()}
+        optimizer = None if self._optimizer is None else _to_cpu(self._optimizer.state_dict())
+        return TrainingState(adapter, optimizer, self.weights_version)
+
+    def import_state(self, state: TrainingState, *, with_optimizer: bool = True) -> None:
+        """Copy ``state``'s adapter into the model (names and shapes must match exactly) and, with
+        ``with_optimizer``, continue AdamW from its moments and step counts; else the optimizer restarts."""
+        params = adapter_parameters(self.model)
+        if params.keys() != state.adapter.keys():
+            missing = sorted(params.keys() - state.adapter.keys())[:2]
+            unexpected = sorted(state.adapter.keys() - params.keys())[:2]
+            raise ConfigError(f"the saved adapter does not fit this model's LoRA layout (missing {missing}, "
+                              f"unexpected {unexpected}): it was trained with other LoRA targets or another base "
+                              "model; load it into a client made with the run's model and rank.")
+        for name, param in params.items():
+            if tuple(param.shape) != tuple(state.adapter[name].shape):
+                raise ConfigError(f"adapter tensor {name} has shape {tuple(state.adapter[name].shape)}, the model's "
+                                  f"is {tuple(param.shape)}: the checkpoint used another LoRA rank.")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state.adapter[name])
+        self.weights_loaded(state.optimizer if with_optimizer else None, keep_optimizer=with_optimizer)
 
     def parameter_names(self) -> list[str]:
         """The adapter parameters in the optimizer's order (its state is keyed by position)."""

@@ -12,7 +12,7 @@ from rlrunbook.backend.host import ModelHost, SamplerWeights
 from rlrunbook.backend.lora import clone_adapter
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.storage import CheckpointStore, TinkerPath, checkpoint_name, parse_tinker_path
-from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.backend.trainer import LoraTrainer, TrainingState
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.errors import ConfigError
 
@@ -122,6 +122,18 @@ class LocalTrainingClient(ResolvedClient):
             return types.LoadWeightsResponse(path=path)
 
         return self._worker.submit(run)
+
+    def export_training_state(self) -> TrainingState:
+        """Local extension (no SDK counterpart): the adapter and AdamW state in memory, as they are after
+        every call submitted so far. Blocks until then. For checkpoints that live outside the storage dir."""
+        return self._worker.run(self._trainer.export_state)
+
+    def import_training_state(self, state: TrainingState, *, with_optimizer: bool = True) -> None:
+        """Local extension: replace the adapter (and, with ``with_optimizer``, AdamW's state) by ``state``.
+
+        Needs no training step: ``save_weights_and_get_sampling_client()`` afterwards samples the imported
+        adapter. ``ConfigError`` if its LoRA layout differs from this client's."""
+        self._worker.run(self._trainer.import_state, state, with_optimizer=with_optimizer)
 
     # -- sampler weights ------------------------------------------------------------------
     def _snapshot(self) -> SamplerWeights:

@@ -20,6 +20,7 @@ from tinker import types
 from rlrunbook import distributed
 from rlrunbook.errors import ConfigError, NoLearningSignalError
 from rlrunbook.rl import data_parallel as dp
+from rlrunbook.rl.checkpointing import plan_resume, save_if_due
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.dataset_cache import load_problems
 from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
@@ -131,17 +132,25 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def run_training(config: TrainConfig, *, service_factory: Callable[[], object] | None = None,
                  argv: Sequence[str] = (), config_sources: dict[str, str] | None = None,
                  log: Callable[[str], None] = print, progress: Callable | None = None,
-                 evaluate: Callable[[str, object, object], None] | None = None) -> Path:
+                 evaluate: Callable[[str, object, object], None] | None = None,
+                 resume_from: str | Path | None = None) -> Path:
     """Run ``config`` and return its run directory (see DESIGN §5 for the files it holds).
 
     ``evaluate(label, training_client, tokenizer)``, if given, is called with ``"initial"`` before
     the first step and ``"final"`` after the last: the hook for held-out evaluation.
+    ``resume_from`` (a run directory or one of its checkpoints) continues that run in a new run
+    directory, with the checkpoint's config (see :mod:`rlrunbook.rl.checkpointing`).
 
     Under ``torchrun`` (see :mod:`rlrunbook.rl.data_parallel`) every process samples and trains
-    its block of each step's groups; rank 0 alone creates and writes the run directory and logs,
-    and every rank returns its path once rank 0 has finished it.
+    its block of each step's groups; rank 0 alone creates and writes the run directory (and its
+    checkpoints) and logs, and every rank returns its path once rank 0 has finished it.
     """
+    resume = None if resume_from is None else plan_resume(resume_from, config, config_sources)
+    if resume is not None:
+        config, config_sources = resume.config, resume.sources
     config, paradigm, task, problems = prepare(config)
+    if resume is not None:
+        resume.check_dataset(task.dataset_info(problems))
     layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
     distributed.init(layout)
@@ -155,12 +164,14 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     writer = RunWriter(run_dir, sink=sink) if distributed.is_main() else dp.NullWriter()
     writer.write_metadata({**config.to_dict(), "world_size": layout.world_size},
                           {**(config_sources or {}), "world_size": "torchrun (WORLD_SIZE)"}, list(argv),
-                          task.dataset_info(problems))
-    log(f"[run] {run_dir}")
+                          task.dataset_info(problems), resumed_from=None if resume is None else resume.record())
+    log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)
     try:
+        if resume is not None:
+            resume.begin(writer)
         service = service_factory() if service_factory is not None else _default_service(config)
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
         tokenizer = training.get_tokenizer()
@@ -170,14 +181,18 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         # With validation on, the last validation.num_problems of the seeded order are held out of training.
         problems, order, held_out = split_held_out(problems, _order(problems, config.seed), config.validation)
         validator = Validator(config, task, held_out, writer, log)
+        first = 0 if resume is None else resume.restore(training)  # a resumed run has copied its validation rows
         if evaluate is not None:
             evaluate("initial", training, tokenizer)
-        validator(0, training, tokenizer)
-        steps = range(config.steps) if progress is None else progress(range(config.steps))
+        if first == 0:
+            validator(0, training, tokenizer)
+        steps = range(first, config.steps) if progress is None else progress(range(first, config.steps))
         for step in steps:
             _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge,
                       advantages_of, writer, log)
             validator(step + 1, training, tokenizer)
+            if distributed.is_main():  # after validation: a checkpoint at step k implies its validation row
+                save_if_due(config, training, run_dir, step + 1, log)
         if evaluate is not None:
             evaluate("final", training, tokenizer)
         writer.write_report()

@@ -96,13 +96,15 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] = TER
     return "\n".join(line.rstrip() for line in lines)
 
 
-def write_table(rows: Sequence[Mapping[str, Any]], out: Path) -> Path:
+def write_table(rows: Sequence[Mapping[str, Any]], out: Path, columns: Sequence[str] | None = None) -> Path:
     """Write ``rows`` atomically as CSV, TSV (``.tsv``) or a Markdown table (``.md``), by ``out``'s suffix.
 
-    Columns: ``COLUMNS`` first, then any other keys sorted. CSV/TSV keep full float precision.
+    Columns: ``columns`` if given, else ``COLUMNS`` (the run summary's) first, then any other keys sorted.
+    CSV/TSV keep full float precision.
     """
     out, suffix = Path(out), Path(out).suffix.lower()
-    columns = list(COLUMNS) + sorted({key for row in rows for key in row} - set(COLUMNS))
+    if columns is None:
+        columns = list(COLUMNS) + sorted({key for row in rows for key in row} - set(COLUMNS))
     if suffix in (".csv", ".tsv"):
         buffer = io.StringIO()
         writer = csv.writer(buffer, delimiter="\t" if suffix == ".tsv" else ",", lineterminator="\n")

@@ -16,7 +16,7 @@ from typing import Any
 
 from rlrunbook.errors import InputError
 from rlrunbook.run import metadata as meta
-from rlrunbook.run.jsonio import atomic_write_json, dumps, to_jsonable
+from rlrunbook.run.jsonio import atomic_write_json, atomic_write_text, dumps, to_jsonable
 from rlrunbook.run.schema import (
     FINAL_STATUSES,
     METADATA_FILE,
@@ -86,8 +86,12 @@ class RunWriter:
         config_sources: Mapping[str, str],
         argv: list[str],
         dataset: Mapping[str, Any],
+        resumed_from: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Write ``run_metadata.json`` with status "running" (see the package docstring for its fields)."""
+        """Write ``run_metadata.json`` with status "running" (see the package docstring for its fields).
+
+        ``resumed_from`` (a resumed run only): the checkpoint it started from, ``{"path", "run", "step"}``.
+        """
         self._metadata = {
             "schema_version": SCHEMA_VERSION,
             "status": "running",
@@ -104,6 +108,8 @@ class RunWriter:
             "environment": meta.filtered_environment(self._environ),
             "dataset": meta.redact_config(dataset),
         }
+        if resumed_from is not None:
+            self._metadata["resumed_from"] = dict(resumed_from)
         path = self._write(METADATA_FILE, self._metadata, indent=1)
         if self._sink is not None:
             self._sink.start(self.run_dir.name, to_jsonable(self._metadata["config"], "config", self._secrets))
@@ -167,6 +173,34 @@ class RunWriter:
             raise InputError(f"rollout kind {kind!r} must be one of {ROLLOUT_KINDS}")
         name = f"{kind}_{step}.json"
         return self._write(name, _with_step(step, payload, name))
+
+    def copy_steps_from(self, source: str | os.PathLike[str], steps: int, kind: str) -> None:
+        """Start a resumed run with ``source``'s records of steps ``0..steps-1``: its train-log rows, and its
+        ``training_step_<k>.json`` and ``<kind>_<k>.json`` files copied unchanged. ``source`` is only read.
+
+        ``InputError`` if ``source`` lacks any of them: the new run would not be complete.
+        """
+        source = Path(source)
+        rows = {}
+        log = source / TRAIN_LOG_FILE
+        if log.is_file():
+            for line in log.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    rows.setdefault(row.get("step"), row)
+        names = [name for step in range(steps) for name in (f"training_step_{step}.json", f"{kind}_{step}.json")]
+        missing = [f"{TRAIN_LOG_FILE} row {s}" for s in range(steps) if s not in rows]
+        missing += [name for name in names if not (source / name).is_file()]
+        if missing:
+            raise InputError(f"{source} lacks the records of steps before {steps} ({', '.join(missing[:3])}): "
+                             "a resumed run starts with copies of them. Resume from an earlier checkpoint.")
+        for name in names:
+            atomic_write_text(self.run_dir / name, (source / name).read_text(encoding="utf-8"))
+        for step in range(steps):
+            self.log_step(rows[step])
+        for row in _read_rows(source / self.validation_path.name):  # validations up to the checkpoint
+            if row.get("step", steps + 1) <= steps:
+                self.log_validation(row)
 
     def read_train_log(self) -> list[dict[str, Any]]:
         """The rows of ``train_log.jsonl`` written so far."""

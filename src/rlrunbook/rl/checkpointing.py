@@ -1,0 +1,184 @@
+"""Checkpoints of a training run and exact resume (``--checkpoint-every N``, ``--resume-from PATH``).
+
+The loop calls :func:`save_if_due` after each step and, for a resumed run, :func:`plan_resume`
+before anything loads, :meth:`Resume.check_dataset` once the data set is loaded,
+:meth:`Resume.begin` once the new run directory exists and :meth:`Resume.restore` once the
+training client exists. The file format is in
+:mod:`rlrunbook.run.checkpoints`.
+
+Why a resumed run repeats the straight run exactly: the adapter and AdamW state are restored bit
+for bit; the problems of step ``k`` are ``order[k * num_groups + g]`` with ``order`` a pure
+function of the seed; every sampling request is seeded with ``mix_seed(seed, step, group)`` and the
+sampler's noise is counter-based, so the same weights draw the same tokens; the global RNGs (not
+used by the single-turn loop today, but by plug-ins perhaps) are restored too.
+
+A resumed run takes the checkpoint's config. Only ``steps`` (to extend the run), ``name`` and
+``log_root`` may differ; any other option stated on the command line, in a file or an override
+with another value is refused. It writes a new run directory that starts with copies of the old
+run's records of the steps before the checkpoint; the old directory is only read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlrunbook.errors import ConfigError, InputError
+from rlrunbook.rl.config import TrainConfig, validate
+from rlrunbook.rl.config_sources import flatten, leaf_keys
+from rlrunbook.run.checkpoints import (
+    CHECKPOINTS_DIR,
+    MANIFEST_FILE,
+    Checkpoint,
+    capture_rng,
+    checkpoint_dirs,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from rlrunbook.run.schema import METADATA_FILE, rollout_kind
+
+RESUMABLE_FIELDS = ("steps", "name", "log_root")  # what a resumed run may change
+
+
+def checkpoint_due(config: TrainConfig, completed: int) -> bool:
+    """Whether a checkpoint is taken after ``completed`` steps: every ``checkpoint.every``, and after the last."""
+    every = config.checkpoint.every
+    return every > 0 and (completed % every == 0 or completed == config.steps)
+
+
+def _exporter(training):
+    export = getattr(type(training), "export_training_state", None)
+    if export is None:
+        raise ConfigError("checkpoint.every / --resume-from need the local backend's training state export "
+                          "(TINKER_BACKEND=local); on the hosted service use save_state() instead.")
+    return training
+
+
+def save_if_due(config: TrainConfig, training, run_dir: Path, completed: int, log=print) -> Path | None:
+    """Save ``<run_dir>/checkpoints/step_<completed>`` when :func:`checkpoint_due`; the saved folder or None."""
+    if not checkpoint_due(config, completed):
+        return None
+    state = _exporter(training).export_training_state()
+    folder = save_checkpoint(run_dir, Checkpoint(step=completed, config=config.to_dict(), adapter=state.adapter,
+                                                 optimizer=state.optimizer, rng=capture_rng(),
+                                                 weights_version=state.weights_version))
+    log(f"[checkpoint] {folder}")
+    return folder
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """``path`` if it is a checkpoint folder; the latest checkpoint if it is a run directory."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"--resume-from {path} does not exist. Pass a run directory (logs/<run>) or one of "
+                          "its checkpoints (logs/<run>/checkpoints/step_000004).")
+    if path.is_dir() and ((path.parent.name == CHECKPOINTS_DIR and path.name.startswith("step_"))
+                          or (path / MANIFEST_FILE).is_file()):
+        return path
+    if path.is_dir() and (path / METADATA_FILE).is_file():
+        found = checkpoint_dirs(path)
+        if not found:
+            raise ConfigError(f"run {path} has no complete checkpoint (no checkpoints/step_<k>/checkpoint.json): "
+                              "it ran without --checkpoint-every, or died before the first save. Start a new run "
+                              "with --checkpoint-every N.")
+        return found[-1][1]
+    raise ConfigError(f"--resume-from {path} is neither a run directory (no {METADATA_FILE}) nor a checkpoint "
+                      "(logs/<run>/checkpoints/step_<k>). Pass one of those.")
+
+
+def _stated(config: TrainConfig, sources: Mapping[str, str]) -> set[str]:
+    """Dotted keys the caller set explicitly: by their sources, else those that differ from the defaults."""
+    if sources:
+        return {key for key, origin in sources.items() if origin != "default"}
+    ours, defaults = flatten(config.to_dict()), flatten(TrainConfig().to_dict())
+    return {key for key in leaf_keys() if ours.get(key) != defaults.get(key)}
+
+
+def _value(flat: Mapping[str, Any], key: str) -> Any:
+    if key.startswith("extra."):
+        return (flat.get("extra") or {}).get(key.removeprefix("extra."))
+    return flat.get(key)
+
+
+def resumed_config(stored: Mapping[str, Any], requested: TrainConfig, sources: Mapping[str, str],
+                   origin: str) -> tuple[TrainConfig, dict[str, str]]:
+    """The checkpoint's config with the allowed changes of ``requested`` applied, and each value's source.
+
+    ``ConfigError`` naming the field if ``requested`` states another value for any other field.
+    """
+    stored_config = TrainConfig.model_validate(stored)
+    old, new = flatten(stored_config.to_dict()), flatten(requested.to_dict())
+    stated = _stated(requested, sources)
+    for key in sorted(stated - set(RESUMABLE_FIELDS)):
+        if _value(old, key) != _value(new, key):
+            raise ConfigError(
+                f"--resume-from: {key} is {_value(new, key)!r} here but {_value(old, key)!r} in the checkpoint's "
+                f"config; a resumed run keeps its config (it may change only {', '.join(RESUMABLE_FIELDS)}). "
+                f"Drop {key} from the command line, or start a new run."
+            )
+    changes = {key: getattr(requested, key) for key in RESUMABLE_FIELDS if key in stated}
+    config = stored_config.replace(**changes)
+    record = {key: (sources.get(key, "cli") if key in stated else origin) for key in leaf_keys()}
+    return config, record
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A planned resume: the verified checkpoint, the run it belongs to, and the config to run."""
+
+    checkpoint: Checkpoint
+    source_run: Path
+    config: TrainConfig
+    sources: dict[str, str]
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+    def record(self) -> dict[str, Any]:
+        """What ``run_metadata.json`` records as ``resumed_from``."""
+        return {"path": str(self.checkpoint.path), "run": str(self.source_run), "step": self.step}
+
+    def check_dataset(self, dataset: Mapping[str, Any]) -> None:
+        """``ConfigError`` if the data set's fingerprint differs from the one the old run recorded."""
+        old = json.loads((self.source_run / METADATA_FILE).read_text(encoding="utf-8")).get("dataset") or {}
+        if old.get("fingerprint") and dataset.get("fingerprint") != old["fingerprint"]:
+            raise ConfigError(f"the data set changed since {self.source_run} ran (fingerprint "
+                              f"{dataset.get('fingerprint')} vs {old['fingerprint']}): the resumed steps would "
+                              "train on other problems. Restore the data set the run used.")
+
+    def begin(self, writer) -> None:
+        """Start the new run directory with copies of the old run's records of the steps before ``step``."""
+        writer.copy_steps_from(self.source_run, self.step, rollout_kind(self.config.mode, self.config.env))
+
+    def restore(self, training) -> int:
+        """Load the adapter, optimizer and RNG states into ``training``; the first step to run."""
+        from rlrunbook.backend.trainer import TrainingState
+
+        ckpt = self.checkpoint
+        _exporter(training).import_training_state(
+            TrainingState(ckpt.adapter, ckpt.optimizer, ckpt.weights_version), with_optimizer=True)
+        restore_rng(ckpt.rng)
+        return ckpt.step
+
+
+def plan_resume(path: str | Path, requested: TrainConfig, sources: Mapping[str, str] | None) -> Resume:
+    """Find and verify the checkpoint, merge the config (see :func:`resumed_config`): all before a model loads."""
+    folder = find_checkpoint(path)
+    checkpoint = load_checkpoint(folder)
+    source_run = folder.parent.parent
+    if not (source_run / METADATA_FILE).is_file():
+        raise ConfigError(f"checkpoint {folder} is not inside a run directory ({source_run / METADATA_FILE} is "
+                          "missing): the resumed run starts with that run's records. Keep checkpoints in their run.")
+    config, record = resumed_config(checkpoint.config, requested, sources or {}, f"checkpoint:{folder}")
+    config = validate(config)
+    if checkpoint.step >= config.steps:
+        raise ConfigError(f"checkpoint {folder} is at step {checkpoint.step}, so -s {config.steps} has nothing left "
+                          f"to run. Pass -s larger than {checkpoint.step} to extend the run.")
+    if not isinstance(checkpoint.adapter, dict) or not checkpoint.adapter:
+        raise InputError(f"checkpoint {folder} holds no adapter tensors.")
+    return Resume(checkpoint, source_run, config, record)

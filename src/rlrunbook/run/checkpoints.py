@@ -1,0 +1,257 @@
+"""Checkpoint folders of a run: ``<run_dir>/checkpoints/step_<k>/``, written atomically, read back verified.
+
+A checkpoint taken after ``k`` completed steps holds everything an exact resume needs::
+
+    step_000004/
+      adapter.safetensors   trainable LoRA tensors, keyed by the live model's parameter names
+      optimizer.pt          AdamW state_dict (tensors and plain numbers; read with weights_only=True)
+      rng.json              Python ``random`` and NumPy MT19937 states
+      rng.safetensors       torch CPU generator state, and one tensor per CUDA device (``cuda_<i>``)
+      checkpoint.json       manifest, written last: format version, step, data cursor, config,
+                            sha256 and size of every other file
+
+Nothing here unpickles: safetensors, JSON, and ``torch.load(weights_only=True)`` only.
+
+Atomicity: the files go into ``checkpoints/.tmp-step_<k>-<random>/``, each fsynced, then the folder
+is renamed to ``step_<k>`` in one ``os.rename``. A crash (or an error) before the rename leaves a
+hidden temp folder that readers ignore and the next save deletes; the checkpoints before it are
+untouched. A folder counts as a checkpoint when its name is ``step_<k>`` and its manifest is there;
+:func:`verify_checkpoint` also checks every file's checksum, so a truncated or edited file is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from rlrunbook.errors import InputError
+from rlrunbook.run.jsonio import fsync_dir
+
+FORMAT_VERSION = 1  # bump when the layout changes; other versions are refused, not guessed at
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST_FILE = "checkpoint.json"
+ADAPTER_FILE = "adapter.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_JSON_FILE = "rng.json"
+RNG_TENSOR_FILE = "rng.safetensors"
+TEMP_PREFIX = ".tmp-"
+_STEP_DIR = re.compile(r"step_(\d{6,})")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint in memory. ``step`` is the number of completed steps, hence the next step to run
+    (the loop's problem order is a pure function of the seed, so the step index is the whole data cursor)."""
+
+    step: int
+    config: dict[str, Any]
+    adapter: dict[str, torch.Tensor]
+    optimizer: dict | None
+    rng: dict[str, Any]
+    weights_version: int = 0
+    path: Path | None = None
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoint_dirs(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoints/step_<k>`` folder with a manifest, by step; temp folders
+    of an interrupted save are left out. Checksums are not read here: see :func:`verify_checkpoint`."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        match = _STEP_DIR.fullmatch(folder.name)
+        if match and folder.is_dir() and (folder / MANIFEST_FILE).is_file():
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+# --- RNG states ---------------------------------------------------------------------------------------------
+
+def capture_rng() -> dict[str, Any]:
+    """The global generators' states: Python ``random``, NumPy's legacy generator, torch CPU and CUDA."""
+    version, state, gauss = random.getstate()
+    name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    rng: dict[str, Any] = {
+        "python": {"version": version, "state": list(state), "gauss_next": gauss},
+        "numpy": {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    """Set the global generators to ``rng`` (from :func:`capture_rng`). CUDA states are restored when
+    this machine has as many devices; a checkpoint from a GPU machine resumed on CPU skips them."""
+    py = rng["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    nps = rng["numpy"]
+    np.random.set_state((nps["bit_generator"], np.asarray(nps["key"], dtype=np.uint32), nps["pos"],
+                         nps["has_gauss"], nps["cached_gaussian"]))
+    torch.set_rng_state(rng["torch_cpu"])
+    if rng["cuda"] and torch.cuda.is_available() and torch.cuda.device_count() == len(rng["cuda"]):
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _write_json(path: Path, document: Any) -> None:
+    path.write_text(json.dumps(document, indent=1, allow_nan=False), encoding="utf-8")
+
+
+def _write_payload(folder: Path, checkpoint: Checkpoint) -> list[str]:
+    """The data files of ``checkpoint`` in ``folder``; returns their names (the manifest comes after)."""
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in checkpoint.adapter.items()},
+              str(folder / ADAPTER_FILE))
+    names = [ADAPTER_FILE]
+    if checkpoint.optimizer is not None:
+        torch.save(checkpoint.optimizer, folder / OPTIMIZER_FILE)
+        names.append(OPTIMIZER_FILE)
+    rng = checkpoint.rng
+    _write_json(folder / RNG_JSON_FILE, {"python": rng["python"], "numpy": rng["numpy"]})
+    tensors = {"torch_cpu": rng["torch_cpu"], **{f"cuda_{i}": s for i, s in enumerate(rng["cuda"])}}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / RNG_TENSOR_FILE))
+    return names + [RNG_JSON_FILE, RNG_TENSOR_FILE]
+
+
+def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> None:
+    files = {name: {"sha256": _sha256(folder / name), "bytes": (folder / name).stat().st_size} for name in names}
+    _write_json(folder / MANIFEST_FILE, {
+        "format_version": FORMAT_VERSION,
+        "step": checkpoint.step,
+        "data_cursor": {"next_step": checkpoint.step},
+        "weights_version": checkpoint.weights_version,
+        "has_optimizer": checkpoint.optimizer is not None,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": checkpoint.config,
+        "files": files,
+    })
+
+
+def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
+    """Delete the temp folders that interrupted saves left behind; returns what was removed."""
+    stale = [p for p in checkpoints_dir.glob(f"{TEMP_PREFIX}*") if p.is_dir()] if checkpoints_dir.is_dir() else []
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale
+
+
+def save_checkpoint(run_dir: str | os.PathLike[str], checkpoint: Checkpoint) -> Path:
+    """Write ``checkpoint`` as ``<run_dir>/checkpoints/step_<k>/`` atomically (see the module docstring).
+
+    An existing ``step_<k>`` is never replaced (``InputError``): a run writes each step once.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    root.mkdir(exist_ok=True)
+    remove_stale_temps(root)
+    final = root / step_dir_name(checkpoint.step)
+    if final.exists():
+        raise InputError(f"checkpoint {final} exists already: a run saves each step once; "
+                         "resume into a new run directory instead of writing into an old one.")
+    # Not cleaned up on error: an exception here leaves what a crash would, and the next save removes it.
+    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=root))
+    names = _write_payload(temp, checkpoint)
+    for name in names:
+        _fsync_file(temp / name)
+    _write_manifest(temp, checkpoint, names)
+    _fsync_file(temp / MANIFEST_FILE)
+    fsync_dir(temp)
+    os.rename(temp, final)
+    fsync_dir(root)
+    return final
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+
+def _corrupt(folder: Path, what: str) -> InputError:
+    return InputError(f"checkpoint {folder} is corrupted or incomplete: {what}. Resume from another checkpoint "
+                      f"(pass its folder to --resume-from, or delete this one to fall back to the previous).")
+
+
+def verify_checkpoint(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of ``folder`` after checking its format version and every file's size and sha256."""
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise _corrupt(folder, f"no {MANIFEST_FILE} (a save that never finished, or not a checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise _corrupt(folder, f"{MANIFEST_FILE} is not readable JSON ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise InputError(f"checkpoint {folder} has format version {version!r}; this rlrunbook reads version "
+                         f"{FORMAT_VERSION}. Load it with the rlrunbook version that wrote it.")
+    files = manifest.get("files")
+    required = {ADAPTER_FILE, RNG_JSON_FILE, RNG_TENSOR_FILE} | ({OPTIMIZER_FILE} if manifest.get("has_optimizer")
+                                                                 else set())
+    if not isinstance(files, dict) or not required <= files.keys() or not isinstance(manifest.get("step"), int):
+        raise _corrupt(folder, f"{MANIFEST_FILE} lacks the step or the checksums of {sorted(required)}")
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise _corrupt(folder, f"{name} is missing")
+        if path.stat().st_size != expected.get("bytes") or _sha256(path) != expected.get("sha256"):
+            raise _corrupt(folder, f"{name} does not match its sha256 in {MANIFEST_FILE} (truncated or modified)")
+    match = _STEP_DIR.fullmatch(folder.name)
+    if match and int(match.group(1)) != manifest["step"]:
+        raise _corrupt(folder, f"the folder name says step {int(match.group(1))}, the manifest {manifest['step']}")
+    return manifest
+
+
+def _read(folder: Path, name: str, reader: Callable[[Path], Any]) -> Any:
+    try:
+        return reader(folder / name)
+    except (OSError, SafetensorError, RuntimeError, ValueError, KeyError, TypeError) as error:
+        raise _corrupt(folder, f"{name} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Verify and read ``folder``; ``InputError`` naming the file and the fix if anything is off."""
+    folder = Path(folder)
+    manifest = verify_checkpoint(folder)
+    adapter = _read(folder, ADAPTER_FILE, lambda p: load_file(str(p), device=str(map_location)))
+    optimizer = None
+    if manifest["has_optimizer"]:
+        optimizer = _read(folder, OPTIMIZER_FILE,
+                          lambda p: torch.load(p, map_location=map_location, weights_only=True))
+    rng = _read(folder, RNG_JSON_FILE, lambda p: json.loads(p.read_text(encoding="utf-8")))
+    tensors = _read(folder, RNG_TENSOR_FILE, lambda p: load_file(str(p)))
+    cuda_count = sum(1 for key in tensors if key.startswith("cuda_"))
+    rng.update(torch_cpu=tensors["torch_cpu"], cuda=[tensors[f"cuda_{i}"] for i in range(cuda_count)])
+    return Checkpoint(step=manifest["step"], config=manifest["config"], adapter=adapter, optimizer=optimizer,
+                      rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder)

@@ -1,0 +1,202 @@
+"""Checkpoint folders (rlrunbook.run.checkpoints): round trip, atomic save, listing, corruption, no pickle."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlrunbook.errors import InputError
+from rlrunbook.run import checkpoints as ckpt
+from rlrunbook.run.checkpoints import (
+    Checkpoint,
+    capture_rng,
+    checkpoint_dirs,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    verify_checkpoint,
+)
+
+
+def adam_state() -> tuple[dict[str, torch.Tensor], dict]:
+    """A real AdamW state after two steps on a small layer, and that layer's weights."""
+    layer = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    for _ in range(2):
+        layer(torch.randn(5, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in layer.named_parameters()}, optimizer.state_dict()
+
+
+def make_checkpoint(step: int) -> Checkpoint:
+    adapter, optimizer = adam_state()
+    return Checkpoint(step=step, config={"steps": 8, "seed": 3}, adapter=adapter, optimizer=optimizer,
+                      rng=capture_rng(), weights_version=step)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    (tmp_path / "run").mkdir()
+    return tmp_path / "run"
+
+
+def test_round_trip_is_exact(run_dir):
+    original = make_checkpoint(2)
+    folder = save_checkpoint(run_dir, original)
+    assert folder == run_dir / "checkpoints" / "step_000002"
+    loaded = load_checkpoint(folder)
+    assert loaded.step == 2 and loaded.config == original.config and loaded.weights_version == 2
+    assert loaded.adapter.keys() == original.adapter.keys()
+    assert all(torch.equal(loaded.adapter[k], original.adapter[k]) for k in original.adapter)
+    for index, state in original.optimizer["state"].items():
+        assert all(torch.equal(loaded.optimizer["state"][index][k], v) for k, v in state.items())
+    assert loaded.optimizer["param_groups"] == original.optimizer["param_groups"]
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    assert manifest["format_version"] == 1 and manifest["data_cursor"] == {"next_step": 2}
+    assert set(manifest["files"]) == {"adapter.safetensors", "optimizer.pt", "rng.json", "rng.safetensors"}
+
+
+def test_optimizer_state_continues_exactly(run_dir):
+    """AdamW restored from the file takes the same next step as the live one."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    x = torch.randn(5, 4)
+    layer(x).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    adapter = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    folder = save_checkpoint(run_dir, Checkpoint(1, {}, adapter, optimizer.state_dict(), capture_rng()))
+    loaded = load_checkpoint(folder)
+    twin = torch.nn.Linear(4, 3)
+    twin.load_state_dict(loaded.adapter)
+    twin_optimizer = torch.optim.AdamW(twin.parameters())
+    twin_optimizer.load_state_dict(loaded.optimizer)
+    for model, opt in ((layer, optimizer), (twin, twin_optimizer)):
+        model(x).square().sum().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(layer.parameters(), twin.parameters(), strict=True))
+
+
+def test_rng_states_round_trip(run_dir):
+    folder = save_checkpoint(run_dir, make_checkpoint(1))
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    restore_rng(load_checkpoint(folder).rng)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
+
+
+def test_files_need_no_unpickling(run_dir):
+    folder = save_checkpoint(run_dir, make_checkpoint(3))
+    load_file(str(folder / "adapter.safetensors"))
+    load_file(str(folder / "rng.safetensors"))
+    json.loads((folder / "rng.json").read_text())
+    json.loads((folder / "checkpoint.json").read_text())
+    state = torch.load(folder / "optimizer.pt", weights_only=True)
+    assert set(state) == {"state", "param_groups"}
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter.safetensors", "checkpoint.json", "optimizer.pt",
+                                                        "rng.json", "rng.safetensors"]
+
+
+def test_crash_before_rename_keeps_previous_checkpoint(run_dir, monkeypatch):
+    save_checkpoint(run_dir, make_checkpoint(2))
+
+    def crash(src, dst):
+        raise OSError("simulated crash between write and rename")
+
+    monkeypatch.setattr(ckpt.os, "rename", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        save_checkpoint(run_dir, make_checkpoint(4))
+    monkeypatch.undo()
+    temps = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert len(temps) == 1 and (temps[0] / "adapter.safetensors").is_file(), "the crash left a temp folder"
+    assert [step for step, _ in checkpoint_dirs(run_dir)] == [2], "the temp folder is not a checkpoint"
+    assert load_checkpoint(run_dir / "checkpoints" / "step_000002").step == 2
+    save_checkpoint(run_dir, make_checkpoint(4))  # the next save cleans up
+    assert not temps[0].exists()
+    assert [step for step, _ in checkpoint_dirs(run_dir)] == [2, 4]
+
+
+def test_a_step_is_never_overwritten(run_dir):
+    save_checkpoint(run_dir, make_checkpoint(2))
+    with pytest.raises(InputError, match="exists already"):
+        save_checkpoint(run_dir, make_checkpoint(2))
+
+
+def test_listing_orders_by_step_and_skips_non_checkpoints(run_dir):
+    for step in (10, 2, 4):
+        save_checkpoint(run_dir, make_checkpoint(step))
+    root = run_dir / "checkpoints"
+    (root / "step_000006").mkdir()  # no manifest
+    (root / ".tmp-step_000008-abc").mkdir()
+    (root / "notes").mkdir()
+    assert [(s, p.name) for s, p in checkpoint_dirs(run_dir)] == [
+        (2, "step_000002"), (4, "step_000004"), (10, "step_000010")]
+    assert checkpoint_dirs(run_dir / "missing") == []
+
+
+@pytest.fixture
+def saved(run_dir):
+    return save_checkpoint(run_dir, make_checkpoint(2))
+
+
+def test_flipped_byte_is_refused(saved):
+    path = saved / "adapter.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"adapter.safetensors does not match its sha256.*Resume from another"):
+        load_checkpoint(saved)
+
+
+def test_truncated_file_is_refused(saved):
+    path = saved / "optimizer.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(InputError, match="optimizer.pt does not match its sha256"):
+        load_checkpoint(saved)
+
+
+def test_truncated_safetensors_with_matching_manifest_is_refused(saved):
+    """Even a manifest rewritten to fit a cut file does not get the file past the reader."""
+    path = saved / "adapter.safetensors"
+    path.write_bytes(path.read_bytes()[:-40])
+    manifest = json.loads((saved / "checkpoint.json").read_text())
+    manifest["files"]["adapter.safetensors"] = {"sha256": ckpt._sha256(path), "bytes": path.stat().st_size}
+    (saved / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="adapter.safetensors cannot be read"):
+        load_checkpoint(saved)
+
+
+def test_missing_file_is_refused(saved):
+    (saved / "rng.safetensors").unlink()
+    with pytest.raises(InputError, match="rng.safetensors is missing"):
+        load_checkpoint(saved)
+
+
+def test_missing_manifest_is_refused(saved):
+    (saved / "checkpoint.json").unlink()
+    with pytest.raises(InputError, match="no checkpoint.json"):
+        verify_checkpoint(saved)
+
+
+def test_unknown_format_version_is_refused(saved):
+    manifest = json.loads((saved / "checkpoint.json").read_text())
+    manifest["format_version"] = 99
+    (saved / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="format version 99; this rlrunbook reads version 1"):
+        load_checkpoint(saved)
+
+
+def test_manifest_step_must_match_the_folder(saved):
+    moved = saved.parent / "step_000008"
+    shutil.move(saved, moved)
+    with pytest.raises(InputError, match="folder name says step 8, the manifest 2"):
+        load_checkpoint(moved)
