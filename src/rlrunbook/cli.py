@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -435,8 +436,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; ``key.sub=value`` overrides of train/show-config may sit anywhere among the flags."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        if not hasattr(args, "overrides") or not all(_OVERRIDE.match(item) for item in extras):
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except RlrunbookError as error:

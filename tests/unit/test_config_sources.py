@@ -180,3 +180,28 @@ def test_run_metadata_records_every_value_and_its_source(tmp_path):
     assert sources["steps"] == "default" and sources["loss.kl_coef"] == "default"
     assert metadata["config"]["seed"] == 1 and metadata["config"]["name"] == "meta"
     assert metadata["config"]["loss"]["kl_coef"] == 0.0
+
+
+def test_overrides_may_sit_anywhere_among_the_flags():
+    args = cli.parse_args(["train", "steps=3", "--seed", "2", "loss.kl_coef=0.1", "--name", "x", "validation.every=2"])
+    assert args.overrides == ["steps=3", "loss.kl_coef=0.1", "validation.every=2"]
+    assert (args.seed, args.name) == (2, "x")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["train", "--seed", "2", "--bogus"])
+    assert cli.main(["show-config", "--seed", "2", "not-an-override"]) == 2  # "not of the form key.sub=value"
+
+
+def test_trainer_regularisers_reach_the_train_log(tmp_path):
+    """--kl-coef / --entropy-coef / --loss-fn ppo: every row logs the loss split and the diagnostics."""
+    code = cli.main(["train", "--config-file", "tiny-cpu-smoke", "checkpoint.every=0", "--kl-coef", "0.05",
+                     "--entropy-coef", "0.001", "--loss-fn", "ppo", "--grad-clip-norm", "1.0",
+                     "--log-root", str(tmp_path)])
+    assert code == 0
+    (run,) = tmp_path.iterdir()
+    rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["loss/sum"] == pytest.approx(row["loss_pg"] + row["loss_kl"] + row["loss_entropy"], rel=1e-5)
+        assert row["kl_divergence"] >= 0 and row["entropy"] > 0 and 0 <= row["clip_fraction"] <= 1
+        assert row["mismatch/abs_logprob_diff"] < 1e-4  # sampler and trainer agree in fp32 (1e-4 gate)
+    assert rows[0]["kl_divergence"] == pytest.approx(0.0, abs=1e-7)  # the fresh adapter is the reference
+    assert rows[1]["kl_divergence"] > 0  # one step later the policy has moved off it

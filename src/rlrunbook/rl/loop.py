@@ -32,6 +32,16 @@ from rlrunbook.rl.validation import Validator, check_held_out, split_held_out
 from rlrunbook.run import RunWriter, log_root, new_run_dir, wandb_sink
 
 
+# forward_backward metrics logged in every train_log row (the offline GRPO trainer's names), when reported:
+# the loss split into its policy-gradient, KL and entropy terms, the KL to the reference and the entropy
+# (when those terms are on), the fraction of clipped importance ratios, and the sampler-trainer mismatch.
+TRAINER_METRICS = {
+    "loss_pg:sum": "loss_pg", "loss_kl:sum": "loss_kl", "loss_entropy:sum": "loss_entropy",
+    "kl_divergence:mean": "kl_divergence", "entropy:mean": "entropy", "clip_fraction:mean": "clip_fraction",
+    "mismatch/abs_logprob_diff:mean": "mismatch/abs_logprob_diff", "mismatch/kl:mean": "mismatch/kl",
+}
+
+
 def _stats(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
 
@@ -253,6 +263,7 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
         "advantage/nonzero_fraction": len(nonzero) / len(advantages),
         "advantage/min": min(advantages), "advantage/max": max(advantages),
         "loss/sum": loss, "num_datums": len(chosen), "num_trained_tokens": trained,
+        **{name: float(fb_metrics[key]) for key, name in TRAINER_METRICS.items() if key in fb_metrics},
         "completion_length/mean": statistics.fmean(lengths),
         "grad_norm": float((optim.metrics or {}).get("grad_norm:mean", float("nan"))),
         "time/sample_s": sampled_at - started - batch.metrics.get("time/score_s", 0.0),
