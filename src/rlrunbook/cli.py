@@ -51,8 +51,12 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
     from rlrunbook.backend.host import load_host
     from rlrunbook.backend.sampling_client import resolve_stop
     from rlrunbook.backend.settings import LocalSettings
-    from rlrunbook.diagnostics import (FP32_MAX_BOUNDARY_FLIPS, HALF_MAX_BOUNDARY_FLIPS, default_tolerance,
-                                       logprob_parity)
+    from rlrunbook.diagnostics import (
+        FP32_MAX_BOUNDARY_FLIPS,
+        HALF_MAX_BOUNDARY_FLIPS,
+        default_tolerance,
+        logprob_parity,
+    )
     from rlrunbook.engines.base import GenerationRequest
     from rlrunbook.engines.filters import SamplingFilters
 

@@ -90,7 +90,7 @@ def logprob_parity(
     return ParityReport(
         max_abs_diff=float(kept.max()) if len(kept) else float("nan"),
         mean_abs_diff=float(kept.mean()) if len(kept) else float("nan"),
-        num_tokens=int(len(all_gaps)),
+        num_tokens=len(all_gaps),
         tolerance=tolerance,
         completions=completions,
         boundary_flips=int(flipped.sum()),

@@ -10,8 +10,17 @@ dtype the backend's default for it (bf16 on CUDA, fp32 on CPU). Allocator advice
 from __future__ import annotations
 
 import pytest
-from bench_support import (COMPLETION_TOKENS, PROMPT_TOKENS, ROWS, bench_device, bench_models, describe,
-                           median_seconds, synchronize, token_windows)
+from bench_support import (
+    COMPLETION_TOKENS,
+    PROMPT_TOKENS,
+    ROWS,
+    bench_device,
+    bench_models,
+    describe,
+    median_seconds,
+    synchronize,
+    token_windows,
+)
 
 from rlrunbook.backend.host import load_host
 from rlrunbook.backend.settings import LocalSettings

@@ -11,8 +11,17 @@ setup). Device from ``RLRUNBOOK_BENCH_DEVICE``; allocator advice: bench_support.
 from __future__ import annotations
 
 import pytest
-from bench_support import (COMPLETION_TOKENS, PROMPT_TOKENS, ROWS, bench_device, bench_models, describe,
-                           median_seconds, synchronize, token_windows)
+from bench_support import (
+    COMPLETION_TOKENS,
+    PROMPT_TOKENS,
+    ROWS,
+    bench_device,
+    bench_models,
+    describe,
+    median_seconds,
+    synchronize,
+    token_windows,
+)
 from tinker import types
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings

@@ -196,7 +196,7 @@ def _warm_start_state(storage: Path, log: Path) -> None:
     from rlrunbook.tokens import build_datum_arrays
 
     rng = random.Random(0)
-    words = "apples pears boxes cars miles hours cents tickets pages eggs cups dogs".split()
+    words = ["apples", "pears", "boxes", "cars", "miles", "hours", "cents", "tickets", "pages", "eggs", "cups", "dogs"]
     service = LocalServiceClient(LocalSettings(device="cpu", storage_dir=storage))
     try:
         training = service.create_lora_training_client("tiny", rank=8, seed=0)

@@ -75,8 +75,8 @@ def runs(tmp_path_factory) -> dict[int, Path]:
 def test_two_processes_leave_one_complete_run_directory(runs):
     meta = json.loads((runs[2] / "run_metadata.json").read_text())
     assert meta["status"] == "completed"
-    assert meta["config"]["world_size"] == 2
-    assert json.loads((runs[1] / "run_metadata.json").read_text())["config"]["world_size"] == 1
+    assert meta["world_size"] == 2
+    assert json.loads((runs[1] / "run_metadata.json").read_text())["world_size"] == 1
 
 
 def test_union_batch_is_the_single_process_batch(runs):

@@ -62,7 +62,7 @@ def test_eval_reports_pass_at_k_with_intervals(tmp_path, capsys):
 
 
 def test_eval_refuses_k_above_samples_before_loading(capsys, monkeypatch):
-    import rlrunbook.backend as backend
+    from rlrunbook import backend
 
     monkeypatch.setattr(backend, "create_service_client", lambda **_: pytest.fail("a model was loaded"))
     assert cli.main(["eval", "--samples", "2", "--ks", "1", "4"]) == 2

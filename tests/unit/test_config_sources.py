@@ -11,8 +11,17 @@ import yaml
 from rlrunbook import cli
 from rlrunbook.errors import ConfigError
 from rlrunbook.rl.config import CONFIG_VERSION, TrainConfig, validate
-from rlrunbook.rl.config_sources import (PRESET_DIR, build_config, leaf_keys, list_presets, parse_override,
-                                         parse_sweep, parse_value, sweep_grid, sweep_name)
+from rlrunbook.rl.config_sources import (
+    PRESET_DIR,
+    build_config,
+    leaf_keys,
+    list_presets,
+    parse_override,
+    parse_sweep,
+    parse_value,
+    sweep_grid,
+    sweep_name,
+)
 
 SHIPPED_PRESETS = {"tiny-cpu-smoke", "smollm2-cpu-mini", "gpu-4b-lora", "gpu-8b-lora-4bit", "h100-rlvr"}
 
@@ -151,7 +160,7 @@ def test_loss_fn_config_sends_only_what_applies():
     (["--strict-config"], "strict-config"),
 ])
 def test_bad_config_input_fails_before_loading(args, match, capsys, monkeypatch, tmp_path):
-    import rlrunbook.backend as backend
+    from rlrunbook import backend
 
     monkeypatch.setattr(backend, "create_service_client", lambda **_: pytest.fail("a model was loaded"))
     assert cli.main(["train", "--log-root", str(tmp_path), *args]) == 2

@@ -146,7 +146,7 @@ def test_same_seed_same_samples_different_seed_differs(tiny_host, prompts8):
     a = tiny_host.engine.sample(prompts8[:2], 2, _stop_request((), seed=11))
     b = tiny_host.engine.sample(prompts8[:2], 2, _stop_request((), seed=11))
     c = tiny_host.engine.sample(prompts8[:2], 2, _stop_request((), seed=12))
-    tokens = lambda r: [x.tokens for cs in r for x in cs]  # noqa: E731
+    tokens = lambda r: [x.tokens for cs in r for x in cs]
     assert tokens(a) == tokens(b)
     assert tokens(a) != tokens(c)
 

@@ -18,7 +18,14 @@ from rlrunbook.models import resolve_model
 from rlrunbook.models.loading import load_tokenizer
 from rlrunbook.rl import rollouts, tasks
 from rlrunbook.rl.config import TrainConfig, validate
-from rlrunbook.rl.guards import Blocklist, NonFiniteStepError, PromptLimit, StepTally, check_prompts, checked_reward
+from rlrunbook.rl.guards import (
+    Blocklist,
+    NonFiniteStepError,
+    PromptLimit,
+    StepTally,
+    check_prompts,
+    checked_reward,
+)
 from rlrunbook.rl.loop import run_training
 from rlrunbook.rl.paradigms import Debate
 from rlrunbook.rl.prompts import render_prompt

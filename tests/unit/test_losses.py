@@ -168,9 +168,9 @@ def _np_ppo(lp, q, adv, cfg):
     for lp_t, q_t, a_t in zip(lp, q, adv, strict=True):
         r = math.exp(lp_t - q_t)
         if a_t >= 0:
-            objective = (hi if r > hi else r) * a_t
+            objective = (min(r, hi)) * a_t
         else:
-            objective = (lo if r < lo else r) * a_t
+            objective = (max(r, lo)) * a_t
         total -= objective
     return total
 
@@ -180,7 +180,7 @@ def _np_cispo(lp, q, adv, cfg):
     total = 0.0
     for lp_t, q_t, a_t in zip(lp, q, adv, strict=True):
         r = math.exp(lp_t - q_t)
-        coefficient = lo if r < lo else hi if r > hi else r
+        coefficient = lo if r < lo else min(r, hi)
         total -= coefficient * lp_t * a_t
     return total
 

@@ -45,7 +45,7 @@ def test_same_seed_same_train_log_and_tokens(tmp_path, restore_determinism):
 
 
 def test_expected_dataset_hash_refuses_drift(tmp_path, capsys, monkeypatch):
-    import rlrunbook.backend as backend
+    from rlrunbook import backend
 
     data = tmp_path / "gsm.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "What is 2 + 2?", "answer": "#### 4"}\n')

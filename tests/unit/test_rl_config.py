@@ -23,7 +23,7 @@ from rlrunbook.rl.config import TrainConfig, validate
     (["--name", "a/b"], "plain name"),
 ])
 def test_bad_combinations_fail_before_loading(args, match, capsys, monkeypatch, tmp_path):
-    import rlrunbook.backend as backend
+    from rlrunbook import backend
 
     monkeypatch.setattr(backend, "create_service_client", lambda **_: pytest.fail("a model was loaded"))
     assert cli.main(["train", "--log-root", str(tmp_path), *args]) == 2

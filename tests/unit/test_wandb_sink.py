@@ -62,7 +62,7 @@ def test_nothing_is_imported_without_wandb_project(tmp_path, monkeypatch):
 
 
 def test_missing_wandb_fails_before_any_model_or_run_directory(tmp_path, monkeypatch, capsys):
-    import rlrunbook.backend as backend
+    from rlrunbook import backend
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     monkeypatch.setenv("WANDB_PROJECT", "proj")

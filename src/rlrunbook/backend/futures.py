@@ -20,8 +20,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 

@@ -26,6 +26,7 @@ from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.engines.scoring import gather_logprobs
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
+from rlrunbook.metrics import merge_reduced
 from rlrunbook.regularizers import (
     RegularizerConfig,
     clip_fraction,
@@ -169,20 +170,9 @@ def _regularizer_terms(logits: torch.Tensor, lp: torch.Tensor, ref: torch.Tensor
 
 
 def _merge_metrics(parts: list[_ChunkOutput]) -> dict[str, float]:
-    """Merge chunk metrics by reduction suffix; ``mean`` is weighted by the chunk's token count."""
-    merged: dict[str, float] = {}
-    for key in {k for part in parts for k in part.metrics}:
-        values = [(p.metrics[key], p.weights.get(key, p.positions)) for p in parts if key in p.metrics]
-        reduction = key.rsplit(":", 1)[-1]
-        if reduction == "sum":
-            merged[key] = sum(v for v, _ in values)
-        elif reduction == "max":
-            merged[key] = max(v for v, _ in values)
-        elif reduction == "min":
-            merged[key] = min(v for v, _ in values)
-        else:
-            merged[key] = sum(v * n for v, n in values) / (sum(n for _, n in values) or 1)
-    return merged
+    """Merge chunk metrics by reduction suffix; a ``:mean`` is weighted by the positions it averaged over."""
+    return merge_reduced([p.metrics for p in parts],
+                         [{key: p.weights.get(key, p.positions) for key in p.metrics} for p in parts])
 
 
 class LoraTrainer:

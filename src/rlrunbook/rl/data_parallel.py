@@ -17,6 +17,7 @@ from typing import Any
 
 from rlrunbook import distributed
 from rlrunbook.errors import ConfigError
+from rlrunbook.metrics import merge_reduced
 from rlrunbook.rl.paradigms import RolloutBatch
 from rlrunbook.rl.rollouts import Rollout
 
@@ -87,21 +88,7 @@ def merge_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
     each rank's ``num_trained_tokens:sum`` (the positions its means were taken over). A rank
     that trained nothing reports ``{}`` and counts for nothing.
     """
-    merged: dict[str, float] = {}
-    weights = [part.get("num_trained_tokens:sum", 0.0) for part in parts]
-    total = sum(weights) or 1.0
-    for key in sorted({k for part in parts for k in part}):
-        values = [(part[key], w) for part, w in zip(parts, weights, strict=True) if key in part]
-        reduction = key.rsplit(":", 1)[-1]
-        if reduction == "sum":
-            merged[key] = sum(v for v, _ in values)
-        elif reduction == "max":
-            merged[key] = max(v for v, _ in values)
-        elif reduction == "min":
-            merged[key] = min(v for v, _ in values)
-        else:
-            merged[key] = sum(v * w for v, w in values) / total
-    return merged
+    return merge_reduced(parts, [part.get("num_trained_tokens:sum", 0.0) for part in parts])
 
 
 def union_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

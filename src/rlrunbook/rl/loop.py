@@ -31,7 +31,6 @@ from rlrunbook.rl.tasks import Problem, get_task_class
 from rlrunbook.rl.validation import Validator, check_held_out, split_held_out
 from rlrunbook.run import RunWriter, log_root, new_run_dir, wandb_sink
 
-
 # forward_backward metrics logged in every train_log row (the offline GRPO trainer's names), when reported:
 # the loss split into its policy-gradient, KL and entropy terms, the KL to the reference and the entropy
 # (when those terms are on), the fraction of clipped importance ratios, and the sampler-trainer mismatch.
@@ -172,9 +171,8 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     run_dir = dp.shared_run_dir(
         lambda: new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name))
     writer = RunWriter(run_dir, sink=sink) if distributed.is_main() else dp.NullWriter()
-    writer.write_metadata({**config.to_dict(), "world_size": layout.world_size},
-                          {**(config_sources or {}), "world_size": "torchrun (WORLD_SIZE)"}, list(argv),
-                          task.dataset_info(problems), resumed_from=None if resume is None else resume.record())
+    writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems),
+                          resumed_from=None if resume is None else resume.record(), world_size=layout.world_size)
     log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")

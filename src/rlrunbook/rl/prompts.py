@@ -34,14 +34,14 @@ class TurnSplicer:
     close_user_open_assistant: list[int]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "TurnSplicer":
+    def from_tokenizer(cls, tokenizer) -> TurnSplicer:
         eos = tokenizer.eos_token
         if getattr(tokenizer, "chat_template", None):
             messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A" + _MARK},
                         {"role": "user", "content": _MARK}]
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             _, after_answer, tail = text.split(_MARK)
-            between = after_answer[len(eos):] if after_answer.startswith(eos) else after_answer
+            between = after_answer.removeprefix(eos)
             return cls(
                 close_assistant=tokenizer.encode(eos, add_special_tokens=False),
                 open_user=tokenizer.encode(between, add_special_tokens=False),

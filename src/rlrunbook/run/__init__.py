@@ -13,8 +13,11 @@ Artifact schema (version 1)
 
     {"schema_version": 1, "status": "running" | "completed" | "failed",
      "started_at": ISO-8601 UTC, "finished_at": ISO-8601 UTC | null, "error": str | null,
-     "config": {... "mode": "single_turn" | "debate", "env": str, "steps": int, "seed": int ...},
-     "config_sources": {key: "default" | "cli" | "env" | ...}, "argv": [str],
+     "config": {... "mode": "single_turn" | "debate", "env": str, "steps": int, "seed": int ...,
+                "loss": {...}, "checkpoint": {...}, ...}   # TrainConfig.to_dict(): sections nested,
+     "config_sources": {dotted key: "default" | "file:<path>" | "override" | "cli" | "sweep"}, "argv": [str],
+     "world_size": int,                                     # processes of a torchrun run, else 1
+     "resumed_from": {"path", "run", "step"},               # only in a resumed run
      "versions": {"python", "torch", "transformers", "peft", "tinker", "rlrunbook", "numpy": str | "missing"},
      "git": {"commit": str, "dirty": bool} | null, "hardware": {...}, "seeds": {dotted key: value},
      "environment": {TINKER_*, RLRUNBOOK_*, CUDA_*, PYTORCH_*, HF_*, TRANSFORMERS_*, OMP_*, MALLOC_*,

@@ -87,6 +87,7 @@ class RunWriter:
         argv: list[str],
         dataset: Mapping[str, Any],
         resumed_from: Mapping[str, Any] | None = None,
+        world_size: int = 1,
     ) -> Path:
         """Write ``run_metadata.json`` with status "running" (see the package docstring for its fields).
 
@@ -108,6 +109,7 @@ class RunWriter:
             "environment": meta.filtered_environment(self._environ),
             "dataset": meta.redact_config(dataset),
         }
+        self._metadata["world_size"] = world_size  # processes of a data-parallel (torchrun) run; 1 otherwise
         if resumed_from is not None:
             self._metadata["resumed_from"] = dict(resumed_from)
         path = self._write(METADATA_FILE, self._metadata, indent=1)
