@@ -119,6 +119,7 @@ def _resolve_runs(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from rlrunbook import distributed
     from rlrunbook.rl.loop import run_training
     from rlrunbook.run import check_run, format_results, rubric_passed
 
@@ -139,12 +140,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"[sweep] run {index + 1}/{len(runs)}: {resolved.config.name}", flush=True)
         run_dir = run_training(resolved.config, argv=argv, config_sources=resolved.sources, progress=progress,
                                log=lambda line: tqdm.write(line, file=sys.stdout), resume_from=resume_from)
+        if not distributed.is_main():
+            continue  # under torchrun rank 0 checks and reports the run it wrote
         results = check_run(run_dir)
         print(format_results(results))
         print(f"run directory: {run_dir}")
         failed += not rubric_passed(results)
         run_dirs.append(run_dir)
-    if len(runs) > 1:
+    if len(runs) > 1 and run_dirs:
         from rlrunbook.run.tools import format_table, summarize_runs
 
         print(format_table(summarize_runs(run_dirs)))
