@@ -108,3 +108,55 @@ def test_bench_optim_step(benchmark, training_setup):
     median = median_seconds(benchmark)
     if median is not None:
         benchmark.extra_info["optim_step_s"] = median
+
+
+REGULARISERS = {
+    "kl": {"kl_coef": 0.01, "kl_estimator": "low_var_kl"},       # + one no-grad forward with the adapter off
+    "kl+entropy": {"kl_coef": 0.01, "kl_estimator": "low_var_kl", "entropy_coef": 0.001},
+}
+
+
+@pytest.mark.parametrize("terms", sorted(REGULARISERS))
+def test_bench_forward_backward_regularised(benchmark, training_setup, terms):
+    """forward_backward with the reference KL (and the entropy bonus): compare with test_bench_forward_backward."""
+    model_name, settings, client, data = training_setup
+    config = REGULARISERS[terms]
+
+    def step():
+        out = client.forward_backward(data, LOSS, config).result()
+        synchronize(settings.device)
+        return out
+
+    out = benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=1)
+
+    assert out.metrics["loss:sum"] == pytest.approx(
+        out.metrics["loss_pg:sum"] + out.metrics["loss_kl:sum"] + out.metrics["loss_entropy:sum"], rel=1e-5, abs=1e-6)
+    assert ("entropy:mean" in out.metrics) == ("entropy_coef" in config)
+    _info(benchmark, model_name, settings)
+    benchmark.extra_info["loss_fn_config"] = config
+    median = median_seconds(benchmark)
+    if median is not None:
+        benchmark.extra_info["trained_tokens_per_s"] = out.metrics["num_trained_tokens:sum"] / median
+
+
+def test_bench_checkpoint_save_and_load(benchmark, training_setup, tmp_path):
+    """Median time to export the training state and save a verified checkpoint, then load it back."""
+    from rlrunbook.run.checkpoints import Checkpoint, capture_rng, load_checkpoint, save_checkpoint
+
+    model_name, settings, client, data = training_setup
+    client.forward_backward(data, LOSS).result()
+    client.optim_step(types.AdamParams(learning_rate=1e-5)).result()  # the optimizer has state to save
+    steps = iter(range(1, 1_000))
+
+    def save_and_load():
+        state = client.export_training_state()
+        folder = save_checkpoint(tmp_path, Checkpoint(step=next(steps), config={}, adapter=state.adapter,
+                                                      optimizer=state.optimizer, rng=capture_rng()))
+        return folder, load_checkpoint(folder)
+
+    folder, loaded = benchmark.pedantic(save_and_load, rounds=3, iterations=1, warmup_rounds=1)
+
+    assert loaded.adapter.keys() == client.export_training_state().adapter.keys()
+    _info(benchmark, model_name, settings)
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    benchmark.extra_info.update(checkpoint_bytes=size, adapter_tensors=len(loaded.adapter))
