@@ -189,6 +189,8 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         # With validation on, the last validation.num_problems of the seeded order are held out of training.
         problems, order, held_out = split_held_out(problems, _order(problems, config.seed), config.validation)
         validator = Validator(config, task, held_out, writer, log)
+        if not distributed.is_main():  # rank 0 alone validates (and writes); no collective happens inside
+            validator = lambda *args: None  # noqa: E731
         first = 0 if resume is None else resume.restore(training)  # a resumed run has copied its validation rows
         if evaluate is not None:
             evaluate("initial", training, tokenizer)
