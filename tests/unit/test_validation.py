@@ -8,13 +8,12 @@ change training".
 
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import shutil
 import sys
-import types as pytypes
 
 import pytest
+from fake_wandb import FakeWandb
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.rl.config import TrainConfig, ValidationSettings
@@ -70,23 +69,6 @@ def test_a_held_out_set_leaving_nothing_to_train_is_refused_before_the_model():
     prepare(config.replace(validation=ValidationSettings(every=1, num_problems=7)))
 
 
-class FakeWandb(pytypes.ModuleType):
-    """Records every call a run makes to the wandb module."""
-
-    def __init__(self):
-        super().__init__("wandb")
-        # Libraries probe optional packages with importlib.util.find_spec, which needs a spec.
-        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-        self.calls: list[tuple[str, tuple, dict]] = []
-
-    def init(self, *args, **kwargs):
-        self.calls.append(("init", args, kwargs))
-
-    def log(self, *args, **kwargs):
-        self.calls.append(("log", args, kwargs))
-
-    def finish(self, *args, **kwargs):
-        self.calls.append(("finish", args, kwargs))
 
 
 def _config(root, **changes) -> TrainConfig:

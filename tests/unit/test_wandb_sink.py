@@ -5,31 +5,14 @@ A real training run with a fake ``wandb`` module is in test_validation.py (rows,
 
 from __future__ import annotations
 
-import importlib.machinery
 import sys
-import types as pytypes
 
 import pytest
+from fake_wandb import FakeWandb
 
 from rlrunbook import cli
 from rlrunbook.errors import ConfigError
 from rlrunbook.run import RunWriter, wandb_sink
-
-
-class FakeWandb(pytypes.ModuleType):
-    def __init__(self):
-        super().__init__("wandb")
-        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-        self.calls: list[tuple[str, tuple, dict]] = []
-
-    def init(self, *args, **kwargs):
-        self.calls.append(("init", args, kwargs))
-
-    def log(self, *args, **kwargs):
-        self.calls.append(("log", args, kwargs))
-
-    def finish(self, *args, **kwargs):
-        self.calls.append(("finish", args, kwargs))
 
 
 def test_writer_mirrors_metadata_rows_and_status(tmp_path, monkeypatch):
