@@ -1,14 +1,33 @@
-"""Shared pytest wiring: tier markers, the GPU requirement, session-scoped built-in models.
+"""Shared pytest wiring: hypothesis profiles, tier markers, the GPU requirement, session-scoped built-in models.
 
 Loading transformers and a model costs seconds, so models are built once per session into a
 cache (``RLRUNBOOK_CACHE_DIR``, default ``~/.cache/rlrunbook``) and shared by fixtures.
+
+Hypothesis profiles (``HYPOTHESIS_PROFILE``, or ``pytest --hypothesis-profile NAME``):
+
+- ``ci`` (the default, and what ``scripts/test.sh`` runs): ``derandomize=True``, so every run tries the same
+  examples and CI never flakes on a new one; no deadline, because the 2-core CI machine is shared and
+  a slow example is not a wrong one.
+- ``dev``: randomized, no deadline, ``RLRUNBOOK_HYPOTHESIS_EXAMPLES`` examples per property (1000 by
+  default): local fuzzing, e.g. ``HYPOTHESIS_PROFILE=dev RLRUNBOOK_HYPOTHESIS_EXAMPLES=10000 pytest
+  tests/unit/test_regularizers.py``. A test that states its own ``max_examples`` keeps it in both.
+
+An input that once failed becomes an explicit ``@example`` on its property, so it runs in every profile.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from rlrunbook.testing.gpu import REQUIRE_ENV, gpu_required, missing_gpu_reason
+
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", derandomize=False, deadline=None,
+                          max_examples=int(os.environ.get("RLRUNBOOK_HYPOTHESIS_EXAMPLES", "1000")))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

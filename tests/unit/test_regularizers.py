@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rlrunbook.errors import ConfigError
@@ -50,10 +50,55 @@ def test_kl_estimators_are_zero_and_flat_at_equal_policies():
     assert grad_k3.tolist() == [0.0, 0.0] and grad_k1.tolist() == [1.0, 1.0]
 
 
-@given(st.floats(-30, 0), st.floats(-30, 0))
+# Inputs that once made an estimate negative (exp(x) - x - 1 loses the sign near x = 0; expm1 does not).
+# The issue's report (float64): lp = -2.97e-9, ref = 0 gave -1.1e-16; -2.342525139448394e-09 is one such
+# value found again by a search. The float32 pair (lp, q) is a sampler-mismatch token whose
+# exp(d) - d - 1 with d = lp - q gave -5.96e-08.
+F64_ONCE_NEGATIVE = (-2.97e-9, -2.342525139448394e-09)
+F32_ONCE_NEGATIVE = (-0.2302287369966507, -0.23032605648040771)
+LOGPROBS = st.floats(-30, 0)
+# Near-equal pairs: where cancellation happens (log ratios from 1e-12 up to 1e-3).
+NEAR = st.tuples(LOGPROBS, st.floats(-1e-3, 1e-3))
+
+
+@example(F64_ONCE_NEGATIVE[0], 0.0)
+@example(F64_ONCE_NEGATIVE[1], 0.0)
+@example(0.0, F64_ONCE_NEGATIVE[1])
+@given(LOGPROBS, LOGPROBS)
 def test_k3_is_never_negative(lp, ref):
     value = kl_k3(torch.tensor([lp], dtype=torch.float64), torch.tensor([ref], dtype=torch.float64))
     assert value.item() >= 0.0
+
+
+@example((F64_ONCE_NEGATIVE[1], 0.0), torch.float64)
+@example((F32_ONCE_NEGATIVE[0], F32_ONCE_NEGATIVE[1] - F32_ONCE_NEGATIVE[0]), torch.float32)  # ref - lp = d
+@given(NEAR, st.sampled_from([torch.float32, torch.float64]))
+def test_k3_and_low_var_kl_are_never_negative_near_the_reference(pair, dtype):
+    ref, delta = pair
+    lp = torch.tensor([ref + delta], dtype=dtype)
+    ref_t = torch.tensor([ref], dtype=dtype)
+    assert kl_k3(lp, ref_t).item() >= 0.0
+    assert kl_low_var(lp, ref_t).item() >= 0.0
+
+
+@example(-1.5, 0.0)  # identical: exactly 0
+@example(F32_ONCE_NEGATIVE[1], F32_ONCE_NEGATIVE[0] - F32_ONCE_NEGATIVE[1])  # q, then lp - q
+@given(LOGPROBS, st.floats(-1e-3, 1e-3))
+def test_mismatch_kl_is_never_negative_in_float32(q, delta):
+    # The sampler and the trainer disagree by |delta| <= 1e-3, the regime of a healthy run (float32 as logged).
+    lp = torch.tensor([q + delta], dtype=torch.float32)
+    assert sampler_mismatch(lp, torch.tensor([q], dtype=torch.float32)).kl.item() >= 0.0
+
+
+def test_old_form_was_negative_on_the_examples():
+    """The examples above fail the formula this module used before (so they do test something)."""
+    x64 = torch.tensor([0.0 - F64_ONCE_NEGATIVE[1]], dtype=torch.float64)  # x = ref - lp
+    assert (torch.exp(x64) - x64 - 1).item() < 0
+    lp32, q32 = (torch.tensor([v], dtype=torch.float32) for v in F32_ONCE_NEGATIVE)
+    d = lp32 - q32
+    assert (torch.exp(d) - d - 1).item() < 0
+    assert kl_k3(torch.tensor([F64_ONCE_NEGATIVE[1]], dtype=torch.float64),
+                 torch.zeros(1, dtype=torch.float64)).item() >= 0
 
 
 def test_low_var_kl_clamps_at_ten_with_finite_gradient():
