@@ -27,6 +27,7 @@ from rlrunbook.rl.data import (
 )
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rewards.math import math_reward
+from rlrunbook.rl.rewards.symbolic import DEFAULT_TIMEOUT_S
 from rlrunbook.rl.rewards.multi_signal import BOXED, TRAILING_NUMBER, SignalWeights, multi_signal_reward
 from rlrunbook.rl.rewards.qa import qa_numeric_reward, qa_text_reward
 from rlrunbook.rl.rewards.summary import compression_reward, rouge_reward
@@ -191,6 +192,17 @@ class MathTask(Task):
     reward_fns = ("math", "multi_signal")
     default_dataset = "gsm8k"
 
+    def __init__(self, dataset: str | None, reward_fn: str | None, seed: int, options: dict | None = None):
+        super().__init__(dataset, reward_fn, seed, options)
+        raw = self.options.get("math_timeout_s", DEFAULT_TIMEOUT_S)
+        try:
+            self.timeout_s = float(raw)
+        except (TypeError, ValueError):
+            self.timeout_s = float("nan")
+        if not 0 < self.timeout_s < float("inf"):
+            raise ConfigError(f"extra.math_timeout_s={raw!r} must be a finite number of seconds > 0 (the longest "
+                              f"a symbolic answer comparison may take; default {DEFAULT_TIMEOUT_S}).")
+
     def load(self) -> list[Problem]:
         source = _local_or_name(self.dataset, "gsm8k")
         return [Problem(r.id, r) for r in load_gsm8k(source)]
@@ -202,7 +214,7 @@ class MathTask(Task):
         return problem.record.question
 
     def reward(self, problem: Problem, completion_text: str) -> RewardResult:
-        result = math_reward(completion_text, problem.record.answers[0])
+        result = math_reward(completion_text, problem.record.answers[0], self.timeout_s)
         if self.reward_fn == "multi_signal":  # verify = the answer checker's verdict
             return multi_signal_reward(completion_text, result.reward >= 1.0, BOXED,
                                        SignalWeights.from_options(self.options))

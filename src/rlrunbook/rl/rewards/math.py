@@ -4,21 +4,31 @@ Extraction order, first hit wins: the last well-formed ``\boxed{...}`` (nested b
 the text after the last ``####`` (GSM8K), the phrase after the last "answer is" / "answer:",
 the last number (a simple fraction ``a/b`` counts as one number).
 
-Comparison: when both sides parse as numbers they are compared exactly as fractions, so
-``\frac{1}{2}``, ``1/2`` and ``0.5`` are equal but ``0.333`` and ``1/3`` are not. Units are not
-part of the value: ``$5``, ``5 \text{ cm}``, ``5^\circ`` and ``50%`` read as 5 and 50 (GSM8K
-writes percentages as bare numbers, so ``50%`` equals ``50``, not ``0.5``). Otherwise the two
-strings are compared after removing spacing and sizing commands. Not handled (they compare as
-strings): radicals, pi, mixed numbers, intervals, matrices and symbolic equivalence.
+Comparison, fastest first:
+
+1. Exact: when both sides parse as numbers they are compared exactly as fractions, so
+   ``\frac{1}{2}``, ``1/2`` and ``0.5`` are equal but ``0.333`` and ``1/3`` are not, and that is
+   the verdict. Units are not part of the value: ``$5``, ``5 \text{ cm}``, ``5^\circ`` and ``50%``
+   read as 5 and 50 (GSM8K writes percentages as bare numbers, so ``50%`` equals ``50``, not ``0.5``).
+2. String: equal after removing spacing and sizing commands.
+3. Symbolic (math-verify, in a worker process with a timeout: :mod:`rlrunbook.rl.rewards.symbolic`):
+   ``\sqrt{8}`` = ``2\sqrt{2}``, ``\pi/2`` = ``\frac{\pi}{2}``, ``x^2+2x+1`` = ``(x+1)^2``,
+   ``\{1,2\}`` = ``\{2,1\}``, ``\sqrt 3`` = ``\sqrt{3}``. Decimals stay exact there too (``1.414``
+   is not ``\sqrt{2}``). Only answers that look like mathematics go there: at most 500 characters
+   and no run of two letters outside a LaTeX command (math-verify reads ``no`` as ``n*o``, equal to
+   ``on``), so word answers compare as strings only. An answer whose comparison outlives the timeout
+   (2 s by default, task option ``math_timeout_s``) scores 0 and is counted in ``symbolic_timeout``.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rewards.qa import NUMBER_PATTERN
+from rlrunbook.rl.rewards.symbolic import DEFAULT_TIMEOUT_S, symbolic_equal
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
@@ -29,6 +39,9 @@ _SPACING = re.compile(r"\\[!,;:> ]|\\q?quad|~|\\left|\\right|\s+")
 _UNITS = re.compile(r"\\(?:text|textbf|mbox|mathrm)\s*\{[^{}]*\}|\^\s*\{?\\circ\}?|°")
 _FRAC = re.compile(r"\\[dt]?frac(?:\{([^{}]*)\}|(\d))(?:\{([^{}]*)\}|(\d))")
 _PLAIN = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+")
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+_SYMBOLIC_MAX_CHARS = 500
 
 
 def extract_math_answer(text: str) -> str | None:
@@ -69,7 +82,9 @@ def parse_math_value(s: str) -> Fraction | None:
     frac = _FRAC.fullmatch(s)
     if frac is not None:
         num_text, num_digit, den_text, den_digit = frac.groups()
-        num, den = parse_math_value(num_text or num_digit), parse_math_value(den_text or den_digit)
+        # ``\frac{}{}`` has empty groups: "" is no number (``"" or None`` would pass None on).
+        num = parse_math_value(num_text if num_text is not None else num_digit)
+        den = parse_math_value(den_text if den_text is not None else den_digit)
         return None if num is None or den is None or den == 0 else sign * num / den
     if s.count("/") == 1:
         num_text, den_text = s.split("/")
@@ -79,24 +94,57 @@ def parse_math_value(s: str) -> Fraction | None:
     return None if value is None else sign * value
 
 
-def math_answers_equal(pred: str | None, ref: str) -> bool:
-    """Whether ``pred`` and ``ref`` are one answer: numerically if both parse, else as normalised strings."""
+@dataclass(frozen=True)
+class MathVerdict:
+    """How two answers compared: ``equal``, and which step decided (``exact``, ``string``, ``symbolic``,
+    ``timeout`` when the symbolic check was stopped, ``none`` when no step could tell them equal)."""
+
+    equal: bool
+    method: str
+
+
+def compare_math_answers(pred: str | None, ref: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> MathVerdict:
+    """Compare ``pred`` with ``ref``: exact numbers, then normalised strings, then symbolically (module docstring)."""
     if pred is None:
-        return False
+        return MathVerdict(False, "none")
     a, b = parse_math_value(pred), parse_math_value(ref)
     if a is not None and b is not None:
-        return a == b
-    return _normalize_string(pred) == _normalize_string(ref)
+        return MathVerdict(a == b, "exact")
+    normalized = _normalize_string(pred)
+    if not normalized or not _normalize_string(ref):
+        return MathVerdict(False, "none")  # an empty answer equals nothing, not even another empty one
+    if normalized == _normalize_string(ref):
+        return MathVerdict(True, "string")
+    if not (_looks_symbolic(pred) and _looks_symbolic(ref)):
+        return MathVerdict(False, "none")
+    verdict = symbolic_equal(_unwrap(pred), _unwrap(ref), timeout_s)
+    return MathVerdict(verdict.equal, "timeout" if verdict.timed_out else "symbolic")
 
 
-def math_reward(completion: str, reference: str) -> RewardResult:
+def math_answers_equal(pred: str | None, ref: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether ``pred`` and ``ref`` are one answer (see :func:`compare_math_answers`)."""
+    return compare_math_answers(pred, ref, timeout_s).equal
+
+
+def math_reward(completion: str, reference: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardResult:
     """1.0 if the answer extracted from ``completion`` equals ``reference`` (a final answer, not a solution).
 
-    Metrics: ``extracted`` (1.0 when any answer was found, to tell "wrong" from "no answer").
+    Metrics: ``extracted`` (1.0 when any answer was found, to tell "wrong" from "no answer"),
+    ``symbolic`` (1.0 when only the symbolic check found the answers equal) and ``symbolic_timeout``
+    (1.0 when that check was stopped at ``timeout_s``; the answer then scores 0).
     """
     extracted = extract_math_answer(completion)
-    correct = extracted is not None and math_answers_equal(extracted, reference)
-    return RewardResult(float(correct), {"extracted": float(extracted is not None)})
+    verdict = compare_math_answers(extracted, reference, timeout_s)
+    return RewardResult(float(verdict.equal), {
+        "extracted": float(extracted is not None),
+        "symbolic": float(verdict.equal and verdict.method == "symbolic"),
+        "symbolic_timeout": float(verdict.method == "timeout"),
+    })
+
+
+def _looks_symbolic(s: str) -> bool:
+    """Short, and no two letters in a row outside LaTeX commands: mathematics, not a word answer."""
+    return len(s) <= _SYMBOLIC_MAX_CHARS and bool(s.strip()) and not _WORD.search(_COMMAND.sub(" ", s))
 
 
 def _last_boxed(text: str) -> str | None:
