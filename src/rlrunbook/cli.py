@@ -157,12 +157,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
+    from rlrunbook.run.redaction import redact_config
+
     for resolved in _resolve_runs(args):
         print(f"# config{f' from {resolved.file}' if resolved.file else ''}; value sources:")
         for key, origin in resolved.sources.items():
             if origin != "default":
                 print(f"#   {key}: {origin}")
-        print(yaml.safe_dump(resolved.config.to_dict(), sort_keys=False), end="")
+        print(yaml.safe_dump(redact_config(resolved.config.to_dict()), sort_keys=False), end="")
         print("---")
     return 0
 
@@ -198,8 +200,9 @@ def cmd_package(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     findings = [] if args.allow_secrets else find_secrets(run_dir, os.environ)
     if findings:
-        print("refusing to package: possible secrets (values not shown):", *findings, sep="\n  ", file=sys.stderr)
-        print("remove those files or values, or pass --allow-secrets", file=sys.stderr)
+        print("refusing to package: possible secrets (file:line: kind; values not shown):", *findings,
+              sep="\n  ", file=sys.stderr)
+        print("remove those files or values, or pass --allow-secrets if they are not secrets", file=sys.stderr)
         return 1
     archive = package_run(run_dir, Path(args.out) if args.out else None, overwrite=args.overwrite)
     problems = verify_package(archive)
@@ -217,6 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.rl.paradigms import RolloutContext
     from rlrunbook.rl.passk import pass_at_k, summarize_eval
     from rlrunbook.run.jsonio import atomic_write_json
+    from rlrunbook.run.redaction import redact_config
 
     for k in args.ks:  # a k above --samples is refused before any model loads
         pass_at_k(args.samples, 0, k)
@@ -239,7 +243,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         low, high = summary.pass_ci[k]
         print(f"pass@{k}: {value:.4f} [{low:.4f}, {high:.4f}]  (reward >= {summary.threshold:g})")
     if args.out:
-        document = {**summary.to_dict(), "config": config.to_dict(), "weights": args.weights,
+        document = {**summary.to_dict(), "config": redact_config(config.to_dict()), "weights": args.weights,
                     "problem_ids": [p.id for p in problems], "rewards": rewards}
         atomic_write_json(Path(args.out), document, indent=1)
         print(f"written: {args.out}")
@@ -459,6 +463,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if argv is not None and getattr(args, "argv", False) is None:
+        args.argv = list(argv)  # an in-process caller's command line is what the run records, not sys.argv
     try:
         return args.func(args)
     except RlrunbookError as error:

@@ -16,11 +16,17 @@ A resumed run takes the checkpoint's config. Only ``steps`` (to extend the run),
 ``log_root`` may differ; any other option stated on the command line, in a file or an override
 with another value is refused. It writes a new run directory that starts with copies of the old
 run's records of the steps before the checkpoint; the old directory is only read.
+
+Secret values (config keys such as ``extra.api_key``; see :mod:`rlrunbook.run.redaction`) are never
+stored in a checkpoint, so they are not compared either: a resumed run takes each one again from the
+command line (``extra.api_key=...``), else from the environment (``RLRUNBOOK_EXTRA_API_KEY``), and
+refuses to start, naming both, when neither gives it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +44,13 @@ from rlrunbook.run.checkpoints import (
     load_checkpoint,
     restore_rng,
     save_checkpoint,
+)
+from rlrunbook.run.redaction import (
+    is_secret_path,
+    redact_config,
+    redacted_paths,
+    secret_env_name,
+    secret_from_environment,
 )
 from rlrunbook.run.schema import METADATA_FILE, rollout_kind
 
@@ -100,20 +113,60 @@ def _stated(config: TrainConfig, sources: Mapping[str, str]) -> set[str]:
 
 def _value(flat: Mapping[str, Any], key: str) -> Any:
     if key.startswith("extra."):
-        return (flat.get("extra") or {}).get(key.removeprefix("extra."))
+        node: Any = flat.get("extra") or {}
+        for part in key.removeprefix("extra.").split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        return node
     return flat.get(key)
 
 
+def _with_value(tree: Mapping[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """A copy of the nested ``tree`` with ``dotted`` set to ``value``."""
+    head, _, rest = dotted.partition(".")
+    out = dict(tree)
+    out[head] = _with_value(tree.get(head) or {}, rest, value) if rest else value
+    return out
+
+
+def _restore_secrets(stored: Mapping[str, Any], requested: TrainConfig, stated: set[str],
+                     environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The checkpoint's config with each redacted secret filled from the command line or the environment,
+    and the source of each (``cli``/``override``/... or ``env:<NAME>``); ``ConfigError`` if one is missing."""
+    new = flatten(requested.to_dict())
+    filled, sources = dict(stored), {}
+    for key in redacted_paths(stored):
+        if not is_secret_path(key):
+            continue  # a value that merely reads "<redacted>" is data, not a withheld secret
+        if any(key == given or key.startswith(f"{given}.") for given in stated):  # extra.api_key, or all of extra
+            value, origin = _value(new, key), "cli"
+        else:
+            value, origin = secret_from_environment(key, environ), f"env:{secret_env_name(key)}"
+        if value is None:
+            raise ConfigError(
+                f"--resume-from: {key} is a secret, so the checkpoint does not hold its value. Pass it again "
+                f"({key}=...) or set {secret_env_name(key)} in the environment.")
+        filled = _with_value(filled, key, value)
+        sources[key] = origin
+    return filled, sources
+
+
 def resumed_config(stored: Mapping[str, Any], requested: TrainConfig, sources: Mapping[str, str],
-                   origin: str) -> tuple[TrainConfig, dict[str, str]]:
+                   origin: str, environ: Mapping[str, str] | None = None) -> tuple[TrainConfig, dict[str, str]]:
     """The checkpoint's config with the allowed changes of ``requested`` applied, and each value's source.
 
-    ``ConfigError`` naming the field if ``requested`` states another value for any other field.
+    ``ConfigError`` naming the field if ``requested`` states another value for any other field. Secret
+    keys the checkpoint redacted are filled from ``requested`` or ``environ`` (default ``os.environ``).
     """
-    stored_config = TrainConfig.model_validate(stored)
-    old, new = flatten(stored_config.to_dict()), flatten(requested.to_dict())
     stated = _stated(requested, sources)
+    stored, secret_sources = _restore_secrets(stored, requested, stated, environ if environ is not None
+                                              else os.environ)
+    stored_config = TrainConfig.model_validate(stored)
+    # Compared redacted: a secret is never stored, so the value given now is the one used.
+    old = flatten(redact_config(stored_config.to_dict()))
+    new = flatten(redact_config(requested.to_dict()))
     for key in sorted(stated - set(RESUMABLE_FIELDS)):
+        if is_secret_path(key):
+            continue
         if _value(old, key) != _value(new, key):
             raise ConfigError(
                 f"--resume-from: {key} is {_value(new, key)!r} here but {_value(old, key)!r} in the checkpoint's "
@@ -123,6 +176,7 @@ def resumed_config(stored: Mapping[str, Any], requested: TrainConfig, sources: M
     changes = {key: getattr(requested, key) for key in RESUMABLE_FIELDS if key in stated}
     config = stored_config.replace(**changes)
     record = {key: (sources.get(key, "cli") if key in stated else origin) for key in leaf_keys()}
+    record.update({key: sources.get(key, value) if value == "cli" else value for key, value in secret_sources.items()})
     return config, record
 
 

@@ -7,8 +7,8 @@ A checkpoint taken after ``k`` completed steps holds everything an exact resume 
       optimizer.pt          AdamW state_dict (tensors and plain numbers; read with weights_only=True)
       rng.json              Python ``random`` and NumPy MT19937 states
       rng.safetensors       torch CPU generator state, and one tensor per CUDA device (``cuda_<i>``)
-      checkpoint.json       manifest, written last: format version, step, data cursor, config,
-                            sha256 and size of every other file
+      checkpoint.json       manifest, written last: format version, step, data cursor, config
+                            (secret values redacted), sha256 and size of every other file
 
 Nothing here unpickles: safetensors, JSON, and ``torch.load(weights_only=True)`` only.
 
@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from rlrunbook.errors import InputError
 from rlrunbook.run.jsonio import fsync_dir
+from rlrunbook.run.redaction import redact_config
 
 FORMAT_VERSION = 1  # bump when the layout changes; other versions are refused, not guessed at
 CHECKPOINTS_DIR = "checkpoints"
@@ -157,7 +158,8 @@ def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> N
         "weights_version": checkpoint.weights_version,
         "has_optimizer": checkpoint.optimizer is not None,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": checkpoint.config,
+        # Secrets are never stored: a resume takes them again from the command line or the environment.
+        "config": redact_config(checkpoint.config),
         "files": files,
     })
 

@@ -9,7 +9,6 @@ on the command line as well as through the environment).
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.metadata
 import os
 import platform
@@ -18,7 +17,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlrunbook.run.jsonio import REDACTED, redact_text
+from rlrunbook.run.jsonio import REDACTED
+from rlrunbook.run.redaction import (  # noqa: F401 - re-exported: the names callers knew here
+    MIN_SCRUB_LENGTH,
+    SECRET_KEY_PATTERNS,
+    SECRET_NAME_PATTERNS,
+    is_secret_name,
+    redact_argv,
+    redact_config,
+    secret_values,
+)
 
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "tinker", "rlrunbook", "numpy")
 ENV_PREFIXES = (
@@ -32,36 +40,6 @@ ENV_PREFIXES = (
     "MALLOC_",
     "PYTHON",
 )
-SECRET_NAME_PATTERNS = ("*_KEY", "*_TOKEN", "*SECRET*", "*PASSWORD*", "*CREDENTIAL*")
-# Config keys and CLI flags use narrower patterns: "*_TOKEN" would also hide `stop_token` and
-# `--pad-token`, which are exactly what a reader of a run needs to see.
-SECRET_KEY_PATTERNS = (
-    "*API_KEY*",
-    "*APIKEY*",
-    "*ACCESS_KEY*",
-    "*PRIVATE_KEY*",
-    "*SECRET*",
-    "*PASSWORD*",
-    "*CREDENTIAL*",
-    "*ACCESS_TOKEN*",
-    "*AUTH_TOKEN*",
-    "*API_TOKEN*",
-    "HF_TOKEN",
-    "*HUB_TOKEN",
-)
-# Values shorter than this are not scrubbed from free text: replacing every "1" or "abc" would
-# mangle the record while protecting nothing a secret could be.
-_MIN_SCRUB_LENGTH = 6
-
-
-def is_secret_name(name: str, patterns: tuple[str, ...] = SECRET_NAME_PATTERNS) -> bool:
-    """Whether an environment variable name (with ``SECRET_KEY_PATTERNS``: a config key or flag) is secret."""
-    upper = name.upper().replace("-", "_")
-    return any(fnmatch.fnmatchcase(upper, pattern) for pattern in patterns)
-
-
-def _is_secret_key(name: str) -> bool:
-    return is_secret_name(name, SECRET_KEY_PATTERNS)
 
 
 def package_versions() -> dict[str, str]:
@@ -137,12 +115,6 @@ def seeds(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return found
 
 
-def secret_values(environ: Mapping[str, str]) -> list[str]:
-    """Values of all secret-named variables (whatever their prefix), longest first, for scrubbing."""
-    values = {v for k, v in environ.items() if is_secret_name(k) and len(v) >= _MIN_SCRUB_LENGTH}
-    return sorted(values, key=len, reverse=True)
-
-
 def filtered_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables that shape a run (see ``ENV_PREFIXES``), secret-named ones redacted."""
     return {
@@ -150,33 +122,3 @@ def filtered_environment(environ: Mapping[str, str]) -> dict[str, str]:
         for k, v in sorted(environ.items())
         if k.startswith(ENV_PREFIXES)
     }
-
-
-def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with the values of secret-named keys (``api_key``, ``hub_token``) redacted, recursively."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            out[key] = redact_config(value)
-        elif value is not None and _is_secret_key(str(key)):
-            out[key] = REDACTED
-        else:
-            out[key] = value
-    return out
-
-
-def scrub_argv(argv: list[str], secrets: list[str]) -> list[str]:
-    """``argv`` with the values of secret-named flags (``--api-key X``, ``--hf-token=X``) redacted."""
-    out: list[str] = []
-    redact_next = False
-    for arg in argv:
-        flag, eq, _ = arg.partition("=")
-        if redact_next:
-            out.append(REDACTED)
-            redact_next = False
-        elif flag.startswith("-") and _is_secret_key(flag.lstrip("-")):
-            out.append(f"{flag}={REDACTED}" if eq else arg)
-            redact_next = not eq
-        else:
-            out.append(redact_text(arg, secrets))
-    return out

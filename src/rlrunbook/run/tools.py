@@ -27,7 +27,8 @@ from typing import Any
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.run.jsonio import atomic_write_text, fsync_dir
 from rlrunbook.run.load import RunFiles, _load_metadata, _load_train_log
-from rlrunbook.run.metadata import _MIN_SCRUB_LENGTH, is_secret_name
+from rlrunbook.run.redaction import MIN_SCRUB_LENGTH, is_secret_name
+from rlrunbook.run.secret_scan import scan_file
 
 MANIFEST_FILE = "MANIFEST.sha256"
 # Fixed column order, so tables of different sweeps line up and diff cleanly.
@@ -37,7 +38,8 @@ COLUMNS = ("run", "status", "mode", "env", "model", "seed", "steps", "steps_logg
            "started_at", "finished_at", "problems")
 TERMINAL_COLUMNS = ("run", "status", "steps_logged", "reward_first", "reward_last", "task_reward_best",
                     "loss_last", "trained_tokens", "step_time_mean_s", "problems")
-CREDENTIAL_FILE_PATTERNS = (".netrc", "credentials", "*.pem", "id_rsa*")
+CREDENTIAL_FILE_PATTERNS = (".netrc", "credentials*", "*.pem", "*.key", "*.p12", "*.pfx", ".env", "id_rsa*",
+                            "id_dsa*", "id_ecdsa*", "id_ed25519*")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a file swapped for a symlink after the walk is refused
 
 
@@ -243,25 +245,28 @@ def _check_manifest(root: Path) -> list[str]:
 
 
 def find_secrets(run_dir: Path, environ: Mapping[str, str]) -> list[str]:
-    """Files of ``run_dir`` holding the value of a secret-named variable, or named like credentials.
+    """Files of ``run_dir`` holding a secret: named like credentials, holding the value of a secret-named
+    variable, or holding a private key or an API-token-shaped string (``run.secret_scan``, by line).
 
     Secret names and the minimum value length are the writer's (``*_KEY``, ``*_TOKEN``, ``*SECRET*``,
-    ``*PASSWORD*``, ``*CREDENTIAL*``, any case). A finding is ``<relative path>: <VARIABLE>`` (or
-    ``: credentials file``), never the value. Values are also sought JSON-escaped: JSON writes
-    non-ASCII as ``\\uXXXX`` and a quote as ``\\"``.
+    ``*PASSWORD*``, ``*CREDENTIAL*``, any case). A finding is ``<relative path>: <VARIABLE>``,
+    ``<relative path>: credentials file`` or ``<relative path>:<line>: <kind>``, never the value. Values
+    are also sought JSON-escaped: JSON writes non-ASCII as ``\\uXXXX`` and a quote as ``\\"``.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return [f"{run_dir}: not a directory, nothing scanned"]
     needles = {name: {value.encode("utf-8"), json.dumps(value)[1:-1].encode("utf-8")}
-               for name, value in environ.items() if is_secret_name(name) and len(value) >= _MIN_SCRUB_LENGTH}
+               for name, value in environ.items() if is_secret_name(name) and len(value) >= MIN_SCRUB_LENGTH}
     findings = []
     for rel, info in _walk(run_dir):
         if any(fnmatch.fnmatch(Path(rel).name.lower(), pattern) for pattern in CREDENTIAL_FILE_PATTERNS):
             findings.append(f"{rel}: credentials file")
-        if stat.S_ISREG(info.st_mode) and needles:
+        if stat.S_ISREG(info.st_mode):
             try:
-                findings += [f"{rel}: {variable}" for variable in sorted(_scan(run_dir / rel, needles))]
+                if needles:
+                    findings += [f"{rel}: {variable}" for variable in sorted(_scan(run_dir / rel, needles))]
+                findings += [str(finding) for finding in scan_file(run_dir / rel, rel)]
             except OSError as exc:
                 findings.append(f"{rel}: not scanned ({exc.__class__.__name__}: {exc})")
     return findings

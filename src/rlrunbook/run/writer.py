@@ -16,7 +16,8 @@ from typing import Any
 
 from rlrunbook.errors import InputError
 from rlrunbook.run import metadata as meta
-from rlrunbook.run.jsonio import atomic_write_json, atomic_write_text, dumps, to_jsonable
+from rlrunbook.run.jsonio import atomic_write_json, atomic_write_text, dumps, redact_text, to_jsonable
+from rlrunbook.run.redaction import redact_argv, redact_config, secret_config_values
 from rlrunbook.run.schema import (
     FINAL_STATUSES,
     METADATA_FILE,
@@ -93,21 +94,23 @@ class RunWriter:
 
         ``resumed_from`` (a resumed run only): the checkpoint it started from, ``{"path", "run", "step"}``.
         """
+        # The values of secret config keys (extra.api_key) are scrubbed from everything written from now on.
+        self._secrets = sorted({*self._secrets, *secret_config_values(config)}, key=len, reverse=True)
         self._metadata = {
             "schema_version": SCHEMA_VERSION,
             "status": "running",
             "started_at": _utc_now(),
             "finished_at": None,
             "error": None,
-            "config": meta.redact_config(config),
+            "config": redact_config(config),
             "config_sources": dict(config_sources),
-            "argv": meta.scrub_argv(list(argv), self._secrets),
+            "argv": redact_argv(list(argv), self._secrets),
             "versions": meta.package_versions(),
             "git": meta.git_state(),
             "hardware": meta.hardware(),
             "seeds": meta.seeds(config),
             "environment": meta.filtered_environment(self._environ),
-            "dataset": meta.redact_config(dataset),
+            "dataset": redact_config(dataset),
         }
         self._metadata["world_size"] = world_size  # processes of a data-parallel (torchrun) run; 1 otherwise
         if resumed_from is not None:
@@ -196,8 +199,9 @@ class RunWriter:
         if missing:
             raise InputError(f"{source} lacks the records of steps before {steps} ({', '.join(missing[:3])}): "
                              "a resumed run starts with copies of them. Resume from an earlier checkpoint.")
-        for name in names:
-            atomic_write_text(self.run_dir / name, (source / name).read_text(encoding="utf-8"))
+        for name in names:  # copied with this run's secrets scrubbed, like everything it writes
+            atomic_write_text(self.run_dir / name, redact_text((source / name).read_text(encoding="utf-8"),
+                                                               self._secrets))
         for step in range(steps):
             self.log_step(rows[step])
         for row in _read_rows(source / self.validation_path.name):  # validations up to the checkpoint
