@@ -169,10 +169,22 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _existing_run_dir(path: str) -> Path:
+    """``path`` if it is a directory; ``ConfigError`` naming what it is otherwise (check-run, not 13 FAILs)."""
+    run_dir = Path(path)
+    if not run_dir.exists():
+        raise ConfigError(f"run directory {path!r} does not exist. Pass the folder a run wrote, "
+                          "logs/<timestamp>_<mode>_<env>_<name> (train prints it as 'run directory: ...').")
+    if not run_dir.is_dir():
+        raise ConfigError(f"{path!r} is a file, not a run directory. Pass the folder that holds its "
+                          "run_metadata.json.")
+    return run_dir
+
+
 def cmd_check_run(args: argparse.Namespace) -> int:
     from rlrunbook.run import check_run, format_results, rubric_passed
 
-    results = check_run(Path(args.run_dir))
+    results = check_run(_existing_run_dir(args.run_dir))
     print(format_results(results))
     return 0 if rubric_passed(results) else 1
 
@@ -187,6 +199,10 @@ def cmd_resolve_model(args: argparse.Namespace) -> int:
 def cmd_summarize(args: argparse.Namespace) -> int:
     from rlrunbook.run.tools import format_table, summarize_runs, write_table
 
+    if args.out:
+        from rlrunbook.rl.preflight import check_output_file
+
+        check_output_file(args.out)
     rows = summarize_runs([Path(d) for d in args.run_dirs])
     print(format_table(rows))
     if args.out:
@@ -197,7 +213,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 def cmd_package(args: argparse.Namespace) -> int:
     from rlrunbook.run.tools import find_secrets, package_run, verify_package
 
-    run_dir = Path(args.run_dir)
+    run_dir = _existing_run_dir(args.run_dir)
     findings = [] if args.allow_secrets else find_secrets(run_dir, os.environ)
     if findings:
         print("refusing to package: possible secrets (file:line: kind; values not shown):", *findings,
@@ -219,14 +235,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.rl.loop import prepare
     from rlrunbook.rl.paradigms import RolloutContext
     from rlrunbook.rl.passk import pass_at_k, summarize_eval
+    from rlrunbook.rl.preflight import check_output_file, preflight
     from rlrunbook.run.jsonio import atomic_write_json
     from rlrunbook.run.redaction import redact_config
 
     for k in args.ks:  # a k above --samples is refused before any model loads
         pass_at_k(args.samples, 0, k)
+    if args.out:
+        check_output_file(args.out)  # before the evaluation, whose results it would otherwise lose
     fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
     config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
                                                        if getattr(args, f) is not None}))
+    preflight(config, writes_run_dir=False)
     problems = problems[: args.num_problems]
     service = create_service_client()
     sampler = (service.create_sampling_client(model_path=args.weights) if args.weights
@@ -254,6 +274,10 @@ def cmd_eval_checkpoints(args: argparse.Namespace) -> int:
     from rlrunbook.rl.checkpoint_eval import EvalOptions, evaluate_checkpoints, table_columns
     from rlrunbook.run.tools import format_table, write_table
 
+    if args.out:
+        from rlrunbook.rl.preflight import check_output_file
+
+        check_output_file(args.out)
     options = EvalOptions(samples=args.samples, num_problems=args.num_problems, ks=tuple(args.ks),
                           threshold=args.threshold, confidence=args.confidence, resamples=args.resamples,
                           include_base=not args.no_base, dataset=args.dataset)
@@ -277,6 +301,19 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0 (a tolerance of 0 or less passes nothing; inf or nan checks nothing)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0, e.g. 1e-4")
     return value
 
 
@@ -417,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0)
     check.add_argument("--dtype", choices=_DTYPE_NAMES, default="float32")
     check.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    check.add_argument("--tolerance", type=float, default=None,
+    check.add_argument("--tolerance", type=_positive_float, default=None,
                        help="max abs logprob gap allowed (default 1e-4 in float32, 5e-2 in half precision)")
     check.add_argument("--raw", action="store_true", help="encode the prompt as plain text, no chat template")
     check.set_defaults(func=cmd_check_logprobs)

@@ -18,6 +18,32 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def check_device(device: str, source: str = "TINKER_LOCAL_DEVICE") -> None:
+    """``ConfigError`` unless ``device`` is a torch device this machine has, naming ``source`` (where the
+    value came from) and the fix. Checked where the settings are made, so before any model loads: a
+    CPU-only torch used to fail with an ``AssertionError`` only after the model was loaded."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"{source}={device!r} is not a torch device ({error}). Use cpu, cuda or cuda:N.") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ConfigError(f"{source}={device!r} needs CUDA, but this torch ({torch.__version__}, {build}) sees "
+                              "no CUDA device. Unset it (the default is cuda where available, else cpu) or set it "
+                              "to cpu; for a GPU, install a CUDA build of torch on a machine with a GPU.")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(f"{source}={device!r}: this machine has {count} CUDA device(s), "
+                              f"cuda:0..cuda:{count - 1}. Pick one of those.")
+    elif parsed.type != "cpu":
+        backend = getattr(torch.backends, parsed.type, None) or getattr(torch, parsed.type, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise ConfigError(f"{source}={device!r}: torch has no usable {parsed.type} device here. "
+                              "Use cpu or cuda.")
+
+
 def _int_env(env: dict[str, str], name: str, default: int, minimum: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -70,6 +96,7 @@ class LocalSettings:
     load_in_4bit: bool = False
 
     def __post_init__(self) -> None:
+        check_device(self.device, "the local backend's device (TINKER_LOCAL_DEVICE, backend.device or --device)")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
 
@@ -91,6 +118,7 @@ class LocalSettings:
         env = dict(os.environ if env is None else env)
         kwargs: dict[str, object] = {}
         if env.get("TINKER_LOCAL_DEVICE"):
+            check_device(env["TINKER_LOCAL_DEVICE"], "TINKER_LOCAL_DEVICE")
             kwargs["device"] = env["TINKER_LOCAL_DEVICE"]
         if env.get("TINKER_LOCAL_DTYPE"):
             name = env["TINKER_LOCAL_DTYPE"].lower()

@@ -78,7 +78,7 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     folder = Path(name).expanduser()
     if folder.is_dir():
         if (folder / "config.json").is_file():
-            return folder
+            return check_model_folder(folder)
         raise ModelNotFoundError(
             f"model folder {str(folder)!r} has no config.json; point to a folder written by "
             f"save_pretrained, or use a built-in ({_builtin_list()})"
@@ -108,6 +108,27 @@ def _snapshot(repo_id: str) -> Path:
         raise ModelNotFoundError(
             f"Hugging Face repo {repo_id!r} was fetched to {folder} but has no config.json; "
             "it is not a transformers model"
+        )
+    return check_model_folder(folder)
+
+
+# What a transformers folder needs besides config.json to be loaded: weights and a tokenizer.
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_folder(folder: Path) -> Path:
+    """``folder`` if it holds weights and a tokenizer beside ``config.json``; ``ModelNotFoundError`` naming
+    what is missing otherwise. Checked when the name is resolved, so before any model loads: a folder with
+    only ``config.json`` used to fail inside transformers after the run directory was made."""
+    missing = [kind for kind, patterns in (("weights (model.safetensors or pytorch_model.bin)", WEIGHT_FILES),
+                                           ("a tokenizer (tokenizer.json or tokenizer_config.json)", TOKENIZER_FILES))
+               if not any(any(folder.glob(pattern)) for pattern in patterns)]
+    if missing:
+        raise ModelNotFoundError(
+            f"model folder {str(folder)!r} has config.json but lacks {' and '.join(missing)}: it is not a complete "
+            "transformers model. Point --model to a folder written by save_pretrained (model and tokenizer), "
+            f"or use a built-in ({_builtin_list()})."
         )
     return folder
 

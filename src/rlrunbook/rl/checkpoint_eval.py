@@ -101,10 +101,14 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
     manifests = [verify_checkpoint(folder) for _, folder in found]
     for k in options.ks:
         pass_at_k(options.samples, 0, k)  # ConfigError for a k above --samples
-    config = TrainConfig.model_validate(manifests[-1]["config"])  # the last one's steps cover every checkpoint
+    config = TrainConfig.from_stored(manifests[-1]["config"])  # the last one's steps cover every checkpoint
     if options.dataset is not None:
         config = config.replace(dataset=options.dataset)
     config, _, task, problems = prepare(config)
+    if service_factory is None:
+        from rlrunbook.rl.preflight import preflight
+
+        preflight(config, writes_run_dir=False)  # device, model folder: before the model loads
     pool = problems if options.dataset is not None else held_out_problems(config, problems)
     if not pool:
         raise ConfigError(f"training drew every one of the {len(problems)} problems of {config.dataset!r}: none is "

@@ -160,7 +160,7 @@ def resumed_config(stored: Mapping[str, Any], requested: TrainConfig, sources: M
     stated = _stated(requested, sources)
     stored, secret_sources = _restore_secrets(stored, requested, stated, environ if environ is not None
                                               else os.environ)
-    stored_config = TrainConfig.model_validate(stored)
+    stored_config = TrainConfig.from_stored(stored)
     # Compared redacted: a secret is never stored, so the value given now is the one used.
     old = flatten(redact_config(stored_config.to_dict()))
     new = flatten(redact_config(requested.to_dict()))

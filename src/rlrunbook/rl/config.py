@@ -26,7 +26,9 @@ KlEstimator = Literal["k1", "k3", "low_var_kl"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: an infinite or NaN number is refused by its dotted name (``--temperature inf``
+    # used to pass here and fail later, when the run wrote its metadata).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class LossSettings(_Section):
@@ -94,7 +96,7 @@ class BackendSettings(_Section):
 class TrainConfig(BaseModel):
     """One training run. Every field documents itself (``description``); sections group the newer knobs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     version: int = Field(CONFIG_VERSION, description="config schema version")
     mode: str = Field("single_turn", description="interaction protocol: single_turn or debate (3 rounds)")
@@ -112,7 +114,9 @@ class TrainConfig(BaseModel):
                                                     "math: math|multi_signal")
     mock_judge: bool = Field(False, description="debate: deterministic judge (higher task reward wins)")
     judge_model: str | None = Field(None, description="debate: model of the model judge (default: the base model)")
-    debate_train: DebateTrain = Field("rejection", description="debate: train on winners, or RS then GRPO")
+    debate_train: DebateTrain | None = Field(None, description="debate: train on winners (rejection, the default "
+                                                               "in debate mode), or RS then GRPO (rs_grpo); "
+                                                               "null in single_turn mode")
     debate_grpo_reward: Literal["task"] | None = Field(None, description="rs_grpo's reward: the winners' task reward")
     model: str = Field(DEFAULT_MODEL, description="built-in name, local folder or hub id")
     log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
@@ -137,11 +141,20 @@ class TrainConfig(BaseModel):
     @property
     def run_mode(self) -> str:
         """Name used in the run directory: grpo, rejection or rs_grpo."""
-        return "grpo" if self.mode == "single_turn" else self.debate_train
+        return "grpo" if self.mode == "single_turn" else (self.debate_train or "rejection")
 
     def to_dict(self) -> dict:
         """Plain JSON-able values, sections as nested dicts (the form config files use)."""
         return self.model_dump(mode="json")
+
+    @classmethod
+    def from_stored(cls, stored: dict[str, Any]) -> TrainConfig:
+        """A config recorded by a run or a checkpoint. Records made before ``debate_train`` became null
+        outside debate mode hold its old default, ``rejection``, for single-turn runs: read as null."""
+        stored = dict(stored)
+        if stored.get("mode", "single_turn") != "debate" and stored.get("debate_train") == "rejection":
+            stored["debate_train"] = None
+        return cls.model_validate(stored)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A validated copy with top-level fields changed."""
@@ -163,7 +176,8 @@ class TrainConfig(BaseModel):
 
 
 def validate(config: TrainConfig) -> TrainConfig:
-    """Return ``config`` with defaults filled (reward_fn), or raise ``ConfigError`` naming rule and fix."""
+    """Return ``config`` with defaults filled (reward_fn; debate_train in debate mode), or raise ``ConfigError``
+    naming rule and fix."""
     def fail(rule: str, fix: str) -> None:
         raise ConfigError(f"{rule}. {fix}")
 
@@ -192,6 +206,10 @@ def validate(config: TrainConfig) -> TrainConfig:
                      "Use n / num_groups >= 4.")
         elif config.debate_grpo_reward is not None:
             fail("--debate-grpo-reward applies to --debate-train rs_grpo only", "Drop it or use rs_grpo.")
+        config = config.replace(debate_train=config.debate_train or "rejection")
+    elif config.debate_train is not None:
+        fail(f"--debate-train {config.debate_train} applies to --mode debate only, but the mode is {config.mode!r}",
+             "Drop --debate-train (debate_train: null in a config file), or add --mode debate.")
     elif config.debate_grpo_reward is not None or config.mock_judge:
         fail("--mock-judge and --debate-grpo-reward apply to --mode debate only", "Drop them or use --mode debate.")
     task_class = get_task_class(config.env)  # ConfigError naming the registered tasks

@@ -59,6 +59,9 @@ def resolve_config_file(name: str | Path) -> Path:
     path = Path(name)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ConfigError(f"config file {str(name)!r} is a directory. Pass the YAML file inside it, or a preset "
+                          f"name ({', '.join(list_presets()) or 'none found'}).")
     preset = PRESET_DIR / f"{name}.yaml"
     if path.suffix == "" and preset.is_file():
         return preset
@@ -66,11 +69,49 @@ def resolve_config_file(name: str | Path) -> Path:
                       f"Presets: {', '.join(list_presets()) or '(none found)'}; or pass a path to a YAML file.")
 
 
-def load_config_file(name: str | Path) -> tuple[Path, dict[str, Any]]:
-    """Parse a YAML config file into a (nested) mapping; the file must be a mapping at top level."""
-    path = resolve_config_file(name)
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"{Path(self.name)}: key {key!r} is given twice (lines {seen[key]} and {line}); "
+                                  "YAML would silently keep the second. Keep one of them.")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_text(path: Path) -> str:
+    """The file as text; ``ConfigError`` naming the problem when it is binary or not UTF-8."""
+    data = path.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ConfigError(f"{path}: a config file is YAML text, but this one is binary (a NUL byte at offset "
+                          f"{nul}). Pass the YAML file, or a preset name.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}). "
+                          "Save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or pass another file.") from None
+
+
+def load_config_file(name: str | Path) -> tuple[Path, dict[str, Any]]:
+    """Parse a YAML config file into a (nested) mapping; the file must be a mapping at top level.
+
+    Refused with the cause and the fix: a binary or non-UTF-8 file, invalid YAML, a key given twice.
+    """
+    path = resolve_config_file(name)
+    text = _read_text(path)
+    try:
+        loader = _UniqueKeyLoader(text)
+        loader.name = str(path)
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({error}).") from None
     if data is None:
@@ -151,13 +192,39 @@ def _check_keys(flat: Mapping[str, Any], origin: str) -> None:
         raise ConfigError(f"unknown config key {key!r} ({origin}).{hint} Known keys: `rlrunbook show-config`.")
 
 
+def _field_description(key: str) -> str | None:
+    """The ``description`` of the config field at dotted ``key`` (None for extras and unknown keys)."""
+    model: Any = TrainConfig
+    info = None
+    for part in key.split("."):
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return None
+        info = fields[part]
+        model = info.annotation
+    return info.description if info is not None else None
+
+
 def _validation_message(error: ValidationError, sources: Mapping[str, str]) -> str:
     lines = []
     for problem in error.errors():
         key = ".".join(str(part) for part in problem["loc"])
         origin = sources.get(key, "default")
-        lines.append(f"{key}: {problem['msg']} (got {problem.get('input')!r}, from {origin})")
-    return "invalid config: " + "; ".join(lines)
+        what = _field_description(key)
+        lines.append(f"{key}: {problem['msg']} (got {problem.get('input')!r}, from {origin})"
+                     + (f"; it is the {what}" if what else ""))
+    return "invalid config: " + "; ".join(lines) + ". Give a valid value where it came from."
+
+
+def _check_layer(flat: Mapping[str, Any], origin: str) -> None:
+    """Each layer's values must be valid on their own: a bad ``temperature=abc`` is refused even when a
+    later layer (``--temperature 0.7``) would have replaced it, instead of being dropped unseen."""
+    if not flat:
+        return
+    try:
+        TrainConfig.model_validate(unflatten(flat))
+    except ValidationError as error:
+        raise ConfigError(_validation_message(error, dict.fromkeys(flat, origin))) from None
 
 
 def build_config(*, file: str | Path | None = None, overrides: Sequence[str] = (),
@@ -177,6 +244,7 @@ def build_config(*, file: str | Path | None = None, overrides: Sequence[str] = (
     sources: dict[str, str] = {}
     for origin, flat in layers:
         _check_keys(flat, origin)
+        _check_layer(flat, origin)
         merged.update(flat)
         sources.update({key: origin for key in flat})
     try:

@@ -25,6 +25,7 @@ from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.dataset_cache import load_problems
 from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
+from rlrunbook.rl.preflight import dataset_record, preflight
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
 from rlrunbook.rl.rollouts import Rollout, advantage_mode, step_record, to_datum
 from rlrunbook.rl.tasks import Problem, get_task_class
@@ -160,6 +161,8 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     config, paradigm, task, problems = prepare(config)
     if resume is not None:
         resume.check_dataset(task.dataset_info(problems))
+    preflight(config)  # log root, name, backend, device, model folders: before any model and any run directory
+    dataset, data_warnings = dataset_record(task, problems)
     layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
     distributed.init(layout)
@@ -171,9 +174,11 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     run_dir = dp.shared_run_dir(
         lambda: new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name))
     writer = RunWriter(run_dir, sink=sink) if distributed.is_main() else dp.NullWriter()
-    writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), task.dataset_info(problems),
+    writer.write_metadata(config.to_dict(), config_sources or {}, list(argv), dataset,
                           resumed_from=None if resume is None else resume.record(), world_size=layout.world_size)
     log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
+    for line in data_warnings:
+        log(f"[data] warning: {line}")
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)

@@ -145,6 +145,9 @@ def package_run(run_dir: Path, out: Path | None = None, overwrite: bool = False)
     out = Path(out).resolve() if out is not None else run_dir.with_name(run_dir.name + ".tar.gz")
     if out.is_relative_to(run_dir):
         raise ConfigError(f"archive {out} lies inside the run directory it packages: put it elsewhere")
+    if out.is_dir():  # --overwrite would try to replace a directory with the archive
+        raise ConfigError(f"--out {out} is a directory; it names the archive file. Pass a file path, e.g. "
+                          f"--out {out / (run_dir.name + '.tar.gz')}.")
     exists = ConfigError(f"archive {out} already exists: pass overwrite=True (--overwrite) or another --out")
     if out.exists() and not overwrite:
         raise exists
