@@ -9,8 +9,9 @@ depends on the total step count, so its first 4 steps are what a ``-s 4`` run co
     the manifest and the rename, then ``--resume-from <run>``: it restarts from step 2 and ends equal
     to the straight run. The kill is a test-side patch in a driver script, not a hook in the library.
 
-Configuration: qa/test on ``tiny``, 2 groups of 8 rollouts, 32 tokens, lr 1e-3, seed 1 (with seed 0,
-step 5 has all-equal rewards in every group, which the loop refuses as "no learning signal").
+Configuration: qa/test on ``tiny``, 2 groups of 8 rollouts, 32 tokens, lr 1e-3, seed 1. In steps 1 and 2
+dynamic sampling replaces tied groups (3 and 4 groups drawn), so the step-2 checkpoint's data cursor is
+problem 5, not 2 * 2: a resume that took the step number for the cursor would draw other problems.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def test_resume_continues_bit_for_bit(tmp_path, straight):
     assert digest(first) == untouched, "the old run directory was modified"
     meta = json.loads((resumed / "run_metadata.json").read_text())
     assert meta["resumed_from"] == {"path": str(first / "checkpoints" / "step_000002"), "run": str(first), "step": 2}
+    cursor = json.loads((first / "checkpoints" / "step_000002" / "checkpoint.json").read_text())["data_cursor"]
+    assert cursor["next_problem"] > 2 * 2, "no refill before the checkpoint: the cursor is not exercised"
     assert meta["config"]["steps"] == 4 and meta["config_sources"]["steps"] == "cli"
     assert meta["config_sources"]["learning_rate"].startswith("checkpoint:")
     assert rows(resumed)[0] == rows(first)[0]

@@ -5,8 +5,8 @@ and sampled through ``save_weights_and_get_sampling_client()``: no training step
 Step 0 is that client before any import: the run's initial adapter, whose B matrices are zero, so it
 computes exactly what the base model computes.
 
-Held-out problems: by default those of the run's data set that its problem order never reached in
-``steps`` steps (the order is a pure function of the seed, so this is exact); ``dataset`` evaluates on
+Held-out problems: by default those of the run's data set that its problem order never reached up to
+the last checkpoint's data cursor (the order is a pure function of the seed, so this is exact); ``dataset`` evaluates on
 another data set instead. Every checkpoint answers the same problems with the same sampling seeds
 (common random numbers), so differences between rows come from the weights, not from the draw.
 """
@@ -45,14 +45,19 @@ def table_columns(ks: Sequence[int]) -> list[str]:
     return columns
 
 
-def held_out_problems(config: TrainConfig, problems: list[Problem]) -> list[Problem]:
-    """The problems training never drew, in the run's (seeded) order."""
+def held_out_problems(config: TrainConfig, problems: list[Problem], drawn: int | None = None) -> list[Problem]:
+    """The problems training never drew, in the run's (seeded) order.
+
+    ``drawn``: how many problems the run drew, the data cursor of its last checkpoint (dynamic sampling
+    draws more than ``num_groups`` per step when it replaces tied groups); default ``steps * num_groups``,
+    which is exact for checkpoints made before dynamic sampling.
+    """
     from rlrunbook.rl.loop import _order
 
     order = _order(problems, config.seed)
-    drawn = {order[(step * config.num_groups + g) % len(problems)]
-             for step in range(config.steps) for g in range(config.num_groups)}
-    return [problems[i] for i in order if i not in drawn]
+    count = config.steps * config.num_groups if drawn is None else drawn
+    taken = {order[i % len(problems)] for i in range(min(count, len(problems)))}
+    return [problems[i] for i in order if i not in taken]
 
 
 def _row(step: int, summary) -> dict[str, Any]:
@@ -109,7 +114,8 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
         from rlrunbook.rl.preflight import preflight
 
         preflight(config, writes_run_dir=False)  # device, model folder: before the model loads
-    pool = problems if options.dataset is not None else held_out_problems(config, problems)
+    drawn = (manifests[-1].get("data_cursor") or {}).get("next_problem")
+    pool = problems if options.dataset is not None else held_out_problems(config, problems, drawn)
     if not pool:
         raise ConfigError(f"training drew every one of the {len(problems)} problems of {config.dataset!r}: none is "
                           "held out. Pass --dataset with problems the run did not train on.")

@@ -7,10 +7,12 @@ training client exists. The file format is in
 :mod:`rlrunbook.run.checkpoints`.
 
 Why a resumed run repeats the straight run exactly: the adapter and AdamW state are restored bit
-for bit; the problems of step ``k`` are ``order[k * num_groups + g]`` with ``order`` a pure
-function of the seed; every sampling request is seeded with ``mix_seed(seed, step, group)`` and the
-sampler's noise is counter-based, so the same weights draw the same tokens; the global RNGs (not
-used by the single-turn loop today, but by plug-ins perhaps) are restored too.
+for bit; problems are drawn from ``order`` (a pure function of the seed) at the data cursor, which
+the checkpoint stores (dynamic sampling may draw more than ``num_groups`` problems in a step, see
+:mod:`rlrunbook.rl.dynamic_sampling`); every sampling request is seeded with
+``mix_seed(seed, step, group)`` and the sampler's noise is counter-based, so the same weights draw
+the same tokens; the global RNGs (not used by the single-turn loop today, but by plug-ins perhaps)
+are restored too.
 
 A resumed run takes the checkpoint's config. Only ``steps`` (to extend the run), ``name`` and
 ``log_root`` may differ; any other option stated on the command line, in a file or an override
@@ -35,6 +37,7 @@ from typing import Any
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.config_sources import flatten, leaf_keys
+from rlrunbook.rl.dynamic_sampling import DataCursor
 from rlrunbook.run.checkpoints import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
@@ -71,14 +74,19 @@ def _exporter(training):
     return training
 
 
-def save_if_due(config: TrainConfig, training, run_dir: Path, completed: int, log=print) -> Path | None:
-    """Save ``<run_dir>/checkpoints/step_<completed>`` when :func:`checkpoint_due`; the saved folder or None."""
+def save_if_due(config: TrainConfig, training, run_dir: Path, completed: int, log=print,
+                cursor: DataCursor | None = None) -> Path | None:
+    """Save ``<run_dir>/checkpoints/step_<completed>`` when :func:`checkpoint_due`; the saved folder or None.
+
+    ``cursor``: where the data order stands after ``completed`` steps (default: no refill ever happened)."""
     if not checkpoint_due(config, completed):
         return None
+    cursor = cursor if cursor is not None else DataCursor(completed * config.num_groups)
     state = _exporter(training).export_training_state()
     folder = save_checkpoint(run_dir, Checkpoint(step=completed, config=config.to_dict(), adapter=state.adapter,
                                                  optimizer=state.optimizer, rng=capture_rng(),
-                                                 weights_version=state.weights_version))
+                                                 weights_version=state.weights_version,
+                                                 data_cursor=cursor.to_dict()))
     log(f"[checkpoint] {folder}")
     return folder
 
@@ -208,6 +216,10 @@ class Resume:
     def begin(self, writer) -> None:
         """Start the new run directory with copies of the old run's records of the steps before ``step``."""
         writer.copy_steps_from(self.source_run, self.step, rollout_kind(self.config.mode, self.config.env))
+
+    def cursor(self) -> DataCursor:
+        """Where the data order stands at the checkpoint (see :class:`DataCursor`)."""
+        return DataCursor.from_checkpoint(self.checkpoint.data_cursor, self.step, self.config.num_groups)
 
     def restore(self, training) -> int:
         """Load the adapter, optimizer and RNG states into ``training``; the first step to run."""

@@ -83,6 +83,15 @@ class RewardSettings(_Section):
     reflect_weight: float = Field(0.5, ge=0, description="multi_signal γ: weight of the self-check")
 
 
+class DynamicSamplingSettings(_Section):
+    """Dynamic sampling (DAPO): tied groups are replaced by new ones (see ``rlrunbook.rl.dynamic_sampling``)."""
+
+    max_rounds: int = Field(4, ge=1, description="sampling rounds per step, each drawing the groups still missing "
+                                                 "after tied ones are dropped; 1 = no refill")
+    max_skipped_steps: int = Field(3, ge=1, description="stop the run (no learning signal) when this many steps in "
+                                                        "a row are skipped for lack of groups with reward spread")
+
+
 class BackendSettings(_Section):
     """Local backend knobs a run states itself; unset ones come from the TINKER_LOCAL_* environment."""
 
@@ -132,6 +141,7 @@ class TrainConfig(BaseModel):
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
     data: DataSettings = Field(default_factory=DataSettings)
     reward: RewardSettings = Field(default_factory=RewardSettings)
+    dynamic_sampling: DynamicSamplingSettings = Field(default_factory=DynamicSamplingSettings)
     backend: BackendSettings = Field(default_factory=BackendSettings)
 
     @property

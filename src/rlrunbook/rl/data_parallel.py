@@ -55,13 +55,22 @@ COUNT_PREFIXES = ("blocklist/", "prompts/")  # batch metrics that are counts: su
 def merge_batches(batches: Sequence[RolloutBatch], own_rank: int = 0) -> RolloutBatch:
     """The union of the ranks' batches (in rank order), as one process would have sampled it.
 
-    Sampled tokens and counts (``blocklist/hits``, ``prompts/truncated``) add up; other batch metrics are averaged over ranks, which is exact for the
-    fractions paradigms report because every rank holds the same number of groups. Timings
+    Sampled tokens and counts (``blocklist/hits``, ``prompts/truncated``) add up; other batch metrics are
+    averaged over ranks, weighted by each rank's rollouts, which is exact for the fractions and per-sample
+    means paradigms report (a dynamic-sampling refill may give ranks unequal shares, one none). Timings
     (``time/...``) stay those of ``own_rank``, like every other timing of the step row.
     """
     own = batches[own_rank]
-    metrics = {key: sum(b.metrics.get(key, 0.0) for b in batches) / (1 if key.startswith(COUNT_PREFIXES) else len(batches))
-               for key in own.metrics}
+    sizes = [len(b.rollouts) for b in batches]
+
+    def mean(key: str) -> float:
+        if len(set(sizes)) == 1:  # equal shares: the plain mean (what one process computes, bit for bit)
+            return sum(b.metrics.get(key, 0.0) for b in batches) / len(batches)
+        return sum(n * b.metrics.get(key, 0.0) for n, b in zip(sizes, batches, strict=True)) / max(1, sum(sizes))
+
+    keys = dict.fromkeys([*own.metrics, *(key for b in batches for key in b.metrics)])  # a rank with no groups
+    metrics = {key: sum(b.metrics.get(key, 0.0) for b in batches) if key.startswith(COUNT_PREFIXES) else mean(key)
+               for key in keys}
     metrics.update({key: value for key, value in own.metrics.items() if key.startswith("time/")})
     return RolloutBatch(rollouts=[r for b in batches for r in b.rollouts], kind=batches[0].kind,
                         payload=merge_payloads([b.payload for b in batches]),

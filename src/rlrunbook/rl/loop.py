@@ -18,16 +18,17 @@ from pathlib import Path
 from tinker import types
 
 from rlrunbook import distributed
-from rlrunbook.errors import ConfigError, NoLearningSignalError
+from rlrunbook.errors import ConfigError
 from rlrunbook.rl import data_parallel as dp
 from rlrunbook.rl.checkpointing import plan_resume, save_if_due
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.dataset_cache import load_problems
+from rlrunbook.rl.dynamic_sampling import DataCursor, SampledStep, count_skip, sample_step, skip_reason
 from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
 from rlrunbook.rl.preflight import dataset_record, preflight
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
-from rlrunbook.rl.rollouts import Rollout, advantage_mode, step_record, to_datum
+from rlrunbook.rl.rollouts import advantage_mode, step_record, to_datum
 from rlrunbook.rl.tasks import Problem, get_task_class
 from rlrunbook.rl.validation import Validator, check_held_out, split_held_out
 from rlrunbook.run import RunWriter, log_root, new_run_dir, wandb_sink
@@ -44,16 +45,6 @@ TRAINER_METRICS = {
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
-
-
-def _no_signal(config: TrainConfig, step: int, rollouts: list[Rollout]) -> NoLearningSignalError:
-    rewards = [r.reward for r in rollouts]
-    return NoLearningSignalError(
-        f"step {step}: All token advantages are 0.0 (no learning signal): the centered rewards were constant "
-        f"within every group (rewards min {min(rewards):.4g}, max {max(rewards):.4g} over {len(rewards)} rollouts, "
-        f"mode {config.run_mode}). Increase -n, change the reward function (--reward-fn), or use a harder task "
-        "or a different --temperature."
-    )
 
 
 def _order(problems: list[Problem], seed: int) -> list[int]:
@@ -197,6 +188,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         if not distributed.is_main():  # rank 0 alone validates (and writes); no collective happens inside
             validator = lambda *args: None  # noqa: E731
         first = 0 if resume is None else resume.restore(training)  # a resumed run has copied its validation rows
+        cursor = DataCursor() if resume is None else resume.cursor()
         if evaluate is not None:
             evaluate("initial", training, tokenizer)
         if first == 0:
@@ -204,10 +196,10 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         steps = range(first, config.steps) if progress is None else progress(range(first, config.steps))
         for step in steps:
             _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge,
-                      advantages_of, writer, log)
+                      advantages_of, writer, log, cursor)
             validator(step + 1, training, tokenizer)
             if distributed.is_main():  # after validation: a checkpoint at step k implies its validation row
-                save_if_due(config, training, run_dir, step + 1, log)
+                save_if_due(config, training, run_dir, step + 1, log, cursor)
         if evaluate is not None:
             evaluate("final", training, tokenizer)
         writer.write_report()
@@ -219,22 +211,58 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     return run_dir
 
 
-def _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge, advantages_of,
-              writer: RunWriter, log) -> None:
-    started = time.perf_counter()
-    group_ids = dp.local_group_ids(config.num_groups)
-    groups = [problems[order[(step * config.num_groups + g) % len(problems)]] for g in group_ids]
+def _sample(config, step, paradigm, task, problems, order, training, tokenizer, judge, advantages_of, log,
+            cursor: DataCursor) -> SampledStep:
+    """Sample the step's groups with dynamic sampling (tied groups replaced; see rl/dynamic_sampling.py)."""
     sampler = training.save_weights_and_get_sampling_client()
-    ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id], judge, log, group_ids=group_ids)
-    batch = dp.union_batch(paradigm.rollout(ctx, groups, step))
+
+    def rollout(chosen, group_ids):
+        ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id], judge, log,
+                             group_ids=group_ids)
+        return paradigm.rollout(ctx, chosen, step)
+
+    return sample_step(config, step, cursor, problems, order, rollout, advantages_of, log)
+
+
+def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, cursor: DataCursor,
+               started: float) -> None:
+    """A step without enough groups with spread: no update; a step file and a log row marked ``skipped``."""
+    count_skip(config, step, cursor, sampled, sampled.drawn.rollouts)  # NoLearningSignalError at the limit
+    reason = skip_reason(config, sampled)
+    writer.write_step(step, {"skipped": True, "skip_reason": reason, "loss_fn": config.loss_fn,
+                             "training_data": [], "num_trained_tokens": 0})
+    batch, done = sampled.drawn, time.perf_counter()
+    writer.log_step({
+        "step": step, "skipped": True, "skip_reason": reason,
+        **{f"reward/{k}": v for k, v in _stats([r.reward for r in batch.rollouts]).items()},
+        **{f"task_reward/{k}": v for k, v in _stats([r.task_reward for r in batch.rollouts]).items()},
+        **sampled.metrics(), "num_datums": 0, "num_trained_tokens": 0,
+        "completion_length/mean": statistics.fmean(r.own_token_count for r in batch.rollouts),
+        "time/sample_s": done - started - batch.metrics.get("time/score_s", 0.0),
+        "time/score_s": batch.metrics.get("time/score_s", 0.0), "time/step_s": done - started,
+        "throughput/sampled_tokens_per_s": batch.sampled_tokens / max(1e-9, done - started),
+        "memory/rss_mb": _memory_mb(),
+    })
+    log(f"warning: step {step} skipped, no update: {reason}. {cursor.skipped_in_a_row} step(s) skipped in a row; "
+        f"the run stops at {config.dynamic_sampling.max_skipped_steps}.")
+
+
+def _one_step(config, step, paradigm, task, problems, order, training, tokenizer, judge, advantages_of,
+              writer: RunWriter, log, cursor: DataCursor) -> None:
+    started = time.perf_counter()
+    sampled = _sample(config, step, paradigm, task, problems, order, training, tokenizer, judge, advantages_of,
+                      log, cursor)
+    batch = sampled.drawn
     sampled_at = time.perf_counter()
-    advantages = advantages_of(batch.rollouts)
-    chosen = [(r, a) for r, a in zip(batch.rollouts, advantages, strict=True) if a != 0]
     writer.write_rollouts(batch.kind, step, batch.payload)
-    if not chosen:
-        raise _no_signal(config, step, batch.rollouts)
+    if sampled.skipped:
+        _skip_step(config, step, sampled, writer, log, cursor, started)
+        return
+    cursor.skipped_in_a_row = 0
+    advantages = sampled.advantages
+    chosen = [(r, a) for r, a in zip(sampled.kept, advantages, strict=True) if a != 0]
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
-    datums = [to_datum(r, a) for r, a in dp.own_share(chosen, group_ids)]
+    datums = [to_datum(r, a) for r, a in dp.own_share(chosen, sampled.own_groups)]
     fb = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None).result() if datums else None
     fb_done = time.perf_counter()
     # A NaN/inf loss or gradient norm is refused before it reaches the weights (rl/guards.py). Every rank
@@ -259,7 +287,7 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
     rewards = _stats([r.reward for r in batch.rollouts])
     task_rewards = _stats([r.task_reward for r in batch.rollouts])
     nonzero = [a for a in advantages if a != 0]
-    lengths = [r.own_token_count for r in batch.rollouts]
+    lengths = [r.own_token_count for r in batch.rollouts]  # everything sampled (``batch``); trained: ``sampled.kept``
     row = {
         "step": step,
         **{f"reward/{k}": v for k, v in rewards.items()},
@@ -278,6 +306,7 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
         "throughput/trained_tokens_per_s": trained / max(1e-9, done - sampled_at),
         "memory/rss_mb": _memory_mb(),
         **{k: v for k, v in batch.metrics.items() if k != "time/score_s"},
+        **sampled.metrics(),
     }
     writer.log_step({k: v for k, v in row.items() if v == v})  # drop NaN (no grad_norm reported)
     log(f"Step {step}: reward {rewards['mean']:.4f} (task {task_rewards['mean']:.4f}), "

@@ -50,12 +50,18 @@ class Rollout:
 
 
 def centered_by_group(values: Sequence[float], groups: Sequence[int]) -> list[float]:
-    """``value - mean(value of its group)``: GRPO's group-centred advantage (no std scaling)."""
+    """``value - mean(value of its group)``: GRPO's group-centred advantage (no std scaling).
+
+    A group whose values are all equal gets exactly 0: its float mean can miss the common value by an
+    ulp (eight rewards of 0.1 sum to 0.7999999999999999), which would give a tied group advantages of
+    ~1e-17, train it as if it had signal and hide it from dynamic sampling.
+    """
     members: dict[int, list[float]] = defaultdict(list)
     for value, group in zip(values, groups, strict=True):
         members[group].append(value)
     means = {g: sum(v) / len(v) for g, v in members.items()}
-    return [value - means[group] for value, group in zip(values, groups, strict=True)]
+    tied = {g for g, v in members.items() if min(v) == max(v)}
+    return [0.0 if group in tied else value - means[group] for value, group in zip(values, groups, strict=True)]
 
 
 def grpo_advantages(rollouts: Sequence[Rollout]) -> list[float]:

@@ -56,8 +56,8 @@ _STEP_DIR = re.compile(r"step_(\d{6,})")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One checkpoint in memory. ``step`` is the number of completed steps, hence the next step to run
-    (the loop's problem order is a pure function of the seed, so the step index is the whole data cursor)."""
+    """One checkpoint in memory. ``step`` is the number of completed steps, hence the next step to run;
+    ``data_cursor`` the next problem in the run's (seeded) order and the skipped-steps-in-a-row count."""
 
     step: int
     config: dict[str, Any]
@@ -66,6 +66,9 @@ class Checkpoint:
     rng: dict[str, Any]
     weights_version: int = 0
     path: Path | None = None
+    # Where the data order stands (``rl.dynamic_sampling.DataCursor``): with dynamic sampling a step may
+    # draw more problems than it trains on, so the step index alone no longer says which problem is next.
+    data_cursor: dict[str, int] | None = None
 
 
 def step_dir_name(step: int) -> str:
@@ -154,7 +157,7 @@ def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> N
     _write_json(folder / MANIFEST_FILE, {
         "format_version": FORMAT_VERSION,
         "step": checkpoint.step,
-        "data_cursor": {"next_step": checkpoint.step},
+        "data_cursor": {"next_step": checkpoint.step, **(checkpoint.data_cursor or {})},
         "weights_version": checkpoint.weights_version,
         "has_optimizer": checkpoint.optimizer is not None,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -256,4 +259,5 @@ def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.de
     cuda_count = sum(1 for key in tensors if key.startswith("cuda_"))
     rng.update(torch_cpu=tensors["torch_cpu"], cuda=[tensors[f"cuda_{i}"] for i in range(cuda_count)])
     return Checkpoint(step=manifest["step"], config=manifest["config"], adapter=adapter, optimizer=optimizer,
-                      rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder)
+                      rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder,
+                      data_cursor=manifest.get("data_cursor") or None)

@@ -21,6 +21,8 @@ from rlrunbook.run.schema import (
     PNG_IEND,
     PNG_SIGNATURE,
     REPORT_FILE,
+    SKIPPED_ROW_FLOAT_KEYS,
+    SKIPPED_ROW_INT_KEYS,
     TRAIN_LOG_FILE,
     TRAIN_LOG_FLOAT_KEYS,
     TRAIN_LOG_INT_KEYS,
@@ -112,10 +114,15 @@ def train_log(run: RunFiles) -> CheckResult:
             + (f"; extra or repeated {extra}" if extra else "")
         )
     for row in run.train_log_rows:
-        absent = [k for k in TRAIN_LOG_INT_KEYS + TRAIN_LOG_FLOAT_KEYS if k not in row]
-        bad = [k for k in TRAIN_LOG_INT_KEYS if k in row and not is_int(row[k])] + [
-            k for k in TRAIN_LOG_FLOAT_KEYS if k in row and not is_number(row[k])
+        skipped = row.get("skipped") is True  # dynamic sampling skipped it: no loss, no trained tokens
+        int_keys, float_keys = ((SKIPPED_ROW_INT_KEYS, SKIPPED_ROW_FLOAT_KEYS) if skipped
+                                else (TRAIN_LOG_INT_KEYS, TRAIN_LOG_FLOAT_KEYS))
+        absent = [k for k in int_keys + float_keys if k not in row]
+        bad = [k for k in int_keys if k in row and not is_int(row[k])] + [
+            k for k in float_keys if k in row and not is_number(row[k])
         ]
+        if skipped and not (isinstance(row.get("skip_reason"), str) and row["skip_reason"]):
+            absent.append("skip_reason")
         if absent or bad:
             problems.append(
                 f"{TRAIN_LOG_FILE} step {row.get('step')!r}: "

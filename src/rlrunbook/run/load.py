@@ -48,6 +48,8 @@ class RunFiles:
     step_problems: list[str] = field(default_factory=list)
     rollout_docs: dict[int, dict[str, Any]] = field(default_factory=dict)
     rollout_problems: list[str] = field(default_factory=list)
+    # Steps that dynamic sampling skipped (marked in train_log.jsonl): no datums, no loss, by design.
+    skipped_steps: set[int] = field(default_factory=set)
     # validation.jsonl, read only when the config turns validation on.
     validation_rows: list[dict[str, Any]] = field(default_factory=list)
     validation_problems: list[str] = field(default_factory=list)
@@ -110,6 +112,8 @@ def _load_jsonl(path: Path, rows: list[dict[str, Any]], problems: list[str]) -> 
 
 def _load_train_log(run: RunFiles) -> None:
     _load_jsonl(run.run_dir / TRAIN_LOG_FILE, run.train_log_rows, run.train_log_problems)
+    run.skipped_steps = {row["step"] for row in run.train_log_rows
+                         if row.get("skipped") is True and isinstance(row.get("step"), int)}
 
 
 def _load_per_step(run: RunFiles, prefix: str, docs: dict[int, dict[str, Any]], problems: list[str]) -> None:

@@ -16,6 +16,10 @@ in order:
   never trained).
 - ``loss.present``, ``loss.nonzero``: results.metrics["loss:sum"] in every step, not 0 in all.
 - ``trained_tokens.positive``: num_trained_tokens > 0 in every step.
+- Steps that dynamic sampling skipped (no group with reward spread, no update) are accepted when both
+  their train_log.jsonl row (with a ``skip_reason``) and their training_step_<k>.json say so; the
+  datum, loss and token checks leave them out, and ``training_steps.present`` fails a run whose every
+  step was skipped, or whose two marks disagree.
 - ``rollouts.present``: baseline_<k>.json (single-turn qa/math), summary_<k>.json (single-turn
   summary) or debate_<k>.json (debate) for every step.
 - single-turn ``rollouts.records``: every record has a reward; summary records have reward metrics.

@@ -34,6 +34,11 @@ TRAIN_LOG_FLOAT_KEYS = (
     "memory/rss_mb",
 )
 
+# A step skipped by dynamic sampling (no group with reward spread: no update) logs a row marked
+# ``"skipped": true`` with a ``skip_reason`` and these keys; its training_step_<k>.json says the same.
+SKIPPED_ROW_INT_KEYS = ("step", "num_datums", "num_trained_tokens")
+SKIPPED_ROW_FLOAT_KEYS = ("reward/mean", "reward/std", "reward/min", "reward/max", "time/step_s")
+
 # training_step_<k>.json: per-datum arrays that must all have the completion's length.
 COMPLETION_ARRAYS = ("completion_tokens", "completion_logprobs", "completion_advantages", "completion_mask")
 LOSS_METRIC = "loss:sum"

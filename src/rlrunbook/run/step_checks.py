@@ -24,11 +24,20 @@ def training_steps_present(run: RunFiles) -> CheckResult:
         if doc.get("step") != step:
             problems.append(f"{name}: step field is {doc.get('step')!r}")
         data = doc.get("training_data")
+        marked = doc.get("skipped") is True
+        if marked != (step in run.skipped_steps):  # dynamic sampling marks a skipped step in both files
+            problems.append(f"{name} and its train_log.jsonl row disagree on whether the step was skipped")
+        elif marked:
+            continue  # skipped by dynamic sampling: no datum by design
         if not isinstance(data, list) or not data:
             problems.append(f"{name}: training_data is not a non-empty list (no accepted datum)")
         else:
             datums += len(data)
-    return result("training_steps.present", problems, f"{len(run.step_docs)} step files, {datums} datums")
+    skipped = sorted(k for k in run.skipped_steps if k in run.step_docs)
+    if run.step_docs and len(skipped) == len(run.step_docs):
+        problems.append(f"every step was skipped by dynamic sampling ({skipped}): nothing was trained")
+    note = f" ({len(skipped)} skipped for lack of reward spread: {skipped})" if skipped else ""
+    return result("training_steps.present", problems, f"{len(run.step_docs)} step files, {datums} datums{note}")
 
 
 def step_datums(run: RunFiles) -> Iterator[tuple[str, list[Any]]]:
@@ -130,19 +139,25 @@ def _loss(doc: dict[str, Any]) -> Any:
     return metrics.get(LOSS_METRIC) if isinstance(metrics, dict) else None
 
 
+def _trained(run: RunFiles) -> dict[int, dict[str, Any]]:
+    """The step documents of steps that trained (all but those dynamic sampling skipped)."""
+    return {k: doc for k, doc in run.step_docs.items()
+            if not (doc.get("skipped") is True and k in run.skipped_steps)}
+
+
 def loss_present(run: RunFiles) -> CheckResult:
     problems = [
         f"training_step_{k}.json: results.metrics[{LOSS_METRIC!r}] is {_loss(doc)!r}, not a finite number"
-        for k, doc in sorted(run.step_docs.items())
+        for k, doc in sorted(_trained(run).items())
         if not is_number(_loss(doc))
     ]
-    if not run.step_docs:
-        problems.append("no readable training_step_<k>.json")
-    return result("loss.present", problems, f"{LOSS_METRIC} in each of {len(run.step_docs)} readable steps")
+    if not _trained(run):
+        problems.append("no readable training_step_<k>.json of a trained step")
+    return result("loss.present", problems, f"{LOSS_METRIC} in each of {len(_trained(run))} trained steps")
 
 
 def loss_nonzero(run: RunFiles) -> CheckResult:
-    losses = {k: _loss(doc) for k, doc in sorted(run.step_docs.items()) if is_number(_loss(doc))}
+    losses = {k: _loss(doc) for k, doc in sorted(_trained(run).items()) if is_number(_loss(doc))}
     problems = []
     if not losses:
         problems.append(f"no step has a numeric results.metrics[{LOSS_METRIC!r}]")
@@ -153,15 +168,16 @@ def loss_nonzero(run: RunFiles) -> CheckResult:
 
 
 def trained_tokens(run: RunFiles) -> CheckResult:
+    trained = _trained(run)
     problems = [
         f"training_step_{k}.json: num_trained_tokens is {doc.get('num_trained_tokens')!r}, not > 0"
-        for k, doc in sorted(run.step_docs.items())
+        for k, doc in sorted(trained.items())
         if not (is_int(doc.get("num_trained_tokens")) and doc["num_trained_tokens"] > 0)
     ]
-    if not run.step_docs:
-        problems.append("no readable training_step_<k>.json")
+    if not trained:
+        problems.append("no readable training_step_<k>.json of a trained step")
     return result(
         "trained_tokens.positive",
         problems,
-        f"num_trained_tokens > 0 in each of {len(run.step_docs)} readable steps",
+        f"num_trained_tokens > 0 in each of {len(trained)} trained steps",
     )
