@@ -498,15 +498,57 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `kill`'s stop), turned into an interrupt so the run stops as cleanly as on Ctrl-C."""
+
+    signal_name = "SIGTERM"
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _interrupted(interrupt: KeyboardInterrupt) -> int:
+    """Exit status 130 (SIGINT) or 143 (SIGTERM) after an interrupt, with one line saying what was kept."""
+    import signal
+
+    from rlrunbook.errors import RunInterrupted
+
+    name = getattr(interrupt, "signal_name", "SIGINT")
+    code = 128 + getattr(signal, name)
+    if isinstance(interrupt, RunInterrupted):
+        kept = (f"last checkpoint {interrupt.last_checkpoint}: continue with --resume-from {interrupt.run_dir}"
+                if interrupt.last_checkpoint else "no checkpoint was taken yet (--checkpoint-every N keeps them)")
+        print(f"interrupted ({name}): run {interrupt.run_dir} marked 'interrupted'; {kept}", file=sys.stderr)
+        if not interrupt.backend_stopped:  # the backend thread is still inside torch: do not unwind the runtime
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    else:
+        print(f"interrupted ({name})", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+    import threading
+
     args = parse_args(argv)
     if argv is not None and getattr(args, "argv", False) is None:
         args.argv = list(argv)  # an in-process caller's command line is what the run records, not sys.argv
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return args.func(args)
     except RlrunbookError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        return _interrupted(interrupt)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

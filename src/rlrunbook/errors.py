@@ -34,3 +34,16 @@ class LogprobMismatchError(RlrunbookError, RuntimeError):
 
 class GenerationLeakError(RlrunbookError, RuntimeError):
     """Processed sampling scores differ from logits / temperature where no filter applies."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM stopped a training run cleanly: its status is ``interrupted``.
+
+    A ``KeyboardInterrupt`` (not an ``RlrunbookError``): code that catches interrupts keeps working.
+    ``backend_stopped`` is False when the backend's running call had not ended yet (a second Ctrl-C).
+    """
+
+    def __init__(self, run_dir, last_checkpoint, backend_stopped: bool, signal_name: str = "SIGINT"):
+        super().__init__(f"{signal_name}: run {run_dir} interrupted")
+        self.run_dir, self.last_checkpoint = run_dir, last_checkpoint
+        self.backend_stopped, self.signal_name = backend_stopped, signal_name

@@ -154,11 +154,19 @@ class OrderedWorker:
             if t in live:
                 t.future.set_result(result)
 
-    def shutdown(self) -> None:
+    def shutdown(self, cancel_pending: bool = False, timeout: float | None = None) -> bool:
+        """Stop the worker: after the queued calls, or (``cancel_pending``) cancelling them, so only the
+        call already running finishes. Waits up to ``timeout`` seconds (None: until done); True if the
+        thread ended. A process must not exit while this thread is inside a torch call: the interpreter
+        tears down under it, and libstdc++ aborts with "terminate called without an active exception"."""
         with self._cv:
             self._closed = True
+            if cancel_pending:
+                while self._queue:
+                    self._queue.popleft().future.cancel()
             self._cv.notify_all()
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 def completed(value: T) -> AwaitableConcurrentFuture[T]:

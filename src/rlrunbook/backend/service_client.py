@@ -203,6 +203,12 @@ class LocalServiceClient:
             self._worker.shutdown()
         return completed(None)
 
+    def stop_now(self, timeout: float | None = None) -> bool:
+        """Local extension, for Ctrl-C: cancel the queued calls, let the running one finish (up to ``timeout``
+        seconds), stop the worker. True when the worker has ended (nothing runs in torch any more)."""
+        self._closed = True
+        return self._worker.shutdown(cancel_pending=True, timeout=timeout)
+
 
 class SdkLocalServiceClient(LocalServiceClient):
     """``LocalServiceClient`` with the SDK ServiceClient's constructor, settings read from the environment.

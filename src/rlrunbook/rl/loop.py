@@ -18,7 +18,7 @@ from pathlib import Path
 from tinker import types
 
 from rlrunbook import distributed
-from rlrunbook.errors import ConfigError
+from rlrunbook.errors import ConfigError, RunInterrupted
 from rlrunbook.rl import data_parallel as dp
 from rlrunbook.rl.checkpointing import plan_resume, save_if_due
 from rlrunbook.rl.config import TrainConfig, validate
@@ -173,6 +173,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)
+    service = None
     try:
         if resume is not None:
             resume.begin(writer)
@@ -204,11 +205,35 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
             evaluate("final", training, tokenizer)
         writer.write_report()
         writer.finish("completed")
+    except KeyboardInterrupt as interrupt:
+        raise _interrupted(run_dir, writer, service if service_factory is None else None, interrupt, log) from None
     except BaseException as error:
         writer.finish("failed", error=f"{type(error).__name__}: {error}")
         raise
     distributed.barrier()  # the other ranks return the directory only once rank 0 has completed it
     return run_dir
+
+
+def _interrupted(run_dir: Path, writer: RunWriter, service, interrupt: KeyboardInterrupt, log) -> RunInterrupted:
+    """Ctrl-C (or SIGTERM) in a run: mark it ``interrupted`` at once, then stop the backend's worker thread
+    (queued calls cancelled, the running one finished) so the process can exit without the C++ runtime
+    aborting under a thread still inside torch. Checkpoints are written atomically, so the last complete
+    one is intact whatever the interrupt cut short. A second Ctrl-C stops waiting for the running call."""
+    from rlrunbook.run.checkpoints import checkpoint_dirs
+
+    name = getattr(interrupt, "signal_name", "SIGINT")
+    found = checkpoint_dirs(run_dir) if distributed.is_main() else []
+    last = found[-1][1] if found else None
+    writer.finish("interrupted", error=f"{name}: stopped by the user; last checkpoint: {last or 'none'}")
+    stopped = True
+    stop_now = getattr(service, "stop_now", None)
+    if callable(stop_now):
+        log("[interrupt] stopping: waiting for the backend's running call to end (Ctrl-C again to exit at once)")
+        try:
+            stopped = stop_now()
+        except KeyboardInterrupt:
+            stopped = False
+    return RunInterrupted(run_dir, last, stopped, name)
 
 
 def _sample(config, step, paradigm, task, problems, order, training, tokenizer, judge, advantages_of, log,

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rlrunbook.run.liveness import liveness
 from rlrunbook.run.load import RunFiles
 from rlrunbook.run.schema import (
     METADATA_FILE,
@@ -73,7 +74,12 @@ def metadata_completed(run: RunFiles) -> CheckResult:
     status, error = run.metadata.get("status"), run.metadata.get("error")
     problems = []
     if status != "completed":
-        why = {"running": " (unfinished: the run is still going or died before finish())"}.get(status, "")
+        judged, stale = liveness(run.metadata)
+        why = {"running": " (unfinished: the run is still going)",
+               "interrupted": " (stopped by Ctrl-C or SIGTERM; --resume-from continues it from its last checkpoint)",
+               }.get(status, "")
+        if stale:
+            why = f" but it is {judged}: {stale}. --resume-from continues it from its last checkpoint"
         problems.append(
             f"{METADATA_FILE}: status is {status!r}{why}" + (f"; error: {error}" if error else "")
         )

@@ -11,7 +11,8 @@ TRAIN_LOG_FILE = "train_log.jsonl"
 VALIDATION_FILE = "validation.jsonl"
 REPORT_FILE = "report.png"
 ROLLOUT_KINDS = ("baseline", "summary", "debate")
-FINAL_STATUSES = ("completed", "failed")
+# "interrupted": stopped by Ctrl-C (SIGINT) or SIGTERM, cleanly; resumable from its last checkpoint.
+FINAL_STATUSES = ("completed", "failed", "interrupted")
 
 # train_log.jsonl: every row carries these (extra keys allowed).
 TRAIN_LOG_INT_KEYS = ("step", "advantage/nonzero_count", "num_datums", "num_trained_tokens")

@@ -26,6 +26,7 @@ from typing import Any
 
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.run.jsonio import atomic_write_text, fsync_dir
+from rlrunbook.run.liveness import liveness
 from rlrunbook.run.load import RunFiles, _load_metadata, _load_train_log
 from rlrunbook.run.redaction import MIN_SCRUB_LENGTH, is_secret_name
 from rlrunbook.run.secret_scan import scan_file
@@ -61,7 +62,10 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
     rows, problems = run.train_log_rows, list(run.train_log_problems)
     dataset = metadata.get("dataset")
     row.update({key: run.config.get(key) for key in ("mode", "env", "model", "seed", "steps")})
-    row.update(status=metadata.get("status"), started_at=metadata.get("started_at"),
+    status, why = liveness(metadata)  # "stale" for a "running" run whose process is gone (kill -9)
+    if why:
+        problems.insert(0, f"stale: {why}")
+    row.update(status=status, started_at=metadata.get("started_at"),
                finished_at=metadata.get("finished_at"), steps_logged=len(rows),
                dataset_fingerprint=dataset.get("fingerprint") if isinstance(dataset, dict) else None)
     for name in ("reward", "task_reward"):

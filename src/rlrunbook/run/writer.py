@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 from rlrunbook.errors import InputError
 from rlrunbook.run import metadata as meta
 from rlrunbook.run.jsonio import atomic_write_json, atomic_write_text, dumps, redact_text, to_jsonable
+from rlrunbook.run.liveness import HEARTBEAT_S, process_record
 from rlrunbook.run.redaction import redact_argv, redact_config, secret_config_values
 from rlrunbook.run.schema import (
     FINAL_STATUSES,
@@ -62,6 +64,10 @@ class RunWriter:
         self._secrets = meta.secret_values(self._environ)
         self._metadata: dict[str, Any] | None = None
         self._sink = sink
+        # run_metadata.json is rewritten by the heartbeat thread too: one lock around every change and write.
+        self._metadata_lock = threading.Lock()
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def metadata_path(self) -> Path:
@@ -115,15 +121,45 @@ class RunWriter:
         self._metadata["world_size"] = world_size  # processes of a data-parallel (torchrun) run; 1 otherwise
         if resumed_from is not None:
             self._metadata["resumed_from"] = dict(resumed_from)
-        path = self._write(METADATA_FILE, self._metadata, indent=1)
+        # Who runs it, and a heartbeat: how a reader tells a live run from one killed with kill -9 (run.liveness).
+        self._metadata["process"] = process_record()
+        self._metadata["heartbeat_at"] = _utc_now()
+        path = self._write_metadata_file()
         if self._sink is not None:
             self._sink.start(self.run_dir.name, to_jsonable(self._metadata["config"], "config", self._secrets))
+        self._start_heartbeat()
         return path
 
+    def _write_metadata_file(self, **changes: Any) -> Path:
+        with self._metadata_lock:
+            self._metadata.update(changes)
+            return self._write(METADATA_FILE, self._metadata, indent=1)
+
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            return
+
+        def beat() -> None:
+            while not self._heartbeat_stop.wait(HEARTBEAT_S):
+                try:
+                    self._write_metadata_file(heartbeat_at=_utc_now())
+                except (OSError, InputError):  # the directory went away (a test's tmp dir): nothing left to mark
+                    return
+
+        self._heartbeat = threading.Thread(target=beat, name="rlrunbook-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        """Stop refreshing ``heartbeat_at`` (``finish`` does it first, so no beat lands after the final status)."""
+        self._heartbeat_stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join()
+
     def finish(self, status: str, error: str | None = None) -> Path:
-        """Mark the run "completed" or "failed" (with ``error``) and stamp ``finished_at``."""
+        """Mark the run "completed", "failed" or "interrupted" (with ``error``) and stamp ``finished_at``."""
         if status not in FINAL_STATUSES:
             raise InputError(f"finish status {status!r} must be one of {FINAL_STATUSES}")
+        self.stop_heartbeat()
         if self._metadata is None:
             # A writer recreated after a crash of the process that started the run.
             try:
@@ -132,8 +168,8 @@ class RunWriter:
                 raise InputError(
                     f"cannot finish {self.metadata_path}: {exc}; call write_metadata() first"
                 ) from exc
-        self._metadata.update(status=status, finished_at=_utc_now(), error=error)
-        path = self._write(METADATA_FILE, self._metadata, indent=1)
+        now = _utc_now()
+        path = self._write_metadata_file(status=status, finished_at=now, heartbeat_at=now, error=error)
         if self._sink is not None:
             self._sink.finish(status)
         return path
@@ -146,8 +182,7 @@ class RunWriter:
         if self._metadata is None:
             raise InputError("record_refused_step before write_metadata(): the run has no metadata yet")
         _check_step(record.get("step"), "refused_step")
-        self._metadata["refused_step"] = dict(record)
-        return self._write(METADATA_FILE, self._metadata, indent=1)
+        return self._write_metadata_file(refused_step=dict(record))
 
     def log_step(self, metrics: Mapping[str, Any]) -> None:
         """Append one row to ``train_log.jsonl`` and fsync it, so a crash loses at most the current step."""

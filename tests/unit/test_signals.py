@@ -1,0 +1,101 @@
+"""Signals and dead runs, with real processes: Ctrl-C (SIGINT to the process group, as a terminal sends it)
+and SIGTERM stop a run cleanly (exit 130 / 143, status ``interrupted``, last checkpoint intact, no
+traceback, no "terminate called", no process left); after ``kill -9`` the run is ``stale`` in
+``summarize`` and ``check-run``.
+
+Each test starts ``rlrunbook train`` on ``tiny`` in its own session through a driver that first starts
+the math checker's worker process, so "no orphan" is checked with a child process present. The signal is
+sent once the step-1 checkpoint exists, i.e. in the middle of a later step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlrunbook import cli
+from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
+
+DRIVER = """
+import sys
+from rlrunbook import cli
+from rlrunbook.rl.rewards.symbolic import _checker
+_checker.compare(r"\\\\sqrt{4}", "2")  # a child process now exists: the math checker's worker
+print("worker", _checker._process.pid, flush=True)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+TRAIN = ["train", "--model", "tiny", "--env", "qa", "--dataset", "test", "-n", "8", "--num-groups", "2",
+         "--max-tokens", "16", "-s", "10000", "--checkpoint-every", "1"]
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    root = tmp_path / "logs"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(cli.__file__).parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, str(driver), *TRAIN, "--log-root", str(root)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list(root.glob("*/checkpoints/step_000001")):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the run ended or stalled before its step-1 checkpoint: {process.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+    time.sleep(0.3)  # inside step 2 (or its save): the interrupt cuts a step short
+    (run,) = root.iterdir()
+    return process, run
+
+
+def _group_gone(pgid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_stops_the_run_cleanly(tmp_path, signum, code):
+    process, run = _start(tmp_path)
+    os.killpg(process.pid, signum)  # the whole group, as Ctrl-C in a terminal
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == code, err[-3000:]
+    assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    name = signal.Signals(signum).name
+    assert f"interrupted ({name}): run {run} marked 'interrupted'; last checkpoint" in err
+    metadata = json.loads((run / "run_metadata.json").read_text())
+    assert metadata["status"] == "interrupted" and metadata["error"].startswith(f"{name}: stopped by the user")
+    last_step, last = checkpoint_dirs(run)[-1]
+    assert load_checkpoint(last).step == last_step >= 1  # complete and verified (sha256 of every file)
+    assert _group_gone(process.pid), "a process of the run (the math worker?) outlived it"
+
+
+def test_a_run_killed_with_sigkill_shows_as_stale(tmp_path, capsys):
+    process, run = _start(tmp_path)
+    worker = int(process.stdout.readline().split()[1])
+    os.kill(process.pid, signal.SIGKILL)  # the run's process only: no handler runs, nothing is written
+    process.wait(timeout=30)
+    metadata = json.loads((run / "run_metadata.json").read_text())
+    assert metadata["status"] == "running" and metadata["process"]["pid"] == process.pid
+    assert _group_gone(process.pid), f"the math worker {worker} outlived its killed parent"
+
+    assert cli.main(["summarize", str(run)]) == 0
+    table = capsys.readouterr().out
+    assert "stale" in table.splitlines()[1]
+    assert cli.main(["check-run", str(run)]) == 1
+    report = capsys.readouterr().out
+    assert f"status is 'running' but it is stale: its process {process.pid} on" in report
+    assert "no longer exists" in report
