@@ -247,6 +247,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
                                                        if getattr(args, f) is not None}))
     preflight(config, writes_run_dir=False)
+    for notice in task.notices:
+        print(f"[data] notice: {notice}", flush=True)
     problems = problems[: args.num_problems]
     service = create_service_client()
     sampler = (service.create_sampling_client(model_path=args.weights) if args.weights

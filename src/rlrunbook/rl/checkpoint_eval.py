@@ -110,6 +110,8 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
     if options.dataset is not None:
         config = config.replace(dataset=options.dataset)
     config, _, task, problems = prepare(config)
+    for notice in task.notices:
+        log(f"[data] notice: {notice}")
     if service_factory is None:
         from rlrunbook.rl.preflight import preflight
 

@@ -150,6 +150,10 @@ def load_problems(task: Task, settings: DataSettings) -> list[Problem]:
         path, status = found[0], "loaded"
     else:
         loaded = task.load()
+        if task.embedded_source is not None:  # a stand-in for data it could not reach: never pinned as that data
+            task.notices.append(f"--cache-dataset: not caching {task.embedded_source}; a later run with the "
+                                "real data set must not be served this one.")
+            return loaded
         path, status = root / f"{key}-{fingerprint_records([p.record for p in loaded])}.jsonl", "written"
         write_cache(path, loaded, source)
     problems, header = read_cache(path)  # a fresh cache is read back too: both runs train on the file

@@ -169,7 +169,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
                           resumed_from=None if resume is None else resume.record(), world_size=layout.world_size)
     log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
     for line in data_warnings:
-        log(f"[data] warning: {line}")
+        log(f"[data] {line}")
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)

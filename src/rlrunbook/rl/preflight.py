@@ -82,9 +82,12 @@ def check_output_file(path: str | os.PathLike[str], flag: str = "--out") -> None
 
 def dataset_record(task, problems) -> tuple[dict, list[str]]:
     """What ``run_metadata.json`` records of the data set (with ``warnings`` when there are any), and the
-    warnings to log: duplicate rows, shared ids, empty prompts (see :mod:`rlrunbook.rl.data.quality`)."""
+    lines to log: the task's notices (a fallback data set), then duplicate rows, shared ids and empty
+    prompts (see :mod:`rlrunbook.rl.data.quality`)."""
     from rlrunbook.rl.data.quality import data_warnings
 
-    warnings = data_warnings(task.dataset, problems, task.user_message, duplicates_expected=task.repeats_by_design())
+    warnings = [*task.notices, *data_warnings(task.dataset, problems, task.user_message,
+                                              duplicates_expected=task.repeats_by_design())]
     info = task.dataset_info(problems)
-    return ({**info, "warnings": warnings} if warnings else info), warnings
+    lines = [*(f"notice: {n}" for n in task.notices), *(f"warning: {w}" for w in warnings[len(task.notices):])]
+    return ({**info, "warnings": warnings} if warnings else info), lines

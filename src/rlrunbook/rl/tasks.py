@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.rl.data import (
+    DatasetError,
     QARecord,
     SummaryRecord,
     arithmetic_problems,
@@ -25,6 +26,8 @@ from rlrunbook.rl.data import (
     load_gsm8k,
     load_nq_open,
 )
+from rlrunbook.rl.data.sources import hub_unreachable
+from rlrunbook.rl.data.synthetic_news import synthetic_news, synthetic_news_name
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rewards.math import math_reward
 from rlrunbook.rl.rewards.symbolic import DEFAULT_TIMEOUT_S
@@ -49,6 +52,9 @@ class Task(ABC):
     rollout_kind: ClassVar[str] = "baseline"  # which rollout file single-turn runs write: baseline | summary
     default_dataset: ClassVar[str]
     cache_info: dict | None = None  # set by rl.dataset_cache when the problems came through --cache-dataset
+    # Set by load() when it serves generated problems in place of a data set it could not reach: the
+    # dataset cache must not pin them, and run_metadata.json names them under dataset.source.
+    embedded_source: str | None = None
 
     def __init__(self, dataset: str | None, reward_fn: str | None, seed: int, options: dict | None = None):
         self.dataset = dataset or self.default_dataset
@@ -58,6 +64,7 @@ class Task(ABC):
                               f"use one of {list(self.reward_fns)}.")
         self.seed = seed
         self.options = options or {}
+        self.notices: list[str] = []  # one-line notices load() has for the run's log (a fallback data set)
 
     @abstractmethod
     def load(self) -> list[Problem]:
@@ -87,6 +94,8 @@ class Task(ABC):
         """Name, row count and fingerprint of the data set (and, when cached, where the copy is)."""
         info = {"name": self.dataset, "rows": len(problems),
                 "fingerprint": fingerprint_records([p.record for p in problems])}
+        if self.embedded_source is not None:
+            info["source"] = self.embedded_source
         return info if self.cache_info is None else {**info, "cache": dict(self.cache_info)}
 
 
@@ -235,6 +244,10 @@ class MathTask(Task):
 class SummaryTask(Task):
     """Summarise a news article (CNN/DailyMail); reward ``compression`` or ``rouge`` against the highlights.
 
+    ``--dataset cnn_dailymail`` (the default) is the project's local copy, else the hub, else (with a
+    one-line notice) the embedded synthetic set of ``rl.data.synthetic_news``, so the main job runs
+    anywhere; a path or hub id the user gives is that data set or an error, never replaced.
+
     The article is cut to ``summary_max_words`` words (150 by default) before it goes into the
     prompt, which keeps prompts inside small models' contexts and CPU steps short; rewards are
     computed against the same cut text (compression) or the reference highlights (rouge).
@@ -246,8 +259,30 @@ class SummaryTask(Task):
     default_dataset = "cnn_dailymail"
 
     def load(self) -> list[Problem]:
-        source = _local_or_name(self.dataset, "cnn_dailymail")
-        return [Problem(r.id, r) for r in load_cnn_dailymail(source)]
+        if self.dataset == "cnn_dailymail":  # the kind's name: wherever it can be had (see below)
+            records = self._cnn_dailymail_anywhere()
+        else:  # a file or a hub id the user named: that one, or an error; never a replacement
+            records = load_cnn_dailymail(self.dataset)
+        return [Problem(r.id, r) for r in records]
+
+    def _cnn_dailymail_anywhere(self) -> list[SummaryRecord]:
+        """The project's local copy, else the hub, else the embedded synthetic set with a one-line notice."""
+        local = default_local_path("cnn_dailymail")
+        if local is not None:
+            return load_cnn_dailymail(local)
+        why = hub_unreachable()
+        if why is None:
+            try:
+                return load_cnn_dailymail("cnn_dailymail")
+            except DatasetError as error:
+                why = str(error).split(". Without network", 1)[0]
+        size = int(self.options.get("synthetic_size", 200))
+        self.embedded_source = f"embedded:{synthetic_news_name()} (generated, {size} articles)"
+        self.notices.append(
+            f"cnn_dailymail: no local copy (../shared/data/cnn_dailymail, or $RLRUNBOOK_DATA_DIR) and the hub "
+            f"is unavailable ({why}): using rlrunbook's embedded synthetic news set ({size} generated articles "
+            "with known key facts; no third-party text). Pass --dataset PATH or a hub id to require real data.")
+        return synthetic_news(size, seed=0)
 
     def _document(self, problem: Problem) -> str:
         limit = int(self.options.get("summary_max_words", 150))

@@ -8,6 +8,7 @@ is ``datasets`` imported, so the package works offline without the ``data`` extr
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +114,30 @@ def load_hub_rows(spec: HubSpec, split: str | None = None) -> list[dict]:
                            f"({type(exc).__name__}: {exc}). Without network access pass a local "
                            "JSONL path instead.") from exc
     return [dict(row) for row in dataset]
+
+
+_TRUTHY = {"1", "on", "yes", "true"}
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot serve a data set now, or None when it is worth asking.
+
+    None also when ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` is set: then ``datasets`` answers from its
+    local cache, at once. Otherwise one TCP connection to the endpoint (``HF_ENDPOINT``) within
+    ``timeout_s``: without it ``load_dataset`` retries for about 25 s before giving up.
+    """
+    if any(os.environ.get(name, "").strip().lower() in _TRUTHY for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return None
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        return "the 'datasets' package is not installed"
+    from urllib.parse import urlsplit
+
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        return f"no connection to {host}:{port} ({error})"
+    return None
