@@ -306,3 +306,24 @@ def test_requests_submitted_in_a_batch_block_are_one_engine_call_whatever_the_ti
             _time.sleep(0.02)  # far longer than the coalescing window
     assert all(len(f.result().sequences) == 1 for f in futures)
     assert worker.batches_run - before == 1
+
+
+def test_lora_wrapping_is_quiet_on_a_tied_model(smollm2_folder):
+    """peft's tie_word_embeddings UserWarning and the is_gradient_checkpointing FutureWarning (both expected:
+    see rlrunbook.backend.lora) never reach users; any other warning would."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlrunbook.backend.lora import wrap_with_lora
+
+    config = AutoConfig.from_pretrained(smollm2_folder)
+    assert config.tie_word_embeddings  # the case that makes peft warn
+    small = AutoConfig.from_pretrained(smollm2_folder, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512)
+    model = AutoModelForCausalLM.from_config(small)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = wrap_with_lora(model, rank=2, alpha=4, seed=0)
+    assert [str(w.message) for w in caught] == []
+    assert any("lm_head" in name and "lora_A" in name for name, _ in wrapped.named_parameters())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -38,10 +40,24 @@ def wrap_with_lora(
         raise ConfigError(f"none of the LoRA target modules exist in {type(model).__name__}.")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                         target_modules=targets, task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        _quiet_peft_wrapping()
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
     return peft_model
+
+
+def _quiet_peft_wrapping() -> None:
+    """Filter (inside the caller's ``catch_warnings``) the two warnings ``get_peft_model`` prints on every run,
+    both about things rlrunbook does on purpose or cannot change; any other warning still shows."""
+    # LoRA on the unembedding of a model with tied embeddings (SmolLM2) adapts the output projection only, as
+    # the Tinker API's train_unembed means; the input embedding stays the base's. peft warns because merging
+    # such an adapter, or converting it to another format, would untie the two; rlrunbook never does either.
+    warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer is part of "
+                            "the adapter", category=UserWarning)
+    # peft 0.21 reads `model.is_gradient_checkpointing`, which transformers 5 renamed (FutureWarning); the
+    # call is peft's own and changes nothing here. Fixed in later peft releases.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
