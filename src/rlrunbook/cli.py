@@ -124,6 +124,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlrunbook.run import check_run, format_results, rubric_passed
 
     runs = _resolve_runs(args)
+    if getattr(args, "resume_from", None) is None:
+        from rlrunbook.rl.preflight import check_run_location
+
+        for resolved in runs:  # every sweep point's run directory, before the first run starts
+            check_run_location(resolved.config)
     argv = sys.argv[1:] if args.argv is None else args.argv
     resume_from = getattr(args, "resume_from", None)
     if resume_from is not None and len(runs) > 1:

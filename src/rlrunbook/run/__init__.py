@@ -11,18 +11,21 @@ Artifact schema (version 1)
 
 ``run_metadata.json``::
 
-    {"schema_version": 1, "status": "running" | "completed" | "failed",
+    {"schema_version": 1, "status": "running" | "completed" | "failed" | "interrupted",
      "started_at": ISO-8601 UTC, "finished_at": ISO-8601 UTC | null, "error": str | null,
      "config": {... "mode": "single_turn" | "debate", "env": str, "steps": int, "seed": int ...,
                 "loss": {...}, "checkpoint": {...}, ...}   # TrainConfig.to_dict(): sections nested,
      "config_sources": {dotted key: "default" | "file:<path>" | "override" | "cli" | "sweep"}, "argv": [str],
      "world_size": int,                                     # processes of a torchrun run, else 1
+     "process": {"pid", "host", "boot_id", "start_ticks"},  # who runs it (run.liveness: "stale" runs)
+     "heartbeat_at": ISO-8601 UTC,                          # refreshed every 30 s while it runs
      "resumed_from": {"path", "run", "step"},               # only in a resumed run
      "versions": {"python", "torch", "transformers", "peft", "tinker", "rlrunbook", "numpy": str | "missing"},
      "git": {"commit": str, "dirty": bool} | null, "hardware": {...}, "seeds": {dotted key: value},
      "environment": {TINKER_*, RLRUNBOOK_*, CUDA_*, PYTORCH_*, HF_*, TRANSFORMERS_*, OMP_*, MALLOC_*,
                      PYTHON*: value, secret-named ones "<redacted>"},
-     "dataset": {"name", "rows", "fingerprint", "cache": {"path", "status": "written" | "loaded",
+     "dataset": {"name", "rows", "fingerprint", "source" (an embedded stand-in only), "warnings": [str],
+                 "cache": {"path", "status": "written" | "loaded",
                  "source_key", "source_fingerprint", "cached_fingerprint"} (with --cache-dataset)},
      "refused_step": {"step": int, "quantity": "loss:sum" | "grad_norm", "value": str | null,
                       "cause": str, "weights_changed": bool}}   # only when a NaN/inf guard stopped the run
@@ -33,7 +36,12 @@ Artifact schema (version 1)
      "advantage/nonzero_count": int, "advantage/min", "advantage/max", "loss/sum",
      "num_datums": int, "num_trained_tokens": int, "completion_length/mean",
      "time/sample_s", "time/score_s", "time/forward_backward_s", "time/optim_s", "time/step_s",
-     "throughput/sampled_tokens_per_s", "throughput/trained_tokens_per_s", "memory/rss_mb"}
+     "throughput/sampled_tokens_per_s", "throughput/trained_tokens_per_s", "memory/rss_mb",
+     "dynamic_sampling/groups_drawn", "dynamic_sampling/groups_kept", "dynamic_sampling/rounds"}
+
+    A step dynamic sampling skipped (no update) logs ``"skipped": true`` and a ``"skip_reason"`` with
+    the step, reward and time keys (``schema.SKIPPED_ROW_*``); its ``training_step_<k>.json`` is
+    ``{"step", "skipped": true, "skip_reason", "training_data": [], "num_trained_tokens": 0}``.
 
 ``training_step_<k>.json``::
 
