@@ -24,7 +24,7 @@ TRAIN = ["train", "--model", "tiny", "--env", "qa", "--dataset", "test", "-n", "
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Loading any model fails the test: every refusal here must come first."""
-    import rlrunbook.models.loading as loading
+    from rlrunbook.models import loading
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input error was reported")
@@ -66,7 +66,7 @@ def _make_unwritable(folder) -> None:
     if os.geteuid() != 0:
         folder.chmod(0o555)
     elif shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)],
-                                                         capture_output=True).returncode != 0:
+                                                         capture_output=True, check=False).returncode != 0:
         pytest.skip("running as root without chattr +i: no way to make a folder unwritable here")
     try:
         (folder / "probe").mkdir()
@@ -78,7 +78,7 @@ def _make_unwritable(folder) -> None:
 
 def _make_writable(folder) -> None:
     if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True, check=False)
     folder.chmod(0o755)
 
 

@@ -16,7 +16,6 @@ import pytest
 
 from rlrunbook import cli, distributed
 from rlrunbook.errors import NoLearningSignalError
-from rlrunbook.rl import data_parallel as dp
 from rlrunbook.rl.config import TrainConfig
 from rlrunbook.rl.data import QARecord
 from rlrunbook.rl.dynamic_sampling import DataCursor, count_skip, merge_rounds, sample_step

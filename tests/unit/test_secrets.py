@@ -73,7 +73,7 @@ def secret_run(tmp_path_factory):
 def test_a_secret_config_value_is_in_no_file_of_the_run(secret_run):
     import json
 
-    root, run = secret_run
+    _, run = secret_run
     assert _files_holding(run, SECRET) == []
     metadata = json.loads((run / "run_metadata.json").read_text())
     assert f"extra.api_key={REDACTED}" in metadata["argv"]  # the command line it was given, redacted

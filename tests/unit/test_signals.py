@@ -71,7 +71,7 @@ def _group_gone(pgid: int, timeout: float = 10) -> bool:
 def test_an_interrupt_stops_the_run_cleanly(tmp_path, signum, code):
     process, run = _start(tmp_path)
     os.killpg(process.pid, signum)  # the whole group, as Ctrl-C in a terminal
-    out, err = process.communicate(timeout=120)
+    _, err = process.communicate(timeout=120)
     assert process.returncode == code, err[-3000:]
     assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
     name = signal.Signals(signum).name

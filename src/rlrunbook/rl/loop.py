@@ -26,8 +26,8 @@ from rlrunbook.rl.dataset_cache import load_problems
 from rlrunbook.rl.dynamic_sampling import DataCursor, SampledStep, count_skip, sample_step, skip_reason
 from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
-from rlrunbook.rl.preflight import dataset_record, preflight
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
+from rlrunbook.rl.preflight import dataset_record, preflight
 from rlrunbook.rl.rollouts import advantage_mode, step_record, to_datum
 from rlrunbook.rl.tasks import Problem, get_task_class
 from rlrunbook.rl.validation import Validator, check_held_out, split_held_out

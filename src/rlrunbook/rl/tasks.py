@@ -30,10 +30,10 @@ from rlrunbook.rl.data.sources import hub_unreachable
 from rlrunbook.rl.data.synthetic_news import synthetic_news, synthetic_news_name
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rewards.math import math_reward
-from rlrunbook.rl.rewards.symbolic import DEFAULT_TIMEOUT_S
 from rlrunbook.rl.rewards.multi_signal import BOXED, TRAILING_NUMBER, SignalWeights, multi_signal_reward
 from rlrunbook.rl.rewards.qa import qa_numeric_reward, qa_text_reward
 from rlrunbook.rl.rewards.summary import compression_reward, rouge_reward
+from rlrunbook.rl.rewards.symbolic import DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ EVENTS = [
      "lead": "The {town} river bridge reopened to traffic on {day} after {months} months of repairs that cost "
              "{cost}, officials said.",
      "details": ["Engineers replaced the rusted steel supports and laid a new deck wide enough for a cycle lane.",
-                 "Before the closure about {vehicles} vehicles crossed the bridge each day, and drivers faced "
-                 "detours of up to forty minutes.",
+                 ("Before the closure about {vehicles} vehicles crossed the bridge each day, and drivers faced "
+                  "detours of up to forty minutes."),
                  "Shops near the old crossing said trade fell sharply while the road was shut."],
      "quote": "\"We asked people to be patient for a long time, and today they get a safer bridge,\" said {person}, "
               "the {role} of {town}.",
@@ -69,8 +69,8 @@ EVENTS = [
      "lead": "{company}, which has made farm machinery in {town} for {years} years, will close its plant in "
              "{month}, putting {jobs} jobs at risk, the company announced on {day}.",
      "details": ["Managers blamed rising costs and falling orders from abroad for the decision.",
-                 "The plant is the largest employer in {region}, and many families have worked there for "
-                 "generations.",
+                 ("The plant is the largest employer in {region}, and many families have worked there for "
+                  "generations."),
                  "Union leaders said they would ask the company to keep part of the site open."],
      "quote": "\"This is a hard day for every worker and for the whole town,\" said {person}, a {role}.",
      "roles": ["union representative", "council member", "local business owner"],
