@@ -1,11 +1,13 @@
 """The policy learns: held-out task reward rises after a few GRPO steps (smollm2-135m, CPU).
 
 Task: the built-in arithmetic ``qa`` set (single-digit operands, reward 1 for a correct last
-number, 0.1 for a wrong answer that states a number). Training draws 16 questions (8 steps x 2
-groups of 8 rollouts, seed 0, lr 3e-4); the held-out set is 16 other questions generated with
-another seed (checked disjoint). Held-out reward = mean over 16 questions x 8 samples at T = 1.
+number, 0.1 for a wrong answer that states a number). Training trains on 16 questions (8 steps x 2
+groups of 8 rollouts, seed 0, lr 3e-4; dynamic sampling replaced one tied group in steps 4 and 5, so
+18 were sampled); the held-out set is 16 other questions generated with another seed (checked
+disjoint from all 18). Held-out reward = mean over 16 questions x 8 samples at T = 1.
 
-Measured on the project's CPU machine (2026-11-21): 0.243 before, 0.412 after 8 steps (+0.169).
+Measured on the project's CPU machine: 0.243 before, 0.412 after 8 steps (+0.169, 2026-11-21, before
+dynamic sampling); 0.243 before, 0.427 after (+0.184, 2026-11-23, with it).
 The assertion asks for a rise of at least 0.10. Justification: each mean averages 128 rewards in
 [0, 1] whose standard deviation is at most 0.5, so its standard error is at most 0.044 and that of
 the difference at most 0.0625; a rise of 0.10 is 1.6 of those, which an untrained policy (same
@@ -48,8 +50,13 @@ def test_held_out_reward_rises_on_smollm2(tmp_path):
     results = check_run(run_dir)
     assert rubric_passed(results), format_results(results)
     questions = {p.id: p.record.question for p in train_problems}
-    trained = {questions[r["problem_id"]] for f in run_dir.glob("baseline_*.json")
+    held_out_questions = {p.record.question for p in held_out}
+    # Trained: the groups of the datums (2 per step). Sampled: also the tied groups dynamic sampling replaced.
+    trained = {questions[d["metadata"]["problem_id"]] for f in run_dir.glob("training_step_*.json")
+               for d in json.loads(f.read_text())["training_data"]}
+    sampled = {questions[r["problem_id"]] for f in run_dir.glob("baseline_*.json")
                for r in json.loads(f.read_text())["records"]}
-    assert len(trained) == 16 and not trained & {p.record.question for p in held_out}, "held-out overlaps training"
+    assert len(trained) == 16 and trained <= sampled
+    assert not sampled & held_out_questions, "held-out overlaps training"
     print(f"held-out mean task reward: initial {scores['initial']:.4f} -> final {scores['final']:.4f}")
     assert scores["final"] - scores["initial"] >= MARGIN, scores

@@ -57,15 +57,18 @@ def test_unregistered_task_is_refused(tmp_path):
 
 
 def test_constant_reward_stops_the_run_with_the_diagnosis(toy_task, tmp_path, monkeypatch):
-    """All-zero advantages stop the run, name the cause and the fixes, and leave a failed run directory."""
+    """All-zero advantages in max_skipped_steps steps in a row stop the run, name the cause and the fixes, and
+    leave a failed run directory (the steps before are logged as skipped)."""
     from rlrunbook.errors import NoLearningSignalError
 
     monkeypatch.setattr(toy_task, "reward", lambda self, problem, text: RewardResult(0.5, {}))
-    config = TrainConfig(env="toy_digits", model="tiny", num_rollouts=8, steps=2, max_tokens=8,
-                         log_root=str(tmp_path), name="flat")
-    with pytest.raises(NoLearningSignalError, match="All token advantages are 0.0") as caught:
+    config = TrainConfig(env="toy_digits", model="tiny", num_rollouts=8, steps=3, max_tokens=8,
+                         log_root=str(tmp_path), name="flat", dynamic_sampling={"max_rounds": 2,
+                                                                                "max_skipped_steps": 2})
+    with pytest.raises(NoLearningSignalError, match="All token advantages are 0.0 in 2 steps in a row") as caught:
         run_training(config)
-    assert "constant within every group" in str(caught.value) and "Increase -n" in str(caught.value)
+    assert "0 of 1 groups had reward spread after drawing 2 groups" in str(caught.value)
+    assert "Increase -n" in str(caught.value)
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     results = check_run(run_dir)
     assert not rubric_passed(results)
