@@ -68,17 +68,28 @@ def test_the_kind_name_falls_back_with_one_notice(no_local_copy, monkeypatch):
     assert task.dataset_info(problems)["source"] == "embedded:synthetic_news-v1 (generated, 200 articles)"
 
 
-def test_an_offline_hub_is_asked_then_the_fallback_serves(no_local_copy, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # datasets answers from its cache, at once: here it has nothing
+@pytest.fixture
+def hub_fails(monkeypatch):
+    """The hub looks reachable, but load_dataset fails (as it does offline with nothing cached)."""
+    import datasets
+
+    def refuse(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'abisee/cnn_dailymail' on the Hub (test)")
+
+    monkeypatch.setattr("rlrunbook.rl.tasks.hub_unreachable", lambda: None)
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+
+
+def test_the_hub_is_asked_then_the_fallback_serves(no_local_copy, hub_fails):
     task = _task()
-    assert len(task.load()) == 200 and "load_dataset failed" in task.notices[0]
+    assert len(task.load()) == 200
+    assert "load_dataset failed (ConnectionError: Couldn't reach" in task.notices[0] and "(test)" in task.notices[0]
 
 
-def test_a_path_or_hub_id_the_user_names_never_falls_back(no_local_copy, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_a_path_or_hub_id_the_user_names_never_falls_back(no_local_copy, tmp_path, hub_fails):
     with pytest.raises(InputError, match="no such file"):
         _task(str(tmp_path / "articles.jsonl")).load()
-    with pytest.raises(InputError, match="abisee/cnn_dailymail"):
+    with pytest.raises(InputError, match=r"abisee/cnn_dailymail .*load_dataset failed"):
         _task("abisee/cnn_dailymail").load()
 
 

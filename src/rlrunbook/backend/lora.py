@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
 from rlrunbook.errors import ConfigError
 
@@ -47,8 +47,15 @@ def wrap_with_lora(
     return peft_model
 
 
+def load_saved_adapter(model: torch.nn.Module, folder: str) -> torch.nn.Module:
+    """``PeftModel.from_pretrained(model, folder)`` (saved sampler weights), as quiet as :func:`wrap_with_lora`."""
+    with warnings.catch_warnings():
+        _quiet_peft_wrapping()
+        return PeftModel.from_pretrained(model, folder)
+
+
 def _quiet_peft_wrapping() -> None:
-    """Filter (inside the caller's ``catch_warnings``) the two warnings ``get_peft_model`` prints on every run,
+    """Filter (inside the caller's ``catch_warnings``) the two warnings peft's wrapping prints on every run,
     both about things rlrunbook does on purpose or cannot change; any other warning still shows."""
     # LoRA on the unembedding of a model with tied embeddings (SmolLM2) adapts the output projection only, as
     # the Tinker API's train_unembed means; the input embedding stays the base's. peft warns because merging

@@ -11,14 +11,13 @@ import json
 import uuid
 from typing import Any
 
-from peft import PeftModel
 from tinker import types
 from typing_extensions import Self
 
 from rlrunbook.backend.checkpoints import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.futures import OrderedWorker, completed
 from rlrunbook.backend.host import ModelHost, SamplerWeights, load_host
-from rlrunbook.backend.lora import clone_adapter, wrap_with_lora
+from rlrunbook.backend.lora import clone_adapter, load_saved_adapter, wrap_with_lora
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.settings import LocalSettings
@@ -180,7 +179,7 @@ class LocalServiceClient:
         if not meta.is_file():
             raise ModelNotFoundError(f"{folder} does not name its base model ({BASE_MODEL_FILE} missing).")
         host = load_host(json.loads(meta.read_text())["base_model"], self.settings)
-        host.model = PeftModel.from_pretrained(host.model, str(folder))
+        host.model = load_saved_adapter(host.model, str(folder))
         host.engine.model = host.model
         return host
 
