@@ -67,15 +67,28 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     dtype = getattr(torch, args.dtype)
-    settings = LocalSettings(dtype=dtype, **({"device": args.device} if args.device else {}))
+    # TINKER_LOCAL_* (the sampler and its vLLM server among them) as for training; the flags win.
+    from_env = LocalSettings.from_env()
+    settings = dataclasses.replace(from_env, dtype=dtype, sampler=args.sampler or from_env.sampler,
+                                   **({"device": args.device} if args.device else {}))
     print(f"[check-logprobs] loading {args.model} ({args.dtype} on {settings.device})", flush=True)
     host = load_host(args.model, settings)
     prompt = _encode_prompt(host.tokenizer, args.prompt, args.raw)
     request = dataclasses.replace(request, stop=resolve_stop(None, host.eos_token_ids))
     tolerance = args.tolerance if args.tolerance is not None else default_tolerance(dtype)
     flips = FP32_MAX_BOUNDARY_FLIPS if dtype == torch.float32 else HALF_MAX_BOUNDARY_FLIPS
-    report = logprob_parity(host.engine, [prompt], request, num_samples=args.num_samples, tolerance=tolerance,
-                            max_flip_fraction=flips)
+    engine, close = host.engine, (lambda: None)
+    if settings.sampler == "vllm":  # a vLLM server samples; the same in-process model teacher-forces
+        from rlrunbook.backend.vllm_sampling import VllmSamplers
+
+        samplers = VllmSamplers(settings)
+        engine, close = samplers.engine_for(host), samplers.close
+    print(f"engine: {settings.sampler}", flush=True)
+    try:
+        report = logprob_parity(engine, [prompt], request, num_samples=args.num_samples, tolerance=tolerance,
+                                max_flip_fraction=flips)
+    finally:
+        close()
     print(f"prompt tokens: {len(prompt)}  sampled tokens: {report.num_tokens} "
           f"in {len(report.completions)} completion(s)")
     if report.completions:
@@ -416,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tolerance", type=float, default=None,
                        help="max abs logprob gap allowed (default 1e-4 in float32, 5e-2 in half precision)")
     check.add_argument("--raw", action="store_true", help="encode the prompt as plain text, no chat template")
+    check.add_argument("--sampler", choices=("hf", "vllm"), default=None,
+                       help="sampling engine (default: TINKER_LOCAL_SAMPLER, else hf); vllm samples through a vLLM "
+                            "server (TINKER_LOCAL_VLLM_URL, else one started from .venv-vllm)")
     check.set_defaults(func=cmd_check_logprobs)
 
     train = commands.add_parser("train", help="train a LoRA policy: single-turn GRPO or debate with rejection "

@@ -17,13 +17,19 @@ from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
 
 @dataclass
 class ModelHost:
-    """One model in memory: ``model`` (plain or LoRA-wrapped), its tokenizer, its engine."""
+    """One model in memory: ``model`` (plain or LoRA-wrapped), its tokenizer, its engine.
+
+    ``vllm`` is set when a vLLM server samples for this model (``TINKER_LOCAL_SAMPLER=vllm``): a
+    :class:`rlrunbook.engines.vllm_engine.VllmSamplingEngine`; ``engine`` then only validates requests
+    and draws seeds.
+    """
 
     name: str
     folder: Path
     tokenizer: object
     model: torch.nn.Module
     engine: HFSamplingEngine
+    vllm: object | None = None
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -107,6 +107,7 @@ class LocalSamplingClient(ResolvedClient):
         self._worker = worker
         self._live_version = live_version
         self.model_path = model_path
+        self._adapter = None  # the vLLM sampler's view of these weights (TINKER_LOCAL_SAMPLER=vllm)
 
     def __getattr__(self, name: str):
         from tinker.lib.public_interfaces.sampling_client import SamplingClient
@@ -172,10 +173,22 @@ class LocalSamplingClient(ResolvedClient):
     def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
         """One engine call for every queued request that shares these weights and settings."""
         with active_weights(self._host, self._weights, self._live_version()):
-            results = self._host.engine.sample_jobs([job for job, _ in items])
+            jobs = [job for job, _ in items]
+            if self._host.vllm is None:
+                results = self._host.engine.sample_jobs(jobs)
+            else:  # a vLLM server samples; it loads this client's snapshot, written here while it is live
+                results = self._host.vllm.sample_jobs(jobs, self._vllm_adapter())
             prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
         return [self._response(completions, prompt_lp)
                 for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
+
+    def _vllm_adapter(self):
+        """This client's weights as a vLLM adapter (named by their digest, computed once), or None for the base."""
+        if self._adapter is None and self._weights.adapter is not None:
+            from rlrunbook.backend.vllm_sampling import snapshot_adapter
+
+            self._adapter = snapshot_adapter(self._host, self._weights)
+        return self._adapter
 
     @staticmethod
     def _response(completions, prompt_lp) -> types.SampleResponse:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from rlrunbook.backend.vllm_settings import VllmSettings
 from rlrunbook.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -45,7 +46,8 @@ class LocalSettings:
             backward each, so peak memory falls while the summed gradient is unchanged
             (``TINKER_LOCAL_GRAD_ACCUM_STEPS``, 1).
         lora_alpha: LoRA alpha (``TINKER_LOCAL_LORA_ALPHA``, 32: scale 1 at the SDK's default rank 32).
-        sampler: sampling engine (``TINKER_LOCAL_SAMPLER``: hf | vllm; hf).
+        sampler: sampling engine (``TINKER_LOCAL_SAMPLER``: hf | vllm; hf). ``vllm`` samples through a
+            vLLM server, configured by ``vllm``.
         storage_dir: where ``tinker://`` checkpoints live (``TINKER_LOCAL_STORAGE``;
             default ``$RLRUNBOOK_CACHE_DIR/tinker`` or ``~/.cache/rlrunbook/tinker``).
         max_batch_rows: most sequences per generate call (``TINKER_LOCAL_MAX_BATCH_ROWS``, 256).
@@ -56,6 +58,8 @@ class LocalSettings:
             recipes need, whose loops send such batches when every group's rewards tie).
         load_in_4bit: load frozen base weights 4-bit NF4 (bitsandbytes, CUDA only; set by a run's
             ``backend.load_in_4bit``).
+        vllm: the vLLM sampler's server: managed or external, restarts, limits (``TINKER_LOCAL_VLLM_*``;
+            see :class:`rlrunbook.backend.vllm_settings.VllmSettings`).
     """
 
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -68,8 +72,11 @@ class LocalSettings:
     max_batch_rows: int = 256
     zero_advantage_batches: str = "error"
     load_in_4bit: bool = False
+    vllm: VllmSettings = field(default_factory=VllmSettings)
 
     def __post_init__(self) -> None:
+        if self.sampler not in ("hf", "vllm"):
+            raise ConfigError(f"sampler={self.sampler!r} must be 'hf' or 'vllm'.")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
 
@@ -100,11 +107,6 @@ class LocalSettings:
         sampler = env.get("TINKER_LOCAL_SAMPLER", "hf") or "hf"
         if sampler not in ("hf", "vllm"):
             raise ConfigError(f"TINKER_LOCAL_SAMPLER={sampler!r} must be 'hf' or 'vllm'.")
-        if sampler == "vllm":
-            raise ConfigError(
-                "TINKER_LOCAL_SAMPLER=vllm: the vLLM engine is not part of this build yet; "
-                "unset TINKER_LOCAL_SAMPLER to sample with transformers (hf)."
-            )
         zero = env.get("TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES", "").strip().lower() or "error"
         if zero not in ("error", "accept"):
             raise ConfigError(f"TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES={zero!r} must be 'error' or 'accept'.")
@@ -117,5 +119,6 @@ class LocalSettings:
             lora_alpha=_int_env(env, "TINKER_LOCAL_LORA_ALPHA", 32, 1),
             max_batch_rows=_int_env(env, "TINKER_LOCAL_MAX_BATCH_ROWS", 256, 1),
             sampler=sampler,
+            vllm=VllmSettings.from_env(env),
             **kwargs,  # type: ignore[arg-type]
         )

@@ -50,11 +50,14 @@ class Completion:
     start inside an earlier token, and that token's text may run past the string's end).
     ``logprobs`` are under the distribution actually sampled (after temperature and filters);
     ``policy_logprobs`` under the raw T = 1 policy. Both align one to one with ``tokens``.
+    ``policy_logprobs`` is ``None`` where the engine cannot know them: the vLLM engine returns one
+    logprob per token, those of the sampled distribution, which are the T = 1 policy's only for a
+    greedy sample or at T = 1 without filters (there it fills them in).
     """
 
     tokens: list[int]
     logprobs: list[float]
-    policy_logprobs: list[float]
+    policy_logprobs: list[float] | None
     stop_reason: StopReason
 
 

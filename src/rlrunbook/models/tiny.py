@@ -138,8 +138,9 @@ def _to_transformers_tokenizer(tokenizer: Tokenizer):
     )
 
 
-def tiny_config(vocab_size: int, pad_id: int, eos_id: int):
-    """Return the ``Qwen2Config`` of ``tiny`` (hidden 64, 2 layers, 4 query / 2 KV heads)."""
+def tiny_config(vocab_size: int, pad_id: int, eos_id: int, num_attention_heads: int = 4,
+                num_key_value_heads: int = 2):
+    """Return the ``Qwen2Config`` of ``tiny`` (hidden 64, 2 layers, 4 query / 2 KV heads by default)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -147,8 +148,8 @@ def tiny_config(vocab_size: int, pad_id: int, eos_id: int):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=2048,
         initializer_range=0.2,
         tie_word_embeddings=False,
@@ -186,7 +187,7 @@ def neutral_generation_config(bos_id: int | None, eos_id: int, pad_id: int):
     )
 
 
-def build_tiny(out_dir: Path, seed: int = 0) -> Path:
+def build_tiny(out_dir: Path, seed: int = 0, num_attention_heads: int = 4, num_key_value_heads: int = 2) -> Path:
     """Build the ``tiny`` Qwen2 model, tokenizer and generation config into ``out_dir``; return it.
 
     Deterministic: the same ``seed`` gives byte-identical files. The tokenizer does not depend
@@ -198,7 +199,8 @@ def build_tiny(out_dir: Path, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_tokenizer = _to_transformers_tokenizer(train_tiny_tokenizer())
     pad_id, eos_id = hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id
-    config = tiny_config(len(hf_tokenizer), pad_id=pad_id, eos_id=eos_id)
+    config = tiny_config(len(hf_tokenizer), pad_id=pad_id, eos_id=eos_id, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads)
     # fork_rng: seeding here must not change the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -208,3 +210,12 @@ def build_tiny(out_dir: Path, seed: int = 0) -> Path:
     # save_jinja_files=False keeps the template inside tokenizer_config.json, readable by old tools too.
     hf_tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir
+
+
+def build_tiny_vllm(out_dir: Path, seed: int = 0) -> Path:
+    """``tiny`` with 2 query heads and 1 KV head, so each head has 32 dimensions instead of 16.
+
+    vLLM's CPU attention supports head sizes 32, 64, 80, ... only (0.32 refuses 16 at the first
+    request), so this is the built-in that the vLLM sampler's tests run on a CPU server.
+    """
+    return build_tiny(out_dir, seed=seed, num_attention_heads=2, num_key_value_heads=1)
