@@ -21,6 +21,7 @@ import torch
 import rlrunbook
 from rlrunbook.backend.checkpoints import write_adapter
 from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
+from rlrunbook.backend.lora import clone_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.engines.vllm_checks import served_base_model, verify_server
@@ -119,7 +120,10 @@ class VllmSamplers:
             if self._scratch is None:
                 self._scratch = Path(tempfile.mkdtemp(prefix="rlrunbook-vllm-"))
             self._engines[key] = open_engine(host, self.settings, self._scratch / str(len(self._engines)), self.log)
-        return self._engines[key]
+        engine = self._engines[key]
+        if adapter_rank(host) is not None:  # a LoRA model: an adapter the server refuses fails here, not at step 1
+            engine.prepare(snapshot_adapter(host, SamplerWeights(adapter=clone_adapter(host.model))))
+        return engine
 
     def close(self) -> None:
         """Unload adapters, stop managed servers, delete adapter folders (server logs stay, for post-mortems)."""

@@ -171,6 +171,11 @@ class VllmSamplingEngine:
         return next(end for end, text in enumerate(texts, 1) if any(s in text for s in request.stop_strings))
 
     # -- adapters ---------------------------------------------------------------------------
+    def prepare(self, adapter: Adapter | None) -> str:
+        """Load ``adapter`` now (when a training run starts), so that one the server refuses fails before any
+        step; returns its served name."""
+        return self._served_name(adapter)
+
     def _served_name(self, adapter: Adapter | None) -> str:
         if adapter is None:
             return self.server.served_model
@@ -198,6 +203,13 @@ class VllmSamplingEngine:
                         f"smaller --max-lora-rank ({error}). Restart it with --max-lora-rank {lora_rank_flag(adapter.rank)} "
                         "or train with a lower lora_rank; a managed server (no TINKER_LOCAL_VLLM_URL) follows the "
                         "adapter's rank by itself."
+                    ) from None
+                if "expected target modules" in str(error) and "lm_head" in str(error):
+                    raise ConfigError(
+                        "the vLLM server serves no LoRA on the output layer (lm_head) for this model's architecture "
+                        "(vLLM 0.32 does for Llama, Qwen3, Mixtral and others, not for Qwen2). Train without it: "
+                        "create_lora_training_client(..., train_unembed=False), or `rlrunbook train ... "
+                        f"train_unembed=false`; or sample with TINKER_LOCAL_SAMPLER=hf. Server: {error}"
                     ) from None
                 raise self.server.explain(error) from None
             self._loaded[name] = folder

@@ -11,7 +11,6 @@ bound the memory a long run's server accumulates, the seeds' ``RESTART_EVERY`` k
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
 import socket
@@ -77,9 +76,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+# Runs before the server: asks Linux for SIGTERM when the starting thread dies (1 = PR_SET_PDEATHSIG, which
+# survives exec), exits if that parent is already gone, then becomes the server. A launcher rather than a
+# preexec_fn, which is unsafe in a process with threads.
+_LAUNCHER = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15); "
+             "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def _with_parent_death_signal(args: list[str]) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return args
+    return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *args]
 
 
 def group_rss_mb(pgid: int) -> float:
@@ -129,9 +136,10 @@ class ManagedServer:
                  f"(max LoRA rank {self.max_lora_rank}); log: {self._log_path}")
         with open(self._log_path, "wb") as log_file:
             try:
-                self._process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self._process = subprocess.Popen(_with_parent_death_signal(args), stdout=log_file,
+                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                  env=server_environment(self.launch, dict(os.environ)),
-                                                 start_new_session=True, preexec_fn=_die_with_parent)
+                                                 start_new_session=True)
             except OSError as error:
                 raise VllmServerError(f"cannot run the vLLM server command {args[0]!r}: {error}. Create its venv with "
                                       "`bash scripts/setup-vllm.sh` or set TINKER_LOCAL_VLLM_COMMAND.") from None

@@ -42,7 +42,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-vllm": BuiltinModel(
         build=build_tiny_vllm,
         version=TINY_VERSION,
-        description="tiny with 2 heads of 32 dims (head size 16 is refused by vLLM's CPU attention); built in ~2 s",
+        description="tiny as a Llama with 2 heads of 32 dims, which vLLM's CPU build serves with LoRA on lm_head; ~2 s",
     ),
     "smollm2-135m": BuiltinModel(
         build=build_smollm2,

@@ -89,6 +89,8 @@ class BackendSettings(_Section):
         None, description="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
     load_in_4bit: bool = Field(False, description="load the frozen base model 4-bit (bitsandbytes, cuda only)")
     grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch")
+    sampler: Literal["hf", "vllm"] | None = Field(
+        None, description="sampling engine: hf (in process) or vllm (a vLLM server); default TINKER_LOCAL_SAMPLER")
 
 
 class TrainConfig(BaseModel):
@@ -118,6 +120,8 @@ class TrainConfig(BaseModel):
     log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
     learning_rate: float = Field(1e-4, description="AdamW learning rate")
     lora_rank: int = Field(16, description="LoRA rank")
+    train_unembed: bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
+                                                  "Llama-family models, not for Qwen2 (set false there)")
     loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with")
     summary_max_words: int = Field(150, description="summary: the article is cut to this many words")
     deterministic: bool = Field(False, description="seed Python/NumPy/torch, deterministic torch algorithms")

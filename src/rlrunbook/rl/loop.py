@@ -113,6 +113,8 @@ def local_settings(config: TrainConfig):
         changes["dtype"] = getattr(torch, stated.dtype)
     if stated.grad_accum_steps is not None:
         changes["grad_accum_chunks"] = stated.grad_accum_steps
+    if stated.sampler is not None:
+        changes["sampler"] = stated.sampler
     return dataclasses.replace(settings, **changes)
 
 
@@ -181,7 +183,8 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         if resume is not None:
             resume.begin(writer)
         service = service_factory() if service_factory is not None else _default_service(config)
-        training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
+        training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
+                                                   train_unembed=config.train_unembed)
         tokenizer = training.get_tokenizer()
         limit = PromptLimit.from_settings(config.data)
         check_prompts(tokenizer, task, problems, limit, paradigm.prompt_suffixes, log)
