@@ -90,12 +90,16 @@ def open_engine(host: ModelHost, settings: LocalSettings, scratch: Path,
     try:
         served = served_base_model(server.client, server.served_model)
         limits = [n for n in (max_context, served.max_model_len, host.engine.max_context) if n]
+        base_model = host.model.get_base_model() if hasattr(host.model, "get_base_model") else host.model
+        unembed = base_model.get_output_embeddings()  # a peft wrapper keeps in_ and out_features
         engine = VllmSamplingEngine(server, vocab_size=host.engine.vocab_size, max_context=min(limits, default=None),
+                                    unembed_shape=(unembed.out_features, unembed.in_features),
                                     adapter_dir=vllm.adapter_dir or scratch / "adapters",
                                     decode_batch=host.engine.decode_batch, max_loaded=vllm.max_loras,
                                     seed=settings.seed, model=host.model, pad_token_id=host.pad_token_id)
         tolerance = 1e-3 if dtype == torch.float32 else 1e-1  # a sanity gate; parity itself is checked at 1e-4
-        gap = verify_server(server.client, served, host.folder, host.engine.vocab_size, _base_scorer(host), tolerance)
+        gap = verify_server(server.client, served, host.folder, host.engine.vocab_size, _base_scorer(host), tolerance,
+                            probe_model=engine.probe_name())
         log(f"[vllm] sampling with {server.client.base_url} ({served.id}; probe logprob gap {gap:.1e})")
         return engine
     except BaseException:

@@ -46,11 +46,13 @@ def served_base_model(client: VllmClient, wanted: str | None) -> ServedModel:
 
 
 def verify_server(client: VllmClient, served: ServedModel, folder: Path, vocab_size: int, score: Score,
-                  tolerance: float) -> float:
+                  tolerance: float, probe_model: str | None = None) -> float:
     """Raise ``VllmServerError`` naming the cause and the fix unless the server samples this model's
-    distribution with processed logprobs; returns the probe's largest logprob gap."""
+    distribution with processed logprobs; returns the probe's largest logprob gap. ``probe_model`` is the
+    name to sample the base model by (default ``served.id``)."""
     prompt = probe_prompt(vocab_size)
-    payload = completion_payload(served.id, prompt, 1, PROBE_FILTERS, PROBE_TOKENS, seed=0, stop_token_ids=[])
+    payload = completion_payload(probe_model or served.id, prompt, 1, PROBE_FILTERS, PROBE_TOKENS, seed=0,
+                                 stop_token_ids=[])
     (choice,) = client.complete(payload)
     where = f"the vLLM server at {client.base_url} (model {served.id!r}, loaded from {served.root})"
     same_folder = served.root is not None and _same_path(served.root, folder)

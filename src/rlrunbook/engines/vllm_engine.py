@@ -16,6 +16,13 @@ What it adds to the server's own sampling, and why:
   ``--logprobs-mode processed_logprobs`` (checked at connect time by :func:`verify_server`);
   ``policy_logprobs`` (the raw T = 1 policy) equal them where the two coincide (greedy, or
   T = 1 without filters) and are ``None`` otherwise: vLLM returns one logprob per token.
+- **The base model through a zero adapter.** vLLM 0.32's CPU LoRA kernels index the adapter
+  slots with the request's slot id, and a request without an adapter has id -1, which Python
+  indexing reads as the *last* slot: once an adapter with LoRA on ``lm_head`` has been served,
+  base-model requests get its output-layer delta (measured: logprob gaps of 0.19 on tiny-vllm).
+  So base requests are served by an adapter that puts a zero LoRA on ``lm_head`` only (exactly the
+  base logits), and never carry id -1. Where the architecture takes no ``lm_head`` LoRA, no adapter
+  can leave one behind, and plain base requests are safe.
 - **Adapters by content.** A LoRA snapshot is served under a name derived from its weights
   (:class:`Adapter`), loaded once, so a sampler of step k can only sample step k's weights and
   never a stale prefix cache of an adapter reloaded in place.
@@ -24,6 +31,7 @@ What it adds to the server's own sampling, and why:
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import threading
 from collections import OrderedDict
@@ -31,6 +39,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from rlrunbook.engines.base import Completion, GenerationRequest
 from rlrunbook.engines.noise import mix_seed
@@ -69,8 +79,8 @@ class VllmSamplingEngine:
     """
 
     def __init__(self, server, *, vocab_size: int, max_context: int | None, adapter_dir: Path,
-                 decode_batch: DecodeBatch | None = None, max_loaded: int = 4, seed: int = 0,
-                 model=None, pad_token_id: int = 0):
+                 unembed_shape: tuple[int, int], decode_batch: DecodeBatch | None = None, max_loaded: int = 4,
+                 seed: int = 0, model=None, pad_token_id: int = 0):
         self.server = server
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -82,6 +92,8 @@ class VllmSamplingEngine:
         self._prefix = f"rlrb{next(_engine_ids)}-{id(self) & 0xFFFFFF:06x}"  # never collides with another engine's
         self._loaded: OrderedDict[str, Path] = OrderedDict()
         self._loaded_epoch = -1
+        self._unembed_shape = unembed_shape  # (vocabulary rows, hidden size) of lm_head: the zero adapter's shape
+        self._base: tuple[int, str] | None = None  # (server epoch, name that serves the base model)
         self._lock = threading.Lock()
         self._seed, self._calls = seed, 0
         self._pool = ThreadPoolExecutor(_PARALLEL_REQUESTS, thread_name_prefix="rlrunbook-vllm")
@@ -176,9 +188,26 @@ class VllmSamplingEngine:
         step; returns its served name."""
         return self._served_name(adapter)
 
+    def _base_name(self) -> str:
+        """The name that serves the base model exactly: the zero ``lm_head`` adapter (see the module docstring)."""
+        with self._lock:
+            if self._base is not None and self._base[0] == self.server.epoch:
+                return self._base[1]
+            name = f"{self._prefix}-base"
+            folder = self._adapter_dir / name
+            write_zero_unembed_adapter(folder, *self._unembed_shape)
+            try:
+                self.server.client.load_adapter(name, str(folder))
+            except VllmServerError as error:
+                if not ("expected target modules" in str(error) and "lm_head" in str(error)):
+                    raise self.server.explain(error) from None
+                name = self.server.served_model  # no lm_head LoRA on this architecture: -1 reads nothing
+            self._base = (self.server.epoch, name)
+            return name
+
     def _served_name(self, adapter: Adapter | None) -> str:
         if adapter is None:
-            return self.server.served_model
+            return self._base_name()
         with self._lock:
             self.server.before_adapter_load(adapter.rank)  # may restart the server (rank, schedule, memory)
             if self._loaded_epoch != self.server.epoch:  # a fresh server holds no adapter
@@ -220,6 +249,10 @@ class VllmSamplingEngine:
                 shutil.rmtree(old_folder, ignore_errors=True)
             return name
 
+    def probe_name(self) -> str:
+        """The served name of the base model, for connect-time checks."""
+        return self._base_name()
+
     def close(self) -> None:
         """Unload this engine's adapters (the server may be shared) and delete their folders."""
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -232,6 +265,28 @@ class VllmSamplingEngine:
                     pass  # the server is gone or going: nothing is served any more
                 shutil.rmtree(folder, ignore_errors=True)
             self._loaded.clear()
+            base, self._base = self._base, None
+            if base is not None and base[1] != self.server.served_model:
+                try:
+                    if base[0] == self.server.epoch and self.server.alive():
+                        self.server.client.unload_adapter(base[1])
+                except VllmServerError:
+                    pass
+            shutil.rmtree(self._adapter_dir / f"{self._prefix}-base", ignore_errors=True)
+            shutil.rmtree(self._adapter_dir / f"{self._prefix}-base", ignore_errors=True)
+
+
+def write_zero_unembed_adapter(folder: Path, vocab_rows: int, hidden: int) -> None:
+    """A peft LoRA folder of rank 1 on ``lm_head`` only, all zeros: it adds exactly 0 to the logits."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "lora_dropout": 0.0,
+              "bias": "none", "target_modules": ["lm_head"], "fan_in_fan_out": False, "use_rslora": False}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(1, hidden),
+               "base_model.model.lm_head.lora_B.weight": torch.zeros(vocab_rows, 1)},
+              str(folder / "adapter_model.safetensors"))
 
 
 class ExternalServer:

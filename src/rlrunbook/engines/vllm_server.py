@@ -47,11 +47,12 @@ class ServerLaunch:
 
 
 def server_arguments(launch: ServerLaunch, port: int, max_lora_rank: int) -> list[str]:
-    """The full command line: processed logprobs, vLLM's neutral generation config, runtime LoRA."""
+    """The full command line: processed logprobs, vLLM's neutral generation config, runtime LoRA (one slot more
+    than ``max_loras`` for the zero adapter that serves the base model, see ``vllm_engine``)."""
     args = [*launch.command, "--model", str(launch.model_folder), "--served-model-name", SERVED_MODEL,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", launch.dtype,
             "--max-model-len", str(launch.max_model_len), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
-            "--max-loras", str(launch.max_loras), "--logprobs-mode", "processed_logprobs",
+            "--max-loras", str(launch.max_loras + 1), "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm"]
     if launch.device.startswith("cuda"):
         args += ["--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
