@@ -156,6 +156,8 @@ class LocalSamplingClient(ResolvedClient):
             stop_strings=stop_strings,
         )
         self._host.engine.validate(tokens, request)
+        if self._host.vllm is not None:  # what the vLLM server cannot sample exactly is refused at submission
+            self._host.vllm.validate(tokens, request)
         if request.seed is None:  # drawn at submission, so results follow submission order, not timing
             request = dataclasses.replace(request, seed=self._host.engine.next_seed())
         job = SampleJob(tokens, num_samples, request)
