@@ -41,7 +41,15 @@ def lora_rank_flag(rank: int) -> int:
 
 
 class VllmServerError(RlrunbookError, RuntimeError):
-    """The vLLM server is unreachable, refused a request, or answered something the sampler cannot trust."""
+    """The vLLM server is unreachable, refused a request, or answered something the sampler cannot trust.
+
+    ``detail`` is the failed call and its cause alone (``"POST /v1/completions: Connection refused"``), for
+    messages that explain the failure themselves (a managed server that died).
+    """
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(message)
+        self.detail = detail or message
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,8 @@ class VllmClient:
             reason = getattr(error, "reason", error)
             raise VllmServerError(
                 f"no answer from the vLLM server at {self.base_url} ({method} {path}: {reason}). Is it running? "
-                "Start one (README: 'The vLLM sampler'), or unset TINKER_LOCAL_VLLM_URL to let rlrunbook start it."
-            ) from None
+                "Start one (README: 'The vLLM sampler'), or unset TINKER_LOCAL_VLLM_URL to let rlrunbook start it.",
+                detail=f"{method} {path}: {reason}") from None
         try:
             return json.loads(body) if body else None
         except json.JSONDecodeError:

@@ -312,4 +312,6 @@ class ExternalServer:
             return error
         return VllmServerError(f"{error} The vLLM server at {self.client.base_url} no longer answers /health: it "
                                "stopped or crashed mid-run. The run directory keeps every finished step; restart "
-                               "the server and resume from the last checkpoint (rlrunbook train --resume-from).")
+                               "the server and resume from the last checkpoint (rlrunbook train --resume-from). A CPU "
+                               "server dies on seeded requests unless started with --no-enable-chunked-prefill "
+                               "(README: 'The vLLM sampler').")

@@ -53,7 +53,10 @@ def server_arguments(launch: ServerLaunch, port: int, max_lora_rank: int) -> lis
             "--host", "127.0.0.1", "--port", str(port), "--dtype", launch.dtype,
             "--max-model-len", str(launch.max_model_len), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
             "--max-loras", str(launch.max_loras + 1), "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm"]
+            "--generation-config", "vllm",
+            # vLLM 0.32 rewinds a CUDA-only generator offset when a seeded request's prompt is prefilled in
+            # chunks, which kills a CPU server's engine ("CPU Generator does not use offset"): prefill whole.
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(launch.max_model_len, 8192))]
     if launch.device.startswith("cuda"):
         args += ["--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
     return args + list(launch.extra_args)
@@ -214,21 +217,30 @@ class ManagedServer:
 
     def explain(self, error: VllmServerError) -> VllmServerError:
         """``error``, or a clearer one when the server process has died."""
-        if self._process is None or self._process.poll() is None:
+        if self._process is None:
             return error
+        try:  # a dropped connection often arrives while the dying server is still exiting
+            self._process.wait(timeout=3.0)
+        except subprocess.TimeoutExpired:
+            return error
+        code = self._process.returncode
+        how = "was killed (SIGKILL: from outside, or the kernel's out-of-memory killer)" if code == -9 else \
+            f"exited with code {code}"
         return VllmServerError(
-            f"the vLLM server (pid {self._process.pid}) exited with code {self._process.returncode} mid-run ({error}). "
-            f"{self._log_tail()} The run directory keeps every finished step; resume from the last checkpoint "
-            "(rlrunbook train --resume-from), with TINKER_LOCAL_VLLM_MAX_MEMORY_MB or _RESTART_EVERY if it ran out "
-            "of memory.")
+            f"the vLLM server (pid {self._process.pid}) {how} mid-run ({error.detail}). {self._log_tail()}\n"
+            "The run directory keeps every finished step; resume from the last checkpoint (rlrunbook train "
+            "--resume-from), with TINKER_LOCAL_VLLM_MAX_MEMORY_MB or TINKER_LOCAL_VLLM_RESTART_EVERY if it ran "
+            "out of memory.")
 
-    def _log_tail(self, lines: int = 12) -> str:
+    def _log_tail(self) -> str:
+        """The server log's last error lines (its path when it has none)."""
         if self._log_path is None or not self._log_path.is_file():
             return ""
         text = self._log_path.read_text(errors="replace").splitlines()
-        errors = [line for line in text if "Error" in line and "Traceback" not in line][-3:]
-        tail = "\n".join(errors or text[-lines:])
-        return f"Server log {self._log_path}:\n{tail}"
+        errors = [line for line in text if (" ERROR " in line or "Error:" in line) and "Traceback" not in line][-3:]
+        if not errors:
+            return f"Its log has no error: {self._log_path}."
+        return f"Last errors in {self._log_path}:\n" + "\n".join(errors)
 
 
 @atexit.register
