@@ -37,7 +37,9 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 echo "[setup-vllm] installing $spec into $venv ($build build; ~3.4 GB for the CPU build)"
-"$venv/bin/python" -m pip install --disable-pip-version-check -q "$spec"
+# (this machine's pip configuration names index folders some packages lack: pip's notes about them are dropped)
+"$venv/bin/python" -m pip install --disable-pip-version-check -q "$spec" \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 if [ "$build" = cpu ]; then
   # Their PyPI builds link a CUDA torch and break `import vllm` on the CPU build (PITFALLS); vLLM's text
   # models do not need them.

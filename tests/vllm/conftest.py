@@ -10,6 +10,7 @@ whether the tier runs at all (skip, or fail under ``RLRUNBOOK_REQUIRE_VLLM=1``).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,8 +38,9 @@ def vllm_url(request) -> str:
                           dtype="float32", device="cpu", max_model_len=2048, max_loras=2, kv_cache_gb=1.0,
                           gpu_memory_utilization=0.4, extra_args=(), scratch=scratch)
     server = ManagedServer(launch, max_lora_rank=SERVER_MAX_LORA_RANK, startup_timeout_s=600)
-    server.start()
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     request.addfinalizer(server.stop)
+    server.start()
     return server.client.base_url
 
 

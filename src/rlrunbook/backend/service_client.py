@@ -209,9 +209,9 @@ class LocalServiceClient:
         """Stop the worker thread (after the calls already queued). Returns a finished future, as the SDK does."""
         if not self._closed:
             self._closed = True
+            if self._vllm is not None:  # after the queued calls, on the thread its servers die with
+                self._worker.run(self._vllm.close)
             self._worker.shutdown()
-            if self._vllm is not None:
-                self._vllm.close()
         return completed(None)
 
 

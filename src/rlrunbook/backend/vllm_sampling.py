@@ -130,12 +130,14 @@ class VllmSamplers:
         return engine
 
     def close(self) -> None:
-        """Unload adapters, stop managed servers, delete adapter folders (server logs stay, for post-mortems)."""
+        """Unload adapters, stop managed servers, delete the scratch folder; a server that died or failed to
+        start leaves its log there for a post-mortem (its path is in the error)."""
         engines, self._engines = list(self._engines.values()), {}
+        died = False
         for engine in engines:
             engine.close()
             if isinstance(engine.server, ManagedServer):
+                died |= engine.server.died()
                 engine.server.stop()
-        if self._scratch is not None:
-            for folder in self._scratch.glob("*/adapters"):
-                shutil.rmtree(folder, ignore_errors=True)
+        if self._scratch is not None and not died and len(list(self._scratch.iterdir())) == len(engines):
+            shutil.rmtree(self._scratch, ignore_errors=True)

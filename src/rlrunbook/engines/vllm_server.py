@@ -212,6 +212,10 @@ class ManagedServer:
     def adapter_loaded(self) -> None:
         self._loads += 1
 
+    def died(self) -> bool:
+        """Whether the server exited on its own (it was not stopped here)."""
+        return self._process is not None and self._process.poll() is not None
+
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -179,12 +179,13 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)
+    owned = None  # a service made here is closed here (a vLLM sampler's server stops with it)
     try:
         if resume is not None:
             resume.begin(writer)
-        service = service_factory() if service_factory is not None else _default_service(config)
+        service = service_factory() if service_factory is not None else (owned := _default_service(config))
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
-                                                   train_unembed=config.train_unembed)
+                                                       train_unembed=config.train_unembed)
         tokenizer = training.get_tokenizer()
         limit = PromptLimit.from_settings(config.data)
         check_prompts(tokenizer, task, problems, limit, paradigm.prompt_suffixes, log)
@@ -213,6 +214,9 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     except BaseException as error:
         writer.finish("failed", error=f"{type(error).__name__}: {error}")
         raise
+    finally:
+        if owned is not None and callable(getattr(owned, "close", None)):
+            owned.close()
     distributed.barrier()  # the other ranks return the directory only once rank 0 has completed it
     return run_dir
 
