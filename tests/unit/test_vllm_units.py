@@ -16,8 +16,9 @@ from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.backend.vllm_settings import VllmSettings
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.vllm_adapters import write_zero_unembed_adapter
 from rlrunbook.engines.vllm_client import RawChoice, VllmServerError, completion_payload, lora_rank_flag
-from rlrunbook.engines.vllm_engine import VllmSamplingEngine, write_zero_unembed_adapter
+from rlrunbook.engines.vllm_engine import VllmSamplingEngine
 from rlrunbook.engines.vllm_server import ServerLaunch, group_rss_mb, server_arguments, server_environment
 from rlrunbook.errors import ConfigError
 
@@ -25,14 +26,25 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_payload_sends_every_distribution_knob_explicitly():
-    payload = completion_payload("m", [3, 4], 2, SamplingFilters(temperature=0.7, top_k=-1, top_p=0.9), 16,
-                                 seed=(1 << 62) + 5, stop_token_ids=[2])
+    payload = completion_payload(
+        "m",
+        [3, 4],
+        2,
+        SamplingFilters(temperature=0.7, top_k=-1, top_p=0.9),
+        16,
+        seed=(1 << 62) + 5,
+        stop_token_ids=[2],
+    )
     assert payload["top_k"] == 0 and payload["top_p"] == 0.9 and payload["temperature"] == 0.7
     assert payload["repetition_penalty"] == 1.0 and payload["presence_penalty"] == 0.0
     assert payload["frequency_penalty"] == 0.0 and payload["min_p"] == 0.0 and payload["min_tokens"] == 0
     assert payload["ignore_eos"] is True and payload["stop_token_ids"] == [2] and payload["logprobs"] == 0
-    assert payload["return_token_ids"] is True and payload["seed"] == 5  # child k gets seed + k: stays in int64
-    greedy = completion_payload("m", [3], 1, SamplingFilters(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2), 4, 0, [])
+    assert (
+        payload["return_token_ids"] is True and payload["seed"] == 5
+    )  # child k gets seed + k: stays in int64
+    greedy = completion_payload(
+        "m", [3], 1, SamplingFilters(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2), 4, 0, []
+    )
     assert (greedy["temperature"], greedy["top_k"], greedy["top_p"], greedy["min_p"]) == (0.0, 0, 1.0, 0.0)
 
 
@@ -51,10 +63,16 @@ def test_lora_rank_flag_rounds_up_to_a_value_vllm_accepts():
 
 
 def test_settings_from_env(tmp_path):
-    settings = VllmSettings.from_env({
-        "TINKER_LOCAL_VLLM_URL": "http://127.0.0.1:8000/", "TINKER_LOCAL_VLLM_RESTART_EVERY": "5",
-        "TINKER_LOCAL_VLLM_MAX_MEMORY_MB": "6000", "TINKER_LOCAL_VLLM_COMMAND": "my-vllm --flag 'a b'",
-        "TINKER_LOCAL_VLLM_EXTRA_ARGS": "--enforce-eager", "TINKER_LOCAL_VLLM_STARTUP_TIMEOUT": "90"})
+    settings = VllmSettings.from_env(
+        {
+            "TINKER_LOCAL_VLLM_URL": "http://127.0.0.1:8000/",
+            "TINKER_LOCAL_VLLM_RESTART_EVERY": "5",
+            "TINKER_LOCAL_VLLM_MAX_MEMORY_MB": "6000",
+            "TINKER_LOCAL_VLLM_COMMAND": "my-vllm --flag 'a b'",
+            "TINKER_LOCAL_VLLM_EXTRA_ARGS": "--enforce-eager",
+            "TINKER_LOCAL_VLLM_STARTUP_TIMEOUT": "90",
+        }
+    )
     assert settings.url == "http://127.0.0.1:8000" and settings.restart_every == 5
     assert settings.max_memory_mb == 6000 and settings.command == ("my-vllm", "--flag", "a b")
     assert settings.extra_args == ("--enforce-eager",) and settings.startup_timeout_s == 90
@@ -67,25 +85,47 @@ def test_settings_from_env(tmp_path):
 
 def test_server_command_finds_the_venv_or_names_the_fix(tmp_path):
     venv = tmp_path / "v"
-    with pytest.raises(ConfigError, match=r"no vLLM server virtualenv found.*setup-vllm\.sh.*TINKER_LOCAL_VLLM_URL"):
+    with pytest.raises(
+        ConfigError, match=r"no vLLM server virtualenv found.*setup-vllm\.sh.*TINKER_LOCAL_VLLM_URL"
+    ):
         VllmSettings(venv=venv).server_command(None)
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    assert VllmSettings(venv=venv).server_command(None) == (str(venv / "bin" / "python"), "-m",
-                                                             "vllm.entrypoints.openai.api_server")
+    assert VllmSettings(venv=venv).server_command(None) == (
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    )
 
 
 def _launch(device: str) -> ServerLaunch:
-    return ServerLaunch(command=("py", "-m", "srv"), model_folder=Path("/m"), dtype="float32", device=device,
-                        max_model_len=2048, max_loras=2, kv_cache_gb=1.5, gpu_memory_utilization=0.3,
-                        extra_args=("--x",), scratch=Path("/s"))
+    return ServerLaunch(
+        command=("py", "-m", "srv"),
+        model_folder=Path("/m"),
+        dtype="float32",
+        device=device,
+        max_model_len=2048,
+        max_loras=2,
+        kv_cache_gb=1.5,
+        gpu_memory_utilization=0.3,
+        extra_args=("--x",),
+        scratch=Path("/s"),
+    )
 
 
 def test_server_command_line_and_environment():
     args = server_arguments(_launch("cpu"), 1234, 16)
     text = " ".join(args)
-    for flag in ("--logprobs-mode processed_logprobs", "--generation-config vllm", "--max-lora-rank 16",
-                 "--enable-lora", "--max-loras 3", "--no-enable-chunked-prefill", "--port 1234", "--dtype float32"):
+    for flag in (
+        "--logprobs-mode processed_logprobs",
+        "--generation-config vllm",
+        "--max-lora-rank 16",
+        "--enable-lora",
+        "--max-loras 3",
+        "--no-enable-chunked-prefill",
+        "--port 1234",
+        "--dtype float32",
+    ):
         assert flag in text, flag
     assert args[-1] == "--x" and "--gpu-memory-utilization" not in text
     assert "--gpu-memory-utilization 0.3" in " ".join(server_arguments(_launch("cuda"), 1, 8))
@@ -96,33 +136,48 @@ def test_server_command_line_and_environment():
 
 
 def _engine(decode=None) -> VllmSamplingEngine:
-    return VllmSamplingEngine(pytypes.SimpleNamespace(), vocab_size=100, max_context=None, adapter_dir=Path("/x"),
-                              unembed_shape=(100, 8), decode_batch=decode)
+    return VllmSamplingEngine(
+        pytypes.SimpleNamespace(),
+        vocab_size=100,
+        max_context=None,
+        adapter_dir=Path("/x"),
+        unembed_shape=(100, 8),
+        decode_batch=decode,
+    )
 
 
 def test_finish_cuts_after_the_first_complete_stop():
     engine = _engine()
-    choice = RawChoice(tokens=[5, 6, 7, 8, 6, 7, 9, 3], logprobs=[-0.1 * i for i in range(8)], finish_reason="stop")
+    choice = RawChoice(
+        tokens=[5, 6, 7, 8, 6, 7, 9, 3], logprobs=[-0.1 * i for i in range(8)], finish_reason="stop"
+    )
     request = GenerationRequest(max_tokens=10, stop=((6, 7), (3,)))
     done = engine._finish(choice, request)
     assert done.tokens == [5, 6, 7] and done.logprobs == choice.logprobs[:3] and done.stop_reason == "stop"
-    full = engine._finish(RawChoice([5, 6, 5, 6], [-1.0] * 4, "length"), GenerationRequest(max_tokens=4, stop=((6, 7),)))
+    full = engine._finish(
+        RawChoice([5, 6, 5, 6], [-1.0] * 4, "length"), GenerationRequest(max_tokens=4, stop=((6, 7),))
+    )
     assert full.tokens == [5, 6, 5, 6] and full.stop_reason == "length"
-    hot = engine._finish(RawChoice([1, 2], [-1.0, -2.0], "length"),
-                         GenerationRequest(max_tokens=2, filters=SamplingFilters(temperature=0.5)))
+    hot = engine._finish(
+        RawChoice([1, 2], [-1.0, -2.0], "length"),
+        GenerationRequest(max_tokens=2, filters=SamplingFilters(temperature=0.5)),
+    )
     assert hot.policy_logprobs is None
 
 
 def test_finish_refuses_a_stop_nobody_asked_for():
     with pytest.raises(VllmServerError, match="without any requested stop"):
-        _engine()._finish(RawChoice([5, 6], [-1.0, -1.0], "stop"), GenerationRequest(max_tokens=8, stop=((9,),)))
+        _engine()._finish(
+            RawChoice([5, 6], [-1.0, -1.0], "stop"), GenerationRequest(max_tokens=8, stop=((9,),))
+        )
 
 
 def test_finish_stop_string_at_the_token_that_completes_it():
     vocab = {5: "ab", 6: "c<", 7: "/x", 8: "yz"}
     engine = _engine(decode=lambda rows: ["".join(vocab[t] for t in row) for row in rows])
-    done = engine._finish(RawChoice([5, 6, 7, 8], [-1.0] * 4, "length"),
-                          GenerationRequest(max_tokens=4, stop_strings=("</x",)))
+    done = engine._finish(
+        RawChoice([5, 6, 7, 8], [-1.0] * 4, "length"), GenerationRequest(max_tokens=4, stop_strings=("</x",))
+    )
     assert done.tokens == [5, 6, 7] and done.stop_reason == "stop"
 
 
@@ -160,12 +215,36 @@ def test_group_rss_counts_this_process_group():
 
 
 def _run_tier(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RLRUNBOOK_REQUIRE_VLLM", "TINKER_LOCAL_VLLM_URL", "TINKER_LOCAL_VLLM_COMMAND", "PYTEST_ADDOPTS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RLRUNBOOK_REQUIRE_VLLM",
+            "TINKER_LOCAL_VLLM_URL",
+            "TINKER_LOCAL_VLLM_COMMAND",
+            "PYTEST_ADDOPTS",
+        )
+    }
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-m", "pytest", "tests/vllm/test_vllm_bad_input.py::test_settings_refuse_bad_values",
-                           "-m", "vllm", "-q", "-p", "no:cacheprovider"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/vllm/test_vllm_bad_input.py::test_settings_refuse_bad_values",
+            "-m",
+            "vllm",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_vllm_tier_skips_without_a_server_and_fails_when_required(tmp_path):
@@ -174,4 +253,6 @@ def test_vllm_tier_skips_without_a_server_and_fails_when_required(tmp_path):
     assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout + skipped.stderr
     assert "setup-vllm.sh" in skipped.stdout
     failed = _run_tier({**missing, "RLRUNBOOK_REQUIRE_VLLM": "1"})
-    assert failed.returncode != 0 and "RLRUNBOOK_REQUIRE_VLLM=1 but no vLLM server" in failed.stdout, failed.stdout
+    assert failed.returncode != 0 and "RLRUNBOOK_REQUIRE_VLLM=1 but no vLLM server" in failed.stdout, (
+        failed.stdout
+    )

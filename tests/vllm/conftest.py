@@ -34,9 +34,18 @@ def vllm_url(request) -> str:
 
     settings = VllmSettings.from_env(dict(os.environ))
     scratch = Path(tempfile.mkdtemp(prefix="rlrunbook-vllm-tests-"))
-    launch = ServerLaunch(command=settings.server_command(CHECKOUT), model_folder=resolve_model(MODEL),
-                          dtype="float32", device="cpu", max_model_len=2048, max_loras=2, kv_cache_gb=1.0,
-                          gpu_memory_utilization=0.4, extra_args=(), scratch=scratch)
+    launch = ServerLaunch(
+        command=settings.server_command(CHECKOUT),
+        model_folder=resolve_model(MODEL),
+        dtype="float32",
+        device="cpu",
+        max_model_len=2048,
+        max_loras=2,
+        kv_cache_gb=1.0,
+        gpu_memory_utilization=0.4,
+        extra_args=(),
+        scratch=scratch,
+    )
     server = ManagedServer(launch, max_lora_rank=SERVER_MAX_LORA_RANK, startup_timeout_s=600)
     request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     request.addfinalizer(server.stop)
@@ -50,8 +59,13 @@ def vllm_settings(vllm_url, tmp_path):
     from rlrunbook.backend import LocalSettings
     from rlrunbook.backend.vllm_settings import VllmSettings
 
-    return LocalSettings(device="cpu", dtype=torch.float32, storage_dir=tmp_path / "tinker", sampler="vllm",
-                         vllm=VllmSettings(url=vllm_url, adapter_dir=tmp_path / "adapters"))
+    return LocalSettings(
+        device="cpu",
+        dtype=torch.float32,
+        storage_dir=tmp_path / "tinker",
+        sampler="vllm",
+        vllm=VllmSettings(url=vllm_url, adapter_dir=tmp_path / "adapters"),
+    )
 
 
 @pytest.fixture

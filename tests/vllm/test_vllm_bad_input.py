@@ -25,7 +25,9 @@ def test_url_that_does_not_answer(vllm_settings):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     service = _service(vllm_settings, url=f"http://127.0.0.1:{port}")
-    with pytest.raises(VllmServerError, match=rf"no answer from the vLLM server at http://127.0.0.1:{port}.*running"):
+    with pytest.raises(
+        VllmServerError, match=rf"no answer from the vLLM server at http://127.0.0.1:{port}.*running"
+    ):
         service.create_lora_training_client(MODEL, rank=8)
     service.close()
 
@@ -55,8 +57,9 @@ def test_min_p_with_top_p_refused(vllm_service):
 
     sampler = vllm_service.create_sampling_client(base_model=MODEL)
     with pytest.raises(ConfigError, match="min-p before top-p"):
-        sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=4, top_p=0.9),
-                       min_p=0.1)
+        sampler.sample(
+            types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=4, top_p=0.9), min_p=0.1
+        )
 
 
 def test_unknown_served_model_name(vllm_settings):

@@ -28,12 +28,16 @@ MODEL = "tiny-vllm"
 def _managed_settings(tmp_path, **knobs) -> LocalSettings:
     env = {k: v for k, v in os.environ.items() if k != "TINKER_LOCAL_VLLM_URL"}
     vllm = dataclasses.replace(VllmSettings.from_env(env), **knobs)
-    return LocalSettings(device="cpu", dtype=torch.float32, storage_dir=tmp_path / "tinker", sampler="vllm", vllm=vllm)
+    return LocalSettings(
+        device="cpu", dtype=torch.float32, storage_dir=tmp_path / "tinker", sampler="vllm", vllm=vllm
+    )
 
 
 def test_server_without_processed_logprobs_is_refused_and_stopped(tmp_path):
     before = vllm_pids()
-    settings = _managed_settings(tmp_path, extra_args=("--logprobs-mode", "raw_logprobs"))  # the last flag wins
+    settings = _managed_settings(
+        tmp_path, extra_args=("--logprobs-mode", "raw_logprobs")
+    )  # the last flag wins
     service = LocalServiceClient(settings)
     with pytest.raises(VllmServerError, match=r"raw T = 1 logprobs.*--logprobs-mode processed_logprobs"):
         service.create_sampling_client(base_model=MODEL)
@@ -47,9 +51,22 @@ def test_restart_every_then_death_mid_run_keeps_the_runs_records(tmp_path, capsy
 
     before = vllm_pids()
     service = LocalServiceClient(_managed_settings(tmp_path, restart_every=2))
-    config = TrainConfig(mode="single_turn", env="summary", dataset="cnn_dailymail", reward_fn="compression",
-                         num_rollouts=8, num_groups=2, steps=4, max_tokens=16, model=MODEL, learning_rate=1e-3,
-                         lora_rank=8, log_root=str(tmp_path / "logs"), name="managed", checkpoint={"every": 1})
+    config = TrainConfig(
+        mode="single_turn",
+        env="summary",
+        dataset="cnn_dailymail",
+        reward_fn="compression",
+        num_rollouts=8,
+        num_groups=2,
+        steps=4,
+        max_tokens=16,
+        model=MODEL,
+        learning_rate=1e-3,
+        lora_rank=8,
+        log_root=str(tmp_path / "logs"),
+        name="managed",
+        checkpoint={"every": 1},
+    )
 
     def progress(steps):
         for step in steps:

@@ -26,9 +26,17 @@ SETTINGS = {"T1": (1.0, 1.0), "T0.7": (0.7, 1.0), "T0.7-top_p0.9": (0.7, 0.9)}
 
 
 def _sample(sampler, prompts, temperature, top_p):
-    futures = [sampler.sample(types.ModelInput.from_ints(p), 2, types.SamplingParams(
-        max_tokens=32, temperature=temperature, top_p=top_p, seed=100 + i)) for i, p in enumerate(prompts)]
-    return [(p, s) for p, f in zip(prompts, futures, strict=True) for s in f.result().sequences if len(s.tokens)]
+    futures = [
+        sampler.sample(
+            types.ModelInput.from_ints(p),
+            2,
+            types.SamplingParams(max_tokens=32, temperature=temperature, top_p=top_p, seed=100 + i),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    return [
+        (p, s) for p, f in zip(prompts, futures, strict=True) for s in f.result().sequences if len(s.tokens)
+    ]
 
 
 def _trainer_logprobs(training, rows) -> list[torch.Tensor]:
@@ -36,10 +44,16 @@ def _trainer_logprobs(training, rows) -> list[torch.Tensor]:
     datums = []
     for prompt, seq in rows:
         arrays = build_datum_arrays(prompt, list(seq.tokens))
-        datums.append(types.Datum(model_input=types.ModelInput.from_ints(arrays.input_tokens),
-                                  loss_fn_inputs={"target_tokens": arrays.target_tokens, "weights": arrays.weights}))
+        datums.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(arrays.input_tokens),
+                loss_fn_inputs={"target_tokens": arrays.target_tokens, "weights": arrays.weights},
+            )
+        )
     outputs = training.forward(datums, "cross_entropy").result().loss_fn_outputs
-    return [out["logprobs"].to_torch()[len(prompt) - 1:] for out, (prompt, _) in zip(outputs, rows, strict=True)]
+    return [
+        out["logprobs"].to_torch()[len(prompt) - 1 :] for out, (prompt, _) in zip(outputs, rows, strict=True)
+    ]
 
 
 @pytest.mark.parametrize("adapter", [False, True], ids=["base", "adapter"])
@@ -59,13 +73,19 @@ def test_vllm_parity_fp32(vllm_service, adapter, setting, record_property):
         expected = _trainer_logprobs(training, rows)  # the base equals a fresh adapter (B = 0) exactly
     else:
         host = training._host
-        expected = teacher_forced_logprobs(host.model, [p + list(s.tokens) for p, s in rows], host.pad_token_id,
-                                           SamplingFilters(temperature=temperature, top_p=top_p))
-        expected = [e[len(p) - 1:] for e, (p, _) in zip(expected, rows, strict=True)]
+        expected = teacher_forced_logprobs(
+            host.model,
+            [p + list(s.tokens) for p, s in rows],
+            host.pad_token_id,
+            SamplingFilters(temperature=temperature, top_p=top_p),
+        )
+        expected = [e[len(p) - 1 :] for e, (p, _) in zip(expected, rows, strict=True)]
     gaps = torch.cat([(e - torch.tensor(s.logprobs)).abs() for e, (_, s) in zip(expected, rows, strict=True)])
     assert torch.isfinite(gaps).all(), "a sampled token falls outside the recomputed filters"
     record_property("max_abs_diff", float(gaps.max()))
     record_property("mean_abs_diff", float(gaps.mean()))
-    print(f"{setting} {'adapter' if adapter else 'base'}: max |Δ| {gaps.max():.3g}, mean {gaps.mean():.3g} "
-          f"over {len(gaps)} tokens")
+    print(
+        f"{setting} {'adapter' if adapter else 'base'}: max |Δ| {gaps.max():.3g}, mean {gaps.mean():.3g} "
+        f"over {len(gaps)} tokens"
+    )
     assert float(gaps.max()) <= FP32_TOLERANCE

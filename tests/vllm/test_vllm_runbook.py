@@ -14,10 +14,39 @@ pytestmark = pytest.mark.vllm
 def test_mini_debate_rs_grpo_with_vllm_sampler(tmp_path, capsys, monkeypatch, vllm_url):
     monkeypatch.setenv("TINKER_LOCAL_SAMPLER", "vllm")
     monkeypatch.setenv("TINKER_LOCAL_VLLM_URL", vllm_url)
-    code = cli.main(["train", "--no-proxy", "--log-root", str(tmp_path), "--mode", "debate", "--env", "summary",
-                     "--dataset", "cnn_dailymail", "--reward-fn", "compression", "-n", "32", "--num-groups", "4",
-                     "-s", "3", "--max-tokens", "32", "--mock-judge", "--debate-train", "rs_grpo",
-                     "--debate-grpo-reward", "task", "--model", "tiny-vllm", "--name", "mini_debate_rs_grpo_vllm"])
+    code = cli.main(
+        [
+            "train",
+            "--no-proxy",
+            "--log-root",
+            str(tmp_path),
+            "--mode",
+            "debate",
+            "--env",
+            "summary",
+            "--dataset",
+            "cnn_dailymail",
+            "--reward-fn",
+            "compression",
+            "-n",
+            "32",
+            "--num-groups",
+            "4",
+            "-s",
+            "3",
+            "--max-tokens",
+            "32",
+            "--mock-judge",
+            "--debate-train",
+            "rs_grpo",
+            "--debate-grpo-reward",
+            "task",
+            "--model",
+            "tiny-vllm",
+            "--name",
+            "mini_debate_rs_grpo_vllm",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"[vllm] sampling with {vllm_url}" in out

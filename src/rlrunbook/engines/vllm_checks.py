@@ -36,47 +36,66 @@ def served_base_model(client: VllmClient, wanted: str | None) -> ServedModel:
     if wanted is not None:
         match = [m for m in models if m.id == wanted]
         if not match:
-            raise VllmServerError(f"the vLLM server at {client.base_url} serves {[m.id for m in models]}, not "
-                                  f"{wanted!r} (TINKER_LOCAL_VLLM_MODEL).")
+            raise VllmServerError(
+                f"the vLLM server at {client.base_url} serves {[m.id for m in models]}, not "
+                f"{wanted!r} (TINKER_LOCAL_VLLM_MODEL)."
+            )
         return match[0]
     if len(bases) != 1:
-        raise VllmServerError(f"the vLLM server at {client.base_url} serves {[m.id for m in bases]}: name the base "
-                              "model to sample with TINKER_LOCAL_VLLM_MODEL.")
+        raise VllmServerError(
+            f"the vLLM server at {client.base_url} serves {[m.id for m in bases]}: name the base "
+            "model to sample with TINKER_LOCAL_VLLM_MODEL."
+        )
     return bases[0]
 
 
-def verify_server(client: VllmClient, served: ServedModel, folder: Path, vocab_size: int, score: Score,
-                  tolerance: float, probe_model: str | None = None) -> float:
+def verify_server(
+    client: VllmClient,
+    served: ServedModel,
+    folder: Path,
+    vocab_size: int,
+    score: Score,
+    tolerance: float,
+    probe_model: str | None = None,
+) -> float:
     """Raise ``VllmServerError`` naming the cause and the fix unless the server samples this model's
     distribution with processed logprobs; returns the probe's largest logprob gap. ``probe_model`` is the
     name to sample the base model by (default ``served.id``)."""
     prompt = probe_prompt(vocab_size)
-    payload = completion_payload(probe_model or served.id, prompt, 1, PROBE_FILTERS, PROBE_TOKENS, seed=0,
-                                 stop_token_ids=[])
+    payload = completion_payload(
+        probe_model or served.id, prompt, 1, PROBE_FILTERS, PROBE_TOKENS, seed=0, stop_token_ids=[]
+    )
     (choice,) = client.complete(payload)
     where = f"the vLLM server at {client.base_url} (model {served.id!r}, loaded from {served.root})"
     same_folder = served.root is not None and _same_path(served.root, folder)
     outside = [t for t in choice.tokens if not 0 <= t < vocab_size]
     if outside:
-        raise VllmServerError(f"{where} returned token ids {outside[:3]} outside this model's vocabulary of "
-                              f"{vocab_size}: it serves another model than {folder}. Start it with --model {folder}.")
+        raise VllmServerError(
+            f"{where} returned token ids {outside[:3]} outside this model's vocabulary of "
+            f"{vocab_size}: it serves another model than {folder}. Start it with --model {folder}."
+        )
     sequence = prompt + choice.tokens
     returned = torch.tensor(choice.logprobs)
-    processed = _gap(score([sequence], PROBE_FILTERS)[0][len(prompt) - 1:], returned)
+    processed = _gap(score([sequence], PROBE_FILTERS)[0][len(prompt) - 1 :], returned)
     if processed <= tolerance:
         return processed
-    raw = _gap(score([sequence], None)[0][len(prompt) - 1:], returned)
+    raw = _gap(score([sequence], None)[0][len(prompt) - 1 :], returned)
     if raw <= tolerance:
-        raise VllmServerError(f"{where} returns raw T = 1 logprobs, not those of the distribution it samples "
-                              f"(gap {processed:.3g} at T = 0.5). Start it with --logprobs-mode processed_logprobs.")
+        raise VllmServerError(
+            f"{where} returns raw T = 1 logprobs, not those of the distribution it samples "
+            f"(gap {processed:.3g} at T = 0.5). Start it with --logprobs-mode processed_logprobs."
+        )
     if not same_folder:
-        raise VllmServerError(f"{where} samples another distribution than {folder} (logprob gap {processed:.3g} > "
-                              f"{tolerance:g}): it serves another model. Start it with --model {folder}, or point "
-                              "TINKER_LOCAL_VLLM_URL at a server of this model.")
+        raise VllmServerError(
+            f"{where} samples another distribution than {folder} (logprob gap {processed:.3g} > "
+            f"{tolerance:g}): it serves another model. Start it with --model {folder}, or point "
+            "TINKER_LOCAL_VLLM_URL at a server of this model."
+        )
     raise VllmServerError(
         f"{where} serves this model's folder but samples another distribution (logprob gap {processed:.3g} > "
         f"{tolerance:g}): sampling settings leak in from the model's generation config, or the server runs another "
-        "dtype. Start it with --generation-config vllm and the trainer's --dtype.")
+        "dtype. Start it with --generation-config vllm and the trainer's --dtype."
+    )
 
 
 def _gap(expected: torch.Tensor, returned: torch.Tensor) -> float:
@@ -88,4 +107,3 @@ def _same_path(root: str, folder: Path) -> bool:
         return Path(root).resolve() == Path(folder).resolve()
     except OSError:
         return False
-

@@ -86,8 +86,15 @@ def check_vllm_filters(filters: SamplingFilters) -> None:
         )
 
 
-def completion_payload(model: str, prompt: Sequence[int], n: int, filters: SamplingFilters, max_tokens: int,
-                       seed: int, stop_token_ids: Sequence[int]) -> dict:
+def completion_payload(
+    model: str,
+    prompt: Sequence[int],
+    n: int,
+    filters: SamplingFilters,
+    max_tokens: int,
+    seed: int,
+    stop_token_ids: Sequence[int],
+) -> dict:
     """The ``/v1/completions`` body that samples exactly the project's distribution.
 
     Every field that could change the distribution is sent explicitly, so nothing falls back to a
@@ -126,22 +133,29 @@ class VllmClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, path: str, payload: dict | None = None, timeout_s: float | None = None) -> object:
+    def _call(
+        self, method: str, path: str, payload: dict | None = None, timeout_s: float | None = None
+    ) -> object:
         url = self.base_url + path
         data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
                 body = response.read().decode()
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")
-            raise VllmServerError(f"{method} {url} answered HTTP {error.code}: {_error_message(detail)}") from None
+            raise VllmServerError(
+                f"{method} {url} answered HTTP {error.code}: {_error_message(detail)}"
+            ) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
             reason = getattr(error, "reason", error)
             raise VllmServerError(
                 f"no answer from the vLLM server at {self.base_url} ({method} {path}: {reason}). Is it running? "
                 "Start one (README: 'The vLLM sampler'), or unset TINKER_LOCAL_VLLM_URL to let rlrunbook start it.",
-                detail=f"{method} {path}: {reason}") from None
+                detail=f"{method} {path}: {reason}",
+            ) from None
         try:
             return json.loads(body) if body else None
         except json.JSONDecodeError:
@@ -159,26 +173,37 @@ class VllmClient:
         """The served models: the base model and every loaded LoRA adapter."""
         body = self._call("GET", "/v1/models", timeout_s=30.0)
         if not isinstance(body, dict) or "data" not in body:
-            raise VllmServerError(f"{self.base_url}/v1/models answered {str(body)[:200]!r}: not an OpenAI model list.")
-        return [ServedModel(m.get("id"), m.get("root"), m.get("parent"), m.get("max_model_len"))
-                for m in body["data"]]
+            raise VllmServerError(
+                f"{self.base_url}/v1/models answered {str(body)[:200]!r}: not an OpenAI model list."
+            )
+        return [
+            ServedModel(m.get("id"), m.get("root"), m.get("parent"), m.get("max_model_len"))
+            for m in body["data"]
+        ]
 
     def complete(self, payload: dict) -> list[RawChoice]:
         """Run one ``/v1/completions`` request; choices come back in sample order (``index``)."""
         body = self._call("POST", "/v1/completions", payload)
         try:
             choices = sorted(body["choices"], key=lambda c: c["index"])  # type: ignore[index]
-            out = [RawChoice(tokens=[int(t) for t in c["token_ids"]],
-                             logprobs=[float(x) for x in c["logprobs"]["token_logprobs"]],
-                             finish_reason=str(c["finish_reason"])) for c in choices]
+            out = [
+                RawChoice(
+                    tokens=[int(t) for t in c["token_ids"]],
+                    logprobs=[float(x) for x in c["logprobs"]["token_logprobs"]],
+                    finish_reason=str(c["finish_reason"]),
+                )
+                for c in choices
+            ]
         except (KeyError, TypeError, ValueError) as error:
             raise VllmServerError(
                 f"{self.base_url}/v1/completions answered without token ids or logprobs ({error!r}); the sampler "
                 "needs a vLLM server (return_token_ids, logprobs), not another OpenAI-compatible one."
             ) from None
         if len(out) != payload["n"] or any(len(c.tokens) != len(c.logprobs) for c in out):
-            raise VllmServerError(f"{self.base_url} returned {len(out)} choices for n={payload['n']}, or tokens and "
-                                  "logprobs of different lengths.")
+            raise VllmServerError(
+                f"{self.base_url} returned {len(out)} choices for n={payload['n']}, or tokens and "
+                "logprobs of different lengths."
+            )
         return out
 
     def load_adapter(self, name: str, path: str) -> None:
@@ -196,3 +221,32 @@ def _error_message(body: str) -> str:
         return str(error.get("message", error) if isinstance(error, dict) else error)[:2000]
     except (json.JSONDecodeError, AttributeError):
         return body[:2000]
+
+
+class ExternalServer:
+    """A vLLM server the user started (``TINKER_LOCAL_VLLM_URL``): never restarted or stopped here."""
+
+    epoch = 0
+
+    def __init__(self, client: VllmClient, served_model: str):
+        self.client = client
+        self.served_model = served_model
+
+    def before_adapter_load(self, rank: int) -> None:
+        """Nothing to do: a rank above the server's limit is refused by the server and explained."""
+
+    def adapter_loaded(self) -> None:
+        """External servers are not restarted on a schedule."""
+
+    def alive(self) -> bool:
+        return self.client.healthy()
+
+    def explain(self, error: VllmServerError) -> VllmServerError:
+        """``error``, or a clearer one when the server no longer answers."""
+        if self.client.healthy():
+            return error
+        return VllmServerError(
+            f"{error} The vLLM server at {self.client.base_url} no longer answers /health: it stopped or crashed "
+            "mid-run. The run directory keeps every finished step; restart the server and resume from the last "
+            "checkpoint (rlrunbook train --resume-from). A CPU server dies on seeded requests unless started "
+            "with --no-enable-chunked-prefill (README: 'The vLLM sampler').")
