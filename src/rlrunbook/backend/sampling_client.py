@@ -14,7 +14,7 @@ from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.engines.hf import SampleJob
+from rlrunbook.engines.base import SampleJob
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
@@ -172,7 +172,7 @@ class LocalSamplingClient(ResolvedClient):
     def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
         """One engine call for every queued request that shares these weights and settings."""
         with active_weights(self._host, self._weights, self._live_version()):
-            results = self._host.engine.sample_jobs([job for job, _ in items])
+            results = self._host.engine.sample_jobs([job for job, _ in items], weights_key=self._weights.key)
             prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
         return [self._response(completions, prompt_lp)
                 for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
