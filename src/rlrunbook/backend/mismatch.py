@@ -34,6 +34,7 @@ class MismatchConfig:
     cap: float = 2.0
     mask_low: float = 0.125
     mask_high: float = 8.0
+    stated: bool = False  # the caller named the sampler's transform: outputs carry ``sampling_logprobs``
 
     def __post_init__(self) -> None:
         if self.correction not in CORRECTIONS:
@@ -60,5 +61,6 @@ def split_mismatch_config(config: Mapping[str, float | str]) -> tuple[MismatchCo
     filters = SamplingFilters(temperature=number("sampling_temperature", 1.0), top_k=number("sampling_top_k", -1, int),
                               top_p=number("sampling_top_p", 1.0), min_p=number("sampling_min_p", 0.0))
     mismatch = MismatchConfig(filters, str(own.get("is_correction", "none")), number("is_cap", 2.0),
-                              number("is_mask_low", 0.125), number("is_mask_high", 8.0))
+                              number("is_mask_low", 0.125), number("is_mask_high", 8.0),
+                              stated=any(key.startswith("sampling_") for key in own))
     return mismatch, rest

@@ -217,5 +217,10 @@ class LocalSamplingClient(ResolvedClient):
     def get_tokenizer(self):
         return self._host.tokenizer
 
+    @property
+    def engine_name(self) -> str:
+        """Local extension: which engine samples (``hf``, ``generate``, ...)."""
+        return self._host.engine.name
+
     def get_base_model(self) -> str:
         return self._host.name

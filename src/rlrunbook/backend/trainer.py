@@ -124,6 +124,7 @@ class _ChunkOutput:
     metrics: dict[str, float]
     positions: int  # tokens the loss saw: the weight of this chunk's ``:mean`` metrics
     weights: dict[str, int] = field(default_factory=dict)  # per-metric weights where they differ
+    sampling_logprobs: list[torch.Tensor] = field(default_factory=list)  # per datum, NaN off the loss positions
 
 
 # ``:mean`` metrics over the regularized positions (a subset of the loss's for cross_entropy).
@@ -175,6 +176,19 @@ def _regularizer_terms(scores: ChunkScores, where: torch.Tensor,
         stats["entropy:mean"] = entropy.mean()
     stats.update({"loss_kl:sum": kl_loss, "loss_entropy:sum": entropy_loss})
     return kl_loss + entropy_loss, stats, n
+
+
+def _per_datum(chunk: list[_Item], seen_values: torch.Tensor) -> list[torch.Tensor]:
+    """Flat values over the loss positions, spread back to one ``[L]`` tensor per datum (NaN elsewhere)."""
+    values = seen_values.detach().float().cpu()
+    out, cursor = [], 0
+    for item in chunk:
+        row = torch.full((len(item.input_tokens),), float("nan"))
+        count = int(item.mask.sum())
+        row[item.mask] = values[cursor:cursor + count]
+        cursor += count
+        out.append(row)
+    return out
 
 
 def _merge_metrics(parts: list[_ChunkOutput]) -> dict[str, float]:
@@ -255,6 +269,7 @@ class LoraTrainer:
         n_chunks = min(self.grad_accum_chunks, len(items))
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         logprobs: list[torch.Tensor] = []
+        sampling: list[torch.Tensor] = []
         loss_total = 0.0
         parts: list[_ChunkOutput] = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -266,6 +281,7 @@ class LoraTrainer:
             if backward:
                 self._pending_loss += float(part.loss.detach())
             logprobs += part.logprobs
+            sampling += part.sampling_logprobs
             parts.append(part)
         metrics = _merge_metrics(parts)
         metrics.update({
@@ -274,6 +290,9 @@ class LoraTrainer:
             "num_trained_tokens:sum": float(trained),
         })
         outputs = [{"logprobs": types.TensorData.from_torch(lp)} for lp in logprobs]
+        if sampling:  # the caller named the sampler's transform (a local extension)
+            for output, values in zip(outputs, sampling, strict=True):
+                output["sampling_logprobs"] = types.TensorData.from_torch(values)
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
                                            metrics=metrics)
 
@@ -283,9 +302,10 @@ class LoraTrainer:
         device = self.device
         scores = self.scoring.score(chunk, mismatch.filters, with_entropy=reg.entropy_coef > 0,
                                     with_reference=reg.kl_coef > 0)
+        sampling = _per_datum(chunk, scores.seen_sampling_logprobs) if mismatch.stated else []
         flat_lp = scores.seen_logprobs  # (N,) row-major: datum by datum, as the inputs below
         if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward
-            return _ChunkOutput(scores.anchor, scores.per_datum, {}, 0)
+            return _ChunkOutput(scores.anchor, scores.per_datum, {}, 0, sampling_logprobs=sampling)
         flat_inputs = {key: torch.cat([item.inputs[key][item.mask] for item in chunk]).to(device)
                        for key in spec.required_inputs}
         stats: dict[str, torch.Tensor] = {}
@@ -301,7 +321,7 @@ class LoraTrainer:
         values = torch.stack([stats[name].detach().float() for name in names]).tolist()  # one host sync
         metrics = {**out.metrics, **dict(zip(names, values, strict=True))}
         weights = {name: n_regularized for name in _REGULARIZED_MEANS if name in metrics}
-        return _ChunkOutput(out.loss + reg_loss, scores.per_datum, metrics, int(flat_lp.numel()), weights)
+        return _ChunkOutput(out.loss + reg_loss, scores.per_datum, metrics, int(flat_lp.numel()), weights, sampling)
 
     def optim_step(self, params: types.AdamParams) -> types.OptimStepResponse:
         """One AdamW step (torch.optim.AdamW semantics) on the accumulated gradient, then zero it.

@@ -179,8 +179,8 @@ class Decoder:
 
     # -- the pieces of a layer --------------------------------------------------------------------
     def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm: fp32 statistics, weight applied in the input dtype."""
-        x32 = x.float()
+        """transformers' RMSNorm: fp32 statistics (float64 for a float64 model), weight applied in the input dtype."""
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
         return norm.weight * x32.to(x.dtype)
 
@@ -217,8 +217,9 @@ class Decoder:
         return self._norm(body.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output-layer logits ``[M, V]`` in float32 of final hidden states ``[M, E]``."""
-        return _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden).float()
+        """Output-layer logits ``[M, V]`` of final hidden states ``[M, E]``, in float32 (float64 for a float64 model)."""
+        logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 class _FirstOfTwo:
