@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tinker import types
 
 from rlrunbook.backend.lora import adapter_parameters
+from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import build_datum_arrays
@@ -106,15 +108,16 @@ def test_reference_is_the_base_model_and_the_adapter_comes_back(client, rollouts
         assert torch.equal(a["logprobs"].to_torch(), b["logprobs"].to_torch())
     # position by position; no graph back to the adapter even with grad enabled (base weights are frozen
     # and the adapter bypassed, so this holds with or without the no_grad the trainer adds to save memory)
-    ids = torch.tensor([sequences[0][:-1]])
-    model_inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                    "position_ids": torch.arange(ids.shape[1])[None]}
+    tokens = sequences[0]
+    item = SimpleNamespace(input_tokens=tokens[:-1], targets=torch.tensor(tokens[1:]),
+                           mask=torch.ones(len(tokens) - 1, dtype=torch.bool))
     with torch.enable_grad():
-        ref = client._trainer._reference_logprobs(model_inputs, torch.tensor([sequences[0][1:]]))
+        scores = client._trainer.scoring.score([item], SamplingFilters(), with_entropy=False, with_reference=True)
+    ref = scores.seen_reference
     assert not ref.requires_grad
     assert all(p.grad is None for p in adapter_parameters(client._host.model).values())
     expected = teacher_forced_logprobs(tiny_host.model, sequences[:1], 0)[0]
-    assert torch.allclose(ref[0], expected, atol=1e-5)
+    assert torch.allclose(ref, expected, atol=1e-5)
 
 
 def test_k1_gradient_is_scaled_cross_entropy(client, rollouts):

@@ -14,7 +14,7 @@ from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.engines.hf import SampleJob
+from rlrunbook.engines.base import SampleJob
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
@@ -177,9 +177,9 @@ class LocalSamplingClient(ResolvedClient):
         with active_weights(self._host, self._weights, self._live_version()):
             jobs = [job for job, _ in items]
             if self._host.vllm is None:
-                results = self._host.engine.sample_jobs(jobs)
+                results = self._host.engine.sample_jobs(jobs, weights_key=self._weights.key)
             else:  # a vLLM server samples; it loads this client's snapshot, written here while it is live
-                results = self._host.vllm.sample_jobs(jobs, self._vllm_adapter())
+                results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
             prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
         return [self._response(completions, prompt_lp)
                 for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
@@ -231,6 +231,11 @@ class LocalSamplingClient(ResolvedClient):
 
     def get_tokenizer(self):
         return self._host.tokenizer
+
+    @property
+    def engine_name(self) -> str:
+        """Local extension: which engine samples (``hf``, ``generate``, ``vllm``)."""
+        return self._host.engine.name if self._host.vllm is None else self._host.vllm.name
 
     def get_base_model(self) -> str:
         return self._host.name

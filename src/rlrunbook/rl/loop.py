@@ -23,7 +23,7 @@ from rlrunbook.rl import data_parallel as dp
 from rlrunbook.rl.checkpointing import plan_resume, save_if_due
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.dataset_cache import load_problems
-from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
+from rlrunbook.rl.guards import PromptLimit, check_mismatch, check_prompts, finite_optim_step
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
 from rlrunbook.rl.rollouts import Rollout, advantage_mode, step_record, to_datum
@@ -38,6 +38,7 @@ TRAINER_METRICS = {
     "loss_pg:sum": "loss_pg", "loss_kl:sum": "loss_kl", "loss_entropy:sum": "loss_entropy",
     "kl_divergence:mean": "kl_divergence", "entropy:mean": "entropy", "clip_fraction:mean": "clip_fraction",
     "mismatch/abs_logprob_diff:mean": "mismatch/abs_logprob_diff", "mismatch/kl:mean": "mismatch/kl",
+    "mismatch/corrected_fraction:mean": "mismatch/corrected_fraction",
 }
 
 
@@ -70,6 +71,13 @@ def _build_judge(config: TrainConfig, service, tokenizer) -> Judge | None:
     return ModelJudge(sampler, sampler.get_tokenizer() if config.judge_model else tokenizer)
 
 
+def _is_local(training) -> bool:
+    """Whether ``training`` is this project's local backend (which takes the local loss_fn_config keys)."""
+    from rlrunbook.backend.training_client import LocalTrainingClient
+
+    return isinstance(training, LocalTrainingClient)
+
+
 def _memory_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
     return round(peak, 1)
@@ -78,6 +86,12 @@ def _memory_mb() -> float:
 def prepare(config: TrainConfig):
     """Validate options and load the data set: every user error surfaces here, before any model loads."""
     config = validate(config)
+    if config.mismatch.correction != "none":
+        from rlrunbook.backend import backend_name
+
+        if backend_name() != "local":
+            raise ConfigError(f"mismatch.correction={config.mismatch.correction} is a local-backend extension; the "
+                              "hosted service (TINKER_BACKEND=api) does not know it. Drop it or train locally.")
     paradigm = get_paradigm(config.mode)
     weights = config.reward
     options = {"summary_max_words": config.summary_max_words, "verify_weight": weights.verify_weight,
@@ -237,8 +251,12 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
         raise _no_signal(config, step, batch.rollouts)
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
     datums = [to_datum(r, a) for r, a in dp.own_share(chosen, group_ids)]
-    fb = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None).result() if datums else None
+    loss_config = config.loss_fn_config(local=_is_local(training)) or None
+    fb = training.forward_backward(datums, config.loss_fn, loss_config).result() if datums else None
     fb_done = time.perf_counter()
+    single = distributed.world_size() == 1
+    if single and fb is not None:  # before optim_step: a refused step leaves the weights unchanged
+        check_mismatch(step, fb.metrics, config.mismatch, config.temperature, writer, log)
     # A NaN/inf loss or gradient norm is refused before it reaches the weights (rl/guards.py). Every rank
     # submits optim_step (its gradient all-reduce needs all of them); a NaN on one rank makes the summed
     # gradient norm NaN everywhere, so the trainer refuses the step on every rank alike.
@@ -249,6 +267,8 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
     # Only after optim_step (whose gradient all-reduce runs on the backend's thread) has returned:
     # the ranks' collectives must come in the same order on every rank.
     fb_metrics = dp.union_metrics(fb.metrics if fb is not None else {})
+    if not single:  # every rank joined the step's all-reduce; all of them see the merged mismatch
+        check_mismatch(step, fb_metrics, config.mismatch, config.temperature, writer, log, applied=True)
     trained = int(fb_metrics.get("num_trained_tokens:sum", 0))
     loss = float(fb_metrics["loss:sum"])
     centred = {id(r): a for r, a in chosen}
