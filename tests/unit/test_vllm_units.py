@@ -77,7 +77,7 @@ def test_settings_from_env(tmp_path):
     assert settings.max_memory_mb == 6000 and settings.command == ("my-vllm", "--flag", "a b")
     assert settings.extra_args == ("--enforce-eager",) and settings.startup_timeout_s == 90
     assert LocalSettings.from_env({"TINKER_LOCAL_SAMPLER": "vllm"}).sampler == "vllm"
-    with pytest.raises(ConfigError, match="must be 'hf' or 'vllm'"):
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_SAMPLER='vllms' must be one of"):
         LocalSettings.from_env({"TINKER_LOCAL_SAMPLER": "vllms"})
     with pytest.raises(ConfigError, match="GPU_MEMORY_UTILIZATION"):
         VllmSettings.from_env({"TINKER_LOCAL_VLLM_GPU_MEMORY_UTILIZATION": "1.5"})
@@ -152,14 +152,14 @@ def test_finish_cuts_after_the_first_complete_stop():
         tokens=[5, 6, 7, 8, 6, 7, 9, 3], logprobs=[-0.1 * i for i in range(8)], finish_reason="stop"
     )
     request = GenerationRequest(max_tokens=10, stop=((6, 7), (3,)))
-    done = engine._finish(choice, request)
+    (done,) = engine._finish([choice], request)
     assert done.tokens == [5, 6, 7] and done.logprobs == choice.logprobs[:3] and done.stop_reason == "stop"
-    full = engine._finish(
-        RawChoice([5, 6, 5, 6], [-1.0] * 4, "length"), GenerationRequest(max_tokens=4, stop=((6, 7),))
+    (full,) = engine._finish(
+        [RawChoice([5, 6, 5, 6], [-1.0] * 4, "length")], GenerationRequest(max_tokens=4, stop=((6, 7),))
     )
     assert full.tokens == [5, 6, 5, 6] and full.stop_reason == "length"
-    hot = engine._finish(
-        RawChoice([1, 2], [-1.0, -2.0], "length"),
+    (hot,) = engine._finish(
+        [RawChoice([1, 2], [-1.0, -2.0], "length")],
         GenerationRequest(max_tokens=2, filters=SamplingFilters(temperature=0.5)),
     )
     assert hot.policy_logprobs is None
@@ -168,15 +168,16 @@ def test_finish_cuts_after_the_first_complete_stop():
 def test_finish_refuses_a_stop_nobody_asked_for():
     with pytest.raises(VllmServerError, match="without any requested stop"):
         _engine()._finish(
-            RawChoice([5, 6], [-1.0, -1.0], "stop"), GenerationRequest(max_tokens=8, stop=((9,),))
+            [RawChoice([5, 6], [-1.0, -1.0], "stop")], GenerationRequest(max_tokens=8, stop=((9,),))
         )
 
 
 def test_finish_stop_string_at_the_token_that_completes_it():
     vocab = {5: "ab", 6: "c<", 7: "/x", 8: "yz"}
     engine = _engine(decode=lambda rows: ["".join(vocab[t] for t in row) for row in rows])
-    done = engine._finish(
-        RawChoice([5, 6, 7, 8], [-1.0] * 4, "length"), GenerationRequest(max_tokens=4, stop_strings=("</x",))
+    (done,) = engine._finish(
+        [RawChoice([5, 6, 7, 8], [-1.0] * 4, "length")],
+        GenerationRequest(max_tokens=4, stop_strings=("</x",)),
     )
     assert done.tokens == [5, 6, 7] and done.stop_reason == "stop"
 
