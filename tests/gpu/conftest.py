@@ -39,33 +39,3 @@ def cuda_hosts():
     yield get
     hosts.clear()
     torch.cuda.empty_cache()
-
-
-@pytest.fixture(scope="session")
-def vllm_engines():
-    """``get(host, dtype)`` → a vLLM engine sampling ``host``'s model on a server of that dtype.
-
-    The server is managed (from ``.venv-vllm`` / ``RLRUNBOOK_VLLM_VENV``, the CUDA ``vllm`` wheel on a GPU
-    machine) or given by ``TINKER_LOCAL_VLLM_URL``; one at a time, so two never share the GPU's memory.
-    """
-    import os
-
-    from rlrunbook.backend.settings import LocalSettings
-    from rlrunbook.backend.vllm_sampling import VllmSamplers
-    from rlrunbook.backend.vllm_settings import VllmSettings
-
-    current: dict[tuple, VllmSamplers] = {}
-
-    def get(host, dtype):
-        key = (str(host.folder), dtype)
-        if key not in current:
-            for samplers in current.values():
-                samplers.close()
-            current.clear()
-            current[key] = VllmSamplers(LocalSettings(device=DEVICE, dtype=dtype, sampler="vllm",
-                                                      vllm=VllmSettings.from_env(dict(os.environ))))
-        return current[key].engine_for(host)
-
-    yield get
-    for samplers in current.values():
-        samplers.close()

@@ -227,3 +227,35 @@ def test_boundary_flips_are_counted_apart_from_gaps(engine, tiny_host, prompts8,
     assert strict.boundary_flips == 1 and strict.max_abs_diff <= FP32_TOLERANCE and not strict.ok
     lenient = logprob_parity(engine, prompts8[:2], request, max_flip_fraction=0.1)
     assert lenient.ok
+
+
+def test_prefix_sharing_and_the_pool_change_no_token(tiny_host, prompts8):
+    """fp32, fixed seeds: the hf engine (prompts prefilled once per distinct prefix, a second call
+    reusing the first call's keys and values) samples exactly the tokens of the plain generate path,
+    with every logprob within 1e-5."""
+    tok = tiny_host.tokenizer
+    common = dict(pad_token_id=tok.pad_token_id, vocab_size=tiny_host.model.config.vocab_size)
+    shared = HFSamplingEngine(tiny_host.model, **common)
+    plain = GenerateEngine(tiny_host.model, **common)
+    request = GenerationRequest(max_tokens=12, filters=SamplingFilters(temperature=1.0), stop=(), seed=9)
+    from rlrunbook.engines.base import SampleJob
+
+    round1 = [SampleJob(p, 3, request) for p in prompts8[:4]] + [SampleJob(prompts8[0], 2, request)]
+    first = shared.sample_jobs(round1, weights_key="w")
+    assert _close(first, plain.sample_jobs(round1))
+    prefilled = shared.prefill_tokens
+    assert prefilled == len({tuple(p[:t + 1]) for p in prompts8[:4] for t in range(len(p))})
+    # round 2 extends each round-1 sample, as a debate's next round does: only the new tokens are prefilled
+    round2 = [SampleJob(job.prompt + c.tokens + [5, 6], 1, request) for job, cs in zip(round1, first, strict=True)
+              for c in cs]
+    second = shared.sample_jobs(round2, weights_key="w")
+    assert _close(second, plain.sample_jobs(round2))
+    assert shared.prefill_tokens - prefilled <= 3 * len(round2), "the earlier rounds' keys were reused"
+
+
+def _close(a, b) -> bool:
+    for xs, ys in zip(a, b, strict=True):
+        for x, y in zip(xs, ys, strict=True):
+            assert x.tokens == y.tokens and x.stop_reason == y.stop_reason
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) <= 1e-5
+    return True

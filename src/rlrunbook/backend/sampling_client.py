@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from tinker import types
 
 from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
@@ -16,6 +17,7 @@ from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.base import SampleJob
 from rlrunbook.engines.scoring import teacher_forced_logprobs
+from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
 
@@ -209,9 +211,24 @@ class LocalSamplingClient(ResolvedClient):
         )
 
     def _prompt_logprobs(self, tokens: list[int]) -> list[float]:
-        """Teacher-forced logprobs of the prompt; NaN for the first token, which has no context."""
-        (lp,) = teacher_forced_logprobs(self._host.model, [tokens], self._host.pad_token_id)
-        return [float("nan"), *lp.tolist()]
+        """Teacher-forced logprobs of the prompt; NaN for the first token, which has no context.
+
+        Through the trainer's own forward where the engine runs one (the same numerics as training),
+        else transformers' forward.
+        """
+        if len(tokens) == 1:
+            return [float("nan")]
+        decoder = getattr(self._host.engine, "decoder", None)
+        if decoder is None:
+            (lp,) = teacher_forced_logprobs(self._host.model, [tokens], self._host.pad_token_id)
+            return [float("nan"), *lp.tolist()]
+        scorer = SharedPrefixScorer(decoder)
+        with torch.no_grad():
+            run = scorer.run([tokens[:-1]])
+            device = run.hidden.device
+            lp = scorer.score(run.hidden, torch.tensor(run.flat[0], device=device),
+                              torch.tensor(tokens[1:], device=device)).logprobs
+        return [float("nan"), *lp.float().cpu().tolist()]
 
     def compute_logprobs(self, prompt: types.ModelInput):
         """APIFuture of the prompt's per-token logprobs under these weights (``None`` first)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -107,8 +108,11 @@ class HFSamplingEngine:
         self._caches: dict[tuple[int, int], RowCache] = {}
         self._graphs = None
         self._use_graphs = cuda_graphs
-        self.prefill_tokens = 0  # tokens computed by prefill, for tests and benchmarks
+        # Counters for tests and benchmarks: tokens prefilled, decode steps run and the seconds they took.
+        self.prefill_tokens = 0
+        self.prefill_seconds = 0.0
         self.decode_steps = 0
+        self.decode_seconds = 0.0
 
     @property
     def model(self) -> torch.nn.Module:
@@ -200,6 +204,7 @@ class HFSamplingEngine:
     def _prefill(self, pool: _PrefixPool, prompts: list[tuple[int, ...]]) -> torch.Tensor:
         """Compute what the pool lacks of ``prompts``; return each prompt's next-token logits ``[P, V]``."""
         device = self.device
+        started = time.perf_counter()
         plan = plan_forward(pool.trie, prompts, last_token_computed=True, max_queries=_PREFILL_QUERY_BLOCK)
         pool.store.reserve(len(pool.trie))
         flat = plan.flat_of()
@@ -210,7 +215,9 @@ class HFSamplingEngine:
         hidden = self.decoder.hidden(ids, positions, layout)  # [N, E]
         self.prefill_tokens += len(plan.nodes)
         last = torch.tensor([flat[path[-1]] for path in plan.paths], device=device)
-        return self.decoder.logits(hidden[last])
+        logits = self.decoder.logits(hidden[last])
+        self.prefill_seconds += time.perf_counter() - started
+        return logits
 
     def _cache(self, rows: int, capacity: int) -> RowCache:
         """The engine's decode cache of ``rows`` rows (a power of two) and ``capacity`` positions, emptied.
@@ -249,13 +256,16 @@ class HFSamplingEngine:
 
     def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         """One decode step of every cache row; logits ``[len(running), V]`` of the running rows."""
-        self.decode_steps += 1
+        started = time.perf_counter()
         needed = int(cache.lengths.max()) + 1
         cache.window = min(cache.capacity, -(-needed // _WINDOW_STEP) * _WINDOW_STEP)
         if self._graphs_enabled():
-            return self._graph_runner().step(cache, tokens)[running]
-        hidden = self.decoder.hidden(tokens, cache.lengths, cache)  # [rows, E]
-        return self.decoder.logits(hidden[running])
+            logits = self._graph_runner().step(cache, tokens)[running]
+        else:
+            logits = self.decoder.logits(self.decoder.hidden(tokens, cache.lengths, cache)[running])  # [running, V]
+        self.decode_steps += 1
+        self.decode_seconds += time.perf_counter() - started  # on CUDA: launch time (the draw syncs later)
+        return logits
 
     @torch.no_grad()
     def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest,

@@ -71,6 +71,13 @@ def _build_judge(config: TrainConfig, service, tokenizer) -> Judge | None:
     return ModelJudge(sampler, sampler.get_tokenizer() if config.judge_model else tokenizer)
 
 
+def _training_device(config: TrainConfig) -> str | None:
+    """The device the local backend will train on (torchrun ranks join a group on it); None: the default."""
+    from rlrunbook.backend import backend_name
+
+    return local_settings(config).device if backend_name() == "local" else None
+
+
 def _is_local(training) -> bool:
     """Whether ``training`` is this project's local backend (which takes the local loss_fn_config keys)."""
     from rlrunbook.backend.training_client import LocalTrainingClient
@@ -178,7 +185,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         resume.check_dataset(task.dataset_info(problems))
     layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
-    distributed.init(layout)
+    distributed.init(layout, device=_training_device(config))
     if not distributed.is_main():
         log, progress = (lambda line: None), None
     advantages_of = advantage_mode(config.run_mode)
