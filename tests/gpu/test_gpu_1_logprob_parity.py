@@ -77,6 +77,8 @@ def _parity(model_name, dtype, numerics, filters, tmp_path, record_property, sam
 @pytest.mark.parametrize("sampler", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 @pytest.mark.parametrize("filters", list(FILTERS.values()), ids=list(FILTERS))
 def test_fp32_parity(model_name, filters, sampler, ieee_fp32, tmp_path, record_property):
+    if sampler == "vllm" and model_name == "tiny":
+        model_name = "tiny-vllm"  # tiny's Llama twin: vLLM serves no LoRA on a Qwen2 lm_head (README: vLLM sampler)
     worst, _, flips, _ = _parity(model_name, torch.float32, "invariant", filters, tmp_path, record_property, sampler)
     assert worst <= parity_gates(torch.float32).max_abs and flips == 0
 
