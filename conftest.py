@@ -1,4 +1,5 @@
-"""Shared pytest wiring: hypothesis profiles, tier markers, the GPU requirement, session-scoped built-in models.
+"""Shared pytest wiring: hypothesis profiles, tier markers, the GPU and vLLM requirements, session-scoped built-in
+models.
 
 Loading transformers and a model costs seconds, so models are built once per session into a
 cache (``RLRUNBOOK_CACHE_DIR``, default ``~/.cache/rlrunbook``) and shared by fixtures.
@@ -22,6 +23,7 @@ import os
 import pytest
 from hypothesis import settings
 
+from rlrunbook.testing import vllm as vllm_requirement
 from rlrunbook.testing.gpu import REQUIRE_ENV, gpu_required, missing_gpu_reason
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
@@ -31,6 +33,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("vllm") is not None:
+        missing = vllm_requirement.missing_vllm_reason()
+        if missing is not None:
+            if vllm_requirement.vllm_required():
+                pytest.fail(f"{vllm_requirement.REQUIRE_ENV}=1 but no vLLM server can be had: {missing}", pytrace=False)
+            pytest.skip(f"needs a vLLM server ({missing}); set {vllm_requirement.REQUIRE_ENV}=1 to make this a failure")
     if item.get_closest_marker("gpu") is None:
         return
     reason = missing_gpu_reason()

@@ -45,46 +45,63 @@ def _encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def cmd_check_logprobs(args: argparse.Namespace) -> int:
+def _check_settings(args: argparse.Namespace):
+    """The local backend settings ``train`` would use (``TINKER_LOCAL_*``), with this command's flags on top."""
     import torch
 
-    from rlrunbook.backend.host import load_host
-    from rlrunbook.backend.sampling_client import resolve_stop
     from rlrunbook.backend.settings import LocalSettings
-    from rlrunbook.diagnostics import (
-        FP32_MAX_BOUNDARY_FLIPS,
-        HALF_MAX_BOUNDARY_FLIPS,
-        default_tolerance,
-        logprob_parity,
-    )
-    from rlrunbook.engines.base import GenerationRequest
+
+    settings = LocalSettings.from_env()
+    changes: dict[str, object] = {}
+    if args.device:
+        changes["device"] = args.device
+    if args.dtype:
+        changes["dtype"] = getattr(torch, args.dtype)
+    if args.sampler:
+        changes["sampler"] = args.sampler
+    if args.numerics:
+        changes["numerics"] = args.numerics
+    return dataclasses.replace(settings, **changes)
+
+
+def cmd_check_logprobs(args: argparse.Namespace) -> int:
+    from rlrunbook.backend import LocalServiceClient
+    from rlrunbook.diagnostics import parity_gates, sampler_trainer_parity
     from rlrunbook.engines.filters import SamplingFilters
 
     # Validate every option before the (slow) model load.
-    request = GenerationRequest(
-        max_tokens=args.max_tokens,
-        filters=SamplingFilters(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p),
-        seed=args.seed,
-    )
-    dtype = getattr(torch, args.dtype)
-    settings = LocalSettings(dtype=dtype, **({"device": args.device} if args.device else {}))
-    print(f"[check-logprobs] loading {args.model} ({args.dtype} on {settings.device})", flush=True)
-    host = load_host(args.model, settings)
-    prompt = _encode_prompt(host.tokenizer, args.prompt, args.raw)
-    request = dataclasses.replace(request, stop=resolve_stop(None, host.eos_token_ids))
-    tolerance = args.tolerance if args.tolerance is not None else default_tolerance(dtype)
-    flips = FP32_MAX_BOUNDARY_FLIPS if dtype == torch.float32 else HALF_MAX_BOUNDARY_FLIPS
-    report = logprob_parity(host.engine, [prompt], request, num_samples=args.num_samples, tolerance=tolerance,
-                            max_flip_fraction=flips)
+    filters = SamplingFilters(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    for name in ("max_tokens", "num_samples"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1.")
+    settings = _check_settings(args)
+    dtype = settings.resolved_dtype()
+    dtype_name = str(dtype).removeprefix("torch.")
+    gates = parity_gates(dtype, filters.temperature)
+    if args.tolerance is not None:
+        gates = dataclasses.replace(gates, max_abs=args.tolerance)
+    print(f"[check-logprobs] loading {args.model}: engine {settings.sampler}, numerics {settings.numerics}, "
+          f"{dtype_name} on {settings.device} (the settings train uses: TINKER_LOCAL_*, then these flags)", flush=True)
+    with LocalServiceClient(settings) as service:
+        training = service.create_lora_training_client(args.model, rank=args.lora_rank, seed=args.seed)
+        sampler = training.save_weights_and_get_sampling_client()
+        prompt = _encode_prompt(training.get_tokenizer(), args.prompt, args.raw)
+        report = sampler_trainer_parity(training, sampler, prompt, args.num_samples, args.max_tokens, filters,
+                                        args.seed, gates)
+        first = training.get_tokenizer().decode(report.completions[0]) if report.completions else None
+        engine = sampler.engine_name
+    print(f"engine: {engine}")
+    print(f"numerics: {settings.numerics}  dtype: {dtype_name}  device: {settings.device}")
     print(f"prompt tokens: {len(prompt)}  sampled tokens: {report.num_tokens} "
           f"in {len(report.completions)} completion(s)")
-    if report.completions:
-        print(f"first completion: {host.tokenizer.decode(report.completions[0])!r}")
+    if first is not None:
+        print(f"first completion: {first!r}")
     print(f"max_abs_diff: {report.max_abs_diff:.3e}")
     print(f"mean_abs_diff: {report.mean_abs_diff:.3e}")
-    print(f"tolerance: {tolerance:.1e} (max |sampled - teacher-forced| logprob, {args.dtype})")
+    print(f"tolerance: max {gates.max_abs:.1e}, mean {gates.mean_abs:.1e} (|sampler - trainer| logprob under the "
+          f"sampled distribution, {dtype_name}, T={filters.temperature})")
     print(f"boundary_flips: {report.boundary_flips} (sampled tokens the recomputed filters drop; "
-          f"allowed {flips:.0%} of tokens)")
+          f"allowed {gates.max_flip_fraction:.0%} of tokens)")
     if report.ok:
         print("ok")
         return 0
@@ -459,8 +476,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--top-p", type=float, default=1.0)
     check.add_argument("--min-p", type=float, default=0.0)
     check.add_argument("--seed", type=int, default=0)
-    check.add_argument("--dtype", choices=_DTYPE_NAMES, default="float32")
-    check.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    check.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
+                       help="default: what train uses (TINKER_LOCAL_DTYPE, else bfloat16 on cuda, float32 on cpu)")
+    check.add_argument("--device", default=None, help="default: TINKER_LOCAL_DEVICE, else cuda if available, else cpu")
+    check.add_argument("--sampler", choices=("hf", "generate", "vllm"), default=None,
+                       help="sampling engine (default: TINKER_LOCAL_SAMPLER, else hf); vllm samples through a vLLM "
+                            "server (TINKER_LOCAL_VLLM_URL, else one started from .venv-vllm)")
+    check.add_argument("--numerics", choices=("invariant", "exact", "native"), default=None,
+                       help="how sampler and trainer round (default: TINKER_LOCAL_NUMERICS, else invariant)")
+    check.add_argument("--lora-rank", type=int, default=16, help="rank of the (fresh) adapter, as train's default")
     check.add_argument("--tolerance", type=_positive_float, default=None,
                        help="max abs logprob gap allowed (default 1e-4 in float32, 5e-2 in half precision)")
     check.add_argument("--raw", action="store_true", help="encode the prompt as plain text, no chat template")

@@ -167,3 +167,33 @@ def split_regularizer_config(
             except ValueError:
                 pass  # RegularizerConfig names the bad value
     return RegularizerConfig(**own), config
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Per-token weights that correct a sampler-trainer mismatch, and the share of tokens they changed."""
+
+    weights: Tensor  # (N,) detached, >= 0
+    corrected_fraction: Tensor  # () share of tokens capped (truncate) or masked (mask)
+
+
+def importance_correction(log_ratio: Tensor, mode: str, cap: float = 2.0, low: float = 0.125,
+                          high: float = 8.0) -> Correction:
+    """Weights for tokens drawn by a sampler ``q`` and scored by the trainer as ``p``: ``log_ratio = log p - log q``.
+
+    ``truncate``: truncated importance sampling, ``w = min(p / q, cap)`` (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"; verl's and SkyRL's default cap
+    2); a token is *corrected* when the cap binds. ``mask``: ``w = 1`` where ``low <= p / q <= high``,
+    else 0 (prime-rl's token mask, [1/8, 8]); a token is corrected when masked. ``none``: all ones.
+    Both sides must be the same distribution (the sampler's, with its temperature and filters).
+    """
+    ratio = torch.exp(log_ratio.detach().float())  # (N,)
+    if mode == "none":
+        return Correction(torch.ones_like(ratio), ratio.new_zeros(()))
+    if mode == "truncate":
+        capped = ratio > cap
+        return Correction(ratio.clamp(max=cap), capped.float().mean() if ratio.numel() else ratio.new_zeros(()))
+    if mode == "mask":
+        kept = (ratio >= low) & (ratio <= high)
+        return Correction(kept.float(), (~kept).float().mean() if ratio.numel() else ratio.new_zeros(()))
+    raise ConfigError(f"mismatch correction {mode!r} must be 'none', 'truncate' or 'mask'.")

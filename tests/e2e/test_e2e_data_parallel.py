@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import rlrunbook
 from rlrunbook.run import check_run, format_results, rubric_passed
@@ -37,6 +38,8 @@ def _train(log_root: Path, launcher: list[str]) -> subprocess.CompletedProcess:
     src = str(Path(rlrunbook.__file__).parents[1])
     env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if torch.cuda.device_count() < 2:  # one process per GPU: fewer than two GPUs, so both runs on CPU with gloo
+        env["TINKER_LOCAL_DEVICE"] = "cpu"
     # A session of its own: on a timeout the launcher and the workers it started go together.
     proc = subprocess.Popen([sys.executable, *launcher, "-m", "rlrunbook", *TRAIN, "--log-root", str(log_root)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

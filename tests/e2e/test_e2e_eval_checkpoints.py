@@ -74,4 +74,6 @@ def test_each_sampler_computes_with_its_checkpoints_adapter(run, tmp_path):
     for step, folder in zip((1, 2), folders, strict=True):
         load_adapter(model, load_checkpoint(folder).adapter)
         (expected,) = teacher_forced_logprobs(model, [tokens], host.pad_token_id)
-        assert torch.allclose(torch.tensor(got[step]), expected.float(), atol=1e-6, rtol=0), step
+        # compute_logprobs runs the trainer's forward, transformers' forward is the reference: the fp32 parity gate
+        # (1e-4) separates them from a wrong adapter, which moves these logprobs by far more (see the != above)
+        assert torch.allclose(torch.tensor(got[step]), expected.float(), atol=1e-4, rtol=0), step

@@ -13,16 +13,32 @@ def test_check_logprobs_ok_on_tiny(capsys):
     assert "max_abs_diff:" in out and out.strip().endswith("ok")
     value = float(out.split("max_abs_diff:")[1].split()[0])
     assert value <= diagnostics.FP32_TOLERANCE
+    assert "engine: hf" in out and "dtype: float32" in out and "device: cpu" in out
+
+
+def test_check_logprobs_uses_the_settings_train_uses(capsys, monkeypatch):
+    """TINKER_LOCAL_* choose the engine, dtype and numerics, as for train; flags override them."""
+    monkeypatch.setenv("TINKER_LOCAL_SAMPLER", "generate")
+    monkeypatch.setenv("TINKER_LOCAL_DTYPE", "bfloat16")
+    cli.main(["check-logprobs", "--model", "tiny", "--max-tokens", "8", "--num-samples", "2"])
+    out = capsys.readouterr().out
+    assert "engine: generate" in out and "dtype: bfloat16" in out
+    cli.main(["check-logprobs", "--model", "tiny", "--max-tokens", "8", "--num-samples", "2", "--sampler", "hf",
+              "--dtype", "float32", "--numerics", "exact"])
+    out = capsys.readouterr().out
+    assert "engine: hf" in out and "dtype: float32" in out and "numerics: exact" in out
 
 
 def test_check_logprobs_fails_on_a_mismatch(capsys, monkeypatch):
-    """A teacher-forced pass that is off by one position must make the command exit non-zero."""
-    real = diagnostics.teacher_forced_logprobs
+    """A trainer that scores the wrong targets (off by one position) must make the command exit non-zero."""
+    from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 
-    def shifted(*args, **kwargs):
-        return [torch.roll(lp, 1) for lp in real(*args, **kwargs)]
+    real = SharedPrefixScorer._head
 
-    monkeypatch.setattr(diagnostics, "teacher_forced_logprobs", shifted)
+    def shifted(self, hidden, targets, filters, with_entropy):
+        return real(self, hidden, torch.roll(targets, 1), filters, with_entropy)
+
+    monkeypatch.setattr(SharedPrefixScorer, "_head", shifted)
     assert cli.main(["check-logprobs", "--model", "tiny", "--max-tokens", "16", "--num-samples", "2"]) == 1
     captured = capsys.readouterr()
     assert "Logprob mismatch" in captured.err

@@ -222,7 +222,8 @@ def test_sdk_shaped_constructor_and_unsupported_calls(tmp_path, monkeypatch):
     service = SdkLocalServiceClient({"recipe": "x"}, None, base_url=None, display_name="run")
     try:
         assert service.settings.storage_dir == tmp_path
-        assert [m.model_name for m in service.get_server_capabilities().supported_models] == ["tiny", "smollm2-135m"]
+        names = [m.model_name for m in service.get_server_capabilities().supported_models]
+        assert names == ["tiny", "tiny-vllm", "smollm2-135m"]
         with pytest.raises(AttributeError, match="create_custom_loss is part of the Tinker SDK"):
             service.create_custom_loss(lambda lp: lp, {})
         with pytest.raises(AttributeError, match="no attribute 'not_a_method'"):

@@ -320,3 +320,57 @@ def test_run_truncates_prompts_and_counts_them(letters_task, tmp_path, tokenizer
     tail = _generation_tail(tokenizer)
     for datum in json.loads((run_dir / "training_step_0.json").read_text())["training_data"]:
         assert len(datum["prompt_tokens"]) <= limit and datum["prompt_tokens"][-len(tail):] == tail
+
+
+# ---- sampler-trainer mismatch --------------------------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self):
+        self.refused = None
+
+    def record_refused_step(self, record):
+        self.refused = dict(record)
+
+
+@pytest.mark.parametrize("value, temperature, outcome", [
+    (0.005, 1.0, "quiet"),  # below warn 0.01
+    (0.02, 1.0, "warn"),  # between warn 0.01 and max 0.03
+    (0.04, 1.0, "stop"),  # above max 0.03
+    (0.04, 0.5, "warn"),  # at T = 0.5 the gates are 0.02 and 0.06
+    (0.07, 0.5, "stop"),
+    (math.nan, 1.0, "stop"),
+])
+def test_mismatch_gate_by_hand(value, temperature, outcome):
+    from rlrunbook.errors import LogprobMismatchError
+    from rlrunbook.rl.config import MismatchSettings
+    from rlrunbook.rl.guards import check_mismatch
+
+    lines, writer = [], _Writer()
+    metrics = {"mismatch/abs_logprob_diff:mean": value}
+    if outcome == "stop":
+        with pytest.raises(LogprobMismatchError, match="step 3 refused.*weights are unchanged.*NUMERICS=exact"):
+            check_mismatch(3, metrics, MismatchSettings(), temperature, writer, lines.append)
+        assert writer.refused["quantity"] == "mismatch/abs_logprob_diff" and not writer.refused["weights_changed"]
+    else:
+        check_mismatch(3, metrics, MismatchSettings(), temperature, writer, lines.append)
+        assert writer.refused is None
+        assert (len(lines) == 1 and "[warn] step 3" in lines[0]) == (outcome == "warn")
+    check_mismatch(3, {}, MismatchSettings(), temperature, writer, lines.append)  # not reported: not gated
+
+
+def test_a_run_above_the_mismatch_gate_stops_before_the_optimizer(letters_task, tmp_path, monkeypatch):
+    """transformers' numerics in bf16 on tiny disagree by ~0.005-0.01 nats: above a gate of 1e-3."""
+    from rlrunbook.errors import LogprobMismatchError
+
+    monkeypatch.setenv("TINKER_LOCAL_NUMERICS", "native")
+    monkeypatch.setenv("TINKER_LOCAL_DTYPE", "bfloat16")
+    config = _config(tmp_path).model_copy(update={"mismatch": _config(tmp_path).mismatch.model_copy(
+        update={"max": 1e-3})})
+    captured: dict = {}
+    with pytest.raises(LogprobMismatchError, match="step 0 refused"):
+        run_training(config, service_factory=lambda: _spy_service(captured), log=lambda _: None)
+    _assert_weights_untouched(captured)
+    metadata = _metadata(tmp_path)
+    assert metadata["status"] == "failed" and metadata["refused_step"]["quantity"] == "mismatch/abs_logprob_diff"
+    assert float(metadata["refused_step"]["value"]) > 1e-3

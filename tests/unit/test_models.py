@@ -329,16 +329,31 @@ def test_smollm2_special_tokens_and_template(smollm2):
     assert tok.padding_side == saved["padding_side"] == "left"
     assert saved["chat_template"] == gguf_tokenizer.chat_template  # in tokenizer_config, not a .jinja file
     assert (tok.eos_token, tok.eos_token_id, config["eos_token_id"]) == ("<|im_end|>", 2, 2)
-    # The GGUF sets pad = eos; we pad with <|endoftext|> so pad never hides a real end of turn.
-    assert (gguf_tokenizer.pad_token_id, tok.pad_token, tok.pad_token_id, config["pad_token_id"]) == (
-        2, "<|endoftext|>", 0, 0,
-    )
+    # We pad with <|endoftext|> (the GGUF pads with eos) so pad never hides a real end of turn.
+    assert (tok.pad_token, tok.pad_token_id, config["pad_token_id"]) == ("<|endoftext|>", 0, 0)
+    assert (tok.bos_token, tok.bos_token_id, config["bos_token_id"]) == ("<|im_start|>", 1, 1)
     assert tok.chat_template == gguf_tokenizer.chat_template
     messages = [{"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     mismatched = [s for s in VARIED_STRINGS if tok(s)["input_ids"] != gguf_tokenizer(s)["input_ids"]]
     assert mismatched == []
+
+
+def test_a_smollm2_build_with_wrong_special_tokens_is_refused(smollm2):
+    """transformers 5.17's GGUF converter reads eos as <|im_start|>: such a tokenizer is never cached."""
+    from types import SimpleNamespace
+
+    from rlrunbook.models.smollm2 import check_special_tokens
+
+    folder, _, _ = smollm2
+    tok = load_tokenizer(folder)
+    check_special_tokens(tok)  # the real build passes
+    wrong = SimpleNamespace(**{f"{k}_token": getattr(tok, f"{k}_token") for k in ("bos", "eos", "unk", "pad")},
+                            **{f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "unk", "pad")})
+    wrong.eos_token, wrong.eos_token_id = "<|im_start|>", 1
+    with pytest.raises(ModelNotFoundError, match="eos.*not cached"):
+        check_special_tokens(wrong)
 
 
 @pytest.mark.slow

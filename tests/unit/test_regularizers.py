@@ -15,6 +15,7 @@ from rlrunbook.regularizers import (
     RegularizerConfig,
     clip_fraction,
     get_kl_estimator,
+    importance_correction,
     kl_k1,
     kl_k3,
     kl_low_var,
@@ -172,3 +173,26 @@ def test_split_regularizer_config():
 def test_bad_regularizer_config_is_named(config, match):
     with pytest.raises(ConfigError, match=match):
         split_regularizer_config(config)
+
+
+def test_importance_correction_by_hand():
+    ratios = torch.tensor([0.1, 0.5, 1.0, 2.0, 3.0, 10.0])
+    log_ratio = ratios.log()
+    # truncate at 2: min(ratio, 2); the cap binds for 3 and 10 (2 of 6 tokens)
+    truncated = importance_correction(log_ratio, "truncate", cap=2.0)
+    assert torch.allclose(truncated.weights, torch.tensor([0.1, 0.5, 1.0, 2.0, 2.0, 2.0]), atol=1e-6)
+    assert truncated.corrected_fraction.item() == pytest.approx(2 / 6)
+    # mask outside [1/8, 8]: 0.1 and 10 are dropped, the rest keep weight 1
+    masked = importance_correction(log_ratio, "mask", low=0.125, high=8.0)
+    assert masked.weights.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert masked.corrected_fraction.item() == pytest.approx(2 / 6)
+    none = importance_correction(log_ratio, "none")
+    assert none.weights.tolist() == [1.0] * 6 and none.corrected_fraction.item() == 0.0
+    with pytest.raises(ConfigError, match="truncate"):
+        importance_correction(log_ratio, "clip")
+
+
+def test_importance_weights_carry_no_gradient():
+    lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    weights = importance_correction(lp - torch.tensor([-1.5, -1.0]), "truncate").weights
+    assert not weights.requires_grad

@@ -109,8 +109,11 @@ def test_metadata_fields(writer):
         "tinker",
         "rlrunbook",
         "numpy",
+        "torch_build",
     }
-    assert meta["versions"]["torch"] == torch.__version__
+    # the distribution's version may lack the build's local tag (2.11.0 vs 2.11.0+cu130 on a CUDA image)
+    assert meta["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert meta["versions"]["torch_build"] == torch.__version__
     assert (
         meta["hardware"]["cpu_count"] >= 1
         and meta["hardware"]["torch_cuda_available"] == torch.cuda.is_available()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tinker import types
 
 from rlrunbook.backend.lora import adapter_parameters
+from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import build_datum_arrays
@@ -106,15 +108,16 @@ def test_reference_is_the_base_model_and_the_adapter_comes_back(client, rollouts
         assert torch.equal(a["logprobs"].to_torch(), b["logprobs"].to_torch())
     # position by position; no graph back to the adapter even with grad enabled (base weights are frozen
     # and the adapter bypassed, so this holds with or without the no_grad the trainer adds to save memory)
-    ids = torch.tensor([sequences[0][:-1]])
-    model_inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                    "position_ids": torch.arange(ids.shape[1])[None]}
+    tokens = sequences[0]
+    item = SimpleNamespace(input_tokens=tokens[:-1], targets=torch.tensor(tokens[1:]),
+                           mask=torch.ones(len(tokens) - 1, dtype=torch.bool))
     with torch.enable_grad():
-        ref = client._trainer._reference_logprobs(model_inputs, torch.tensor([sequences[0][1:]]))
+        scores = client._trainer.scoring.score([item], SamplingFilters(), with_entropy=False, with_reference=True)
+    ref = scores.seen_reference
     assert not ref.requires_grad
     assert all(p.grad is None for p in adapter_parameters(client._host.model).values())
     expected = teacher_forced_logprobs(tiny_host.model, sequences[:1], 0)[0]
-    assert torch.allclose(ref[0], expected, atol=1e-5)
+    assert torch.allclose(ref, expected, atol=1e-5)
 
 
 def test_k1_gradient_is_scaled_cross_entropy(client, rollouts):
@@ -243,3 +246,87 @@ def test_mismatch_and_clip_fraction_by_hand(client, rollouts):
     ppo = metrics_with_sampler_shift(-0.3, "ppo", {"clip_low_threshold": 0.7})
     assert ppo["clip_fraction:mean"] == 0.0
     assert ppo["mismatch/kl:mean"] == pytest.approx(math.exp(-0.3) + 0.3 - 1, abs=1e-5)
+
+
+def _with_sampler_logprobs(rollouts, q, advantages=ADVANTAGES, per_token_advantages=None):
+    data, start = [], 0
+    for i, ((tokens, _), adv) in enumerate(zip(rollouts, advantages, strict=True)):
+        n = len(tokens)
+        token_adv = [adv] * n if per_token_advantages is None else per_token_advantages[start:start + n].tolist()
+        a = build_datum_arrays(PROMPT, tokens, q[start:start + n].tolist(), token_adv)
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(a.input_tokens), loss_fn_inputs={
+            "target_tokens": a.target_tokens, "logprobs": a.logprobs, "advantages": a.advantages}))
+        start += n
+    return data
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
+def test_truncated_importance_correction_by_hand(client, rollouts, loss):
+    """Every other token was drawn by a sampler that gave it a third of the trainer's probability:
+    p / q = 3, capped at 2; the rest agree (p / q = 1). With is_correction=truncate the gradient is
+    that of the same loss with q := the trainer's own logprobs and advantages x (2, 1, 2, 1, ...)."""
+    train_steps(client, rl_batch(rollouts))  # move off the fresh adapter so gradients are generic
+    own = completion_logprobs(client.forward(rl_batch(rollouts), loss).result(), rollouts)
+    shifted = torch.arange(len(own)) % 2 == 0
+    q = own - shifted.float() * math.log(3.0)
+    advantages = torch.cat([torch.full((len(tokens),), adv) for (tokens, _), adv in zip(rollouts, ADVANTAGES,
+                                                                                         strict=True)])
+    client._host.model.zero_grad(set_to_none=True)
+    out = client.forward_backward(_with_sampler_logprobs(rollouts, q), loss, {"is_correction": "truncate"}).result()
+    corrected = adapter_grads(client)
+    assert out.metrics["mismatch/corrected_fraction:mean"] == pytest.approx(shifted.float().mean().item())
+    assert out.metrics["mismatch/abs_logprob_diff:mean"] == pytest.approx(
+        shifted.float().mean().item() * math.log(3.0), abs=1e-5)
+    assert out.metrics["clip_fraction:mean"] == 0.0, "the loss's ratio is the trainer's own: exactly 1"
+    client._host.model.zero_grad(set_to_none=True)
+    weights = torch.where(shifted, 2.0, 1.0)
+    client.forward_backward(_with_sampler_logprobs(rollouts, own, per_token_advantages=advantages * weights),
+                            loss).result()
+    assert_grads_close(corrected, adapter_grads(client), rel=1e-5)
+    client._host.model.zero_grad(set_to_none=True)
+
+
+def test_mask_correction_drops_tokens_outside_the_bounds(client, rollouts):
+    """p / q = 10 on every third token: outside [1/8, 8], so those tokens carry no gradient."""
+    own = completion_logprobs(client.forward(rl_batch(rollouts), "importance_sampling").result(), rollouts)
+    far = torch.arange(len(own)) % 3 == 0
+    advantages = torch.cat([torch.full((len(tokens),), adv) for (tokens, _), adv in zip(rollouts, ADVANTAGES,
+                                                                                         strict=True)])
+    out = client.forward_backward(_with_sampler_logprobs(rollouts, own - far.float() * math.log(10.0)),
+                                  "importance_sampling", {"is_correction": "mask"}).result()
+    masked = adapter_grads(client)
+    assert out.metrics["mismatch/corrected_fraction:mean"] == pytest.approx(far.float().mean().item())
+    client._host.model.zero_grad(set_to_none=True)
+    client.forward_backward(_with_sampler_logprobs(rollouts, own, per_token_advantages=advantages * (~far).float()),
+                            "importance_sampling").result()
+    assert_grads_close(masked, adapter_grads(client), rel=1e-5)
+    client._host.model.zero_grad(set_to_none=True)
+
+
+def test_mismatch_compares_like_with_like_under_temperature(client):
+    """Sampled at T = 0.7 with top-p 0.9: told the transform, the trainer agrees with the sampler (fp32);
+    comparing its T = 1 logprobs instead (the Tinker loss's ratio) is off by far more."""
+    params = types.SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=5, stop=[])
+    sampler = client.save_weights_and_get_sampling_client()
+    sequences = sampler.sample(types.ModelInput.from_ints(PROMPT), 4, params).result().sequences
+    rollouts = [(list(s.tokens), list(s.logprobs)) for s in sequences]
+    data = [rl_datum(tokens, lps, 1.0) for tokens, lps in rollouts]
+    told = client.forward(data, "importance_sampling", {"sampling_temperature": 0.7, "sampling_top_p": 0.9}).result()
+    assert told.metrics["mismatch/abs_logprob_diff:mean"] <= 1e-5
+    untold = client.forward(data, "importance_sampling").result()
+    assert untold.metrics["mismatch/abs_logprob_diff:mean"] > 0.1
+    for output, (tokens, lps) in zip(told.loss_fn_outputs, rollouts, strict=True):
+        values = output["sampling_logprobs"].to_torch()
+        assert torch.allclose(values[-len(tokens):], torch.tensor(lps), atol=1e-5)
+        assert torch.isnan(values[:-len(tokens)]).all(), "NaN where the loss does not read"
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"is_correction": "clip"}, "is_correction"),
+    ({"is_correction": "truncate", "is_cap": 0.5}, "is_cap"),
+    ({"is_correction": "mask", "is_mask_low": 2.0}, "is_mask_low"),
+    ({"sampling_temperature": "hot"}, "sampling_temperature"),
+])
+def test_bad_mismatch_config_is_named(client, rollouts, config, match):
+    with pytest.raises(ConfigError, match=match):
+        client.forward(rl_batch(rollouts), "importance_sampling", config).result()

@@ -159,14 +159,21 @@ class OrderedWorker:
         call already running finishes. Waits up to ``timeout`` seconds (None: until done); True if the
         thread ended. A process must not exit while this thread is inside a torch call: the interpreter
         tears down under it, and libstdc++ aborts with "terminate called without an active exception"."""
+        if cancel_pending:
+            self.cancel_pending()
         with self._cv:
             self._closed = True
-            if cancel_pending:
-                while self._queue:
-                    self._queue.popleft().future.cancel()
             self._cv.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def cancel_pending(self) -> int:
+        """Cancel every queued call that has not started (its future raises ``CancelledError``); how many."""
+        with self._cv:
+            cancelled = 0
+            while self._queue:
+                cancelled += self._queue.popleft().future.cancel()
+            return cancelled
 
 
 def completed(value: T) -> AwaitableConcurrentFuture[T]:

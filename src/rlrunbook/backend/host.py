@@ -4,26 +4,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from rlrunbook.backend.lora import clone_adapter, load_adapter
 from rlrunbook.backend.settings import LocalSettings
+from rlrunbook.engines.base import SamplingEngine
+from rlrunbook.engines.generate import GenerateEngine
 from rlrunbook.engines.hf import HFSamplingEngine
 from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
 
 
 @dataclass
 class ModelHost:
-    """One model in memory: ``model`` (plain or LoRA-wrapped), its tokenizer, its engine."""
+    """One model in memory: ``model`` (plain or LoRA-wrapped), its tokenizer, its engine.
+
+    ``vllm`` is set when a vLLM server samples for this model (``TINKER_LOCAL_SAMPLER=vllm``): a
+    :class:`rlrunbook.engines.vllm_engine.VllmSamplingEngine`; ``engine`` then only validates requests
+    and draws seeds.
+    """
 
     name: str
     folder: Path
     tokenizer: object
     model: torch.nn.Module
-    engine: HFSamplingEngine
+    engine: SamplingEngine
+    vllm: object | None = None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -47,15 +56,14 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
     model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device,
                            load_in_4bit=settings.load_in_4bit)
     config = model.config
-    engine = HFSamplingEngine(
-        model,
-        pad_token_id=int(tokenizer.pad_token_id),
-        vocab_size=int(config.vocab_size),
-        max_context=getattr(config, "max_position_embeddings", None),
-        max_batch_rows=settings.max_batch_rows,
-        seed=settings.seed,
-        decode_batch=_text_decoder(tokenizer),
-    )
+    common = dict(pad_token_id=int(tokenizer.pad_token_id), vocab_size=int(config.vocab_size),
+                  max_context=getattr(config, "max_position_embeddings", None), max_batch_rows=settings.max_batch_rows,
+                  seed=settings.seed, decode_batch=_text_decoder(tokenizer))
+    if settings.sampler == "generate":
+        engine: SamplingEngine = GenerateEngine(model, **common)
+    else:
+        engine = HFSamplingEngine(model, numerics=settings.numerics, cuda_graphs=settings.cuda_graphs,
+                                  prefix_cache_tokens=settings.prefix_cache_tokens, **common)
     return ModelHost(base_model, folder, tokenizer, model, engine)
 
 
@@ -65,6 +73,9 @@ def _text_decoder(tokenizer):
         return tokenizer.batch_decode(rows, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     return decode_batch
+
+
+_snapshot_keys = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -77,10 +88,12 @@ class SamplerWeights:
 
     adapter: dict[str, torch.Tensor] | None
     version: int = -1
+    # Unique per snapshot (never reused, unlike id()): an engine keeps cached prefixes under this key.
+    key: int = field(default_factory=lambda: next(_snapshot_keys))
 
     @classmethod
     def base(cls) -> SamplerWeights:
-        return cls(adapter=None)
+        return cls(adapter=None, key=-1)  # the base model's keys/values never change
 
 
 @contextmanager

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from tinker import types
 
 from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
@@ -14,8 +15,9 @@ from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.engines.hf import SampleJob
+from rlrunbook.engines.base import SampleJob
 from rlrunbook.engines.scoring import teacher_forced_logprobs
+from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
 
@@ -107,6 +109,7 @@ class LocalSamplingClient(ResolvedClient):
         self._worker = worker
         self._live_version = live_version
         self.model_path = model_path
+        self._adapter = None  # the vLLM sampler's view of these weights (TINKER_LOCAL_SAMPLER=vllm)
 
     def __getattr__(self, name: str):
         from tinker.lib.public_interfaces.sampling_client import SamplingClient
@@ -155,6 +158,8 @@ class LocalSamplingClient(ResolvedClient):
             stop_strings=stop_strings,
         )
         self._host.engine.validate(tokens, request)
+        if self._host.vllm is not None:  # what the vLLM server cannot sample exactly is refused at submission
+            self._host.vllm.validate(tokens, request)
         if request.seed is None:  # drawn at submission, so results follow submission order, not timing
             request = dataclasses.replace(request, seed=self._host.engine.next_seed())
         job = SampleJob(tokens, num_samples, request)
@@ -172,10 +177,22 @@ class LocalSamplingClient(ResolvedClient):
     def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
         """One engine call for every queued request that shares these weights and settings."""
         with active_weights(self._host, self._weights, self._live_version()):
-            results = self._host.engine.sample_jobs([job for job, _ in items])
+            jobs = [job for job, _ in items]
+            if self._host.vllm is None:
+                results = self._host.engine.sample_jobs(jobs, weights_key=self._weights.key)
+            else:  # a vLLM server samples; it loads this client's snapshot, written here while it is live
+                results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
             prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
         return [self._response(completions, prompt_lp)
                 for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
+
+    def _vllm_adapter(self):
+        """This client's weights as a vLLM adapter (named by their digest, computed once), or None for the base."""
+        if self._adapter is None and self._weights.adapter is not None:
+            from rlrunbook.backend.vllm_sampling import snapshot_adapter
+
+            self._adapter = snapshot_adapter(self._host, self._weights)
+        return self._adapter
 
     @staticmethod
     def _response(completions, prompt_lp) -> types.SampleResponse:
@@ -194,9 +211,24 @@ class LocalSamplingClient(ResolvedClient):
         )
 
     def _prompt_logprobs(self, tokens: list[int]) -> list[float]:
-        """Teacher-forced logprobs of the prompt; NaN for the first token, which has no context."""
-        (lp,) = teacher_forced_logprobs(self._host.model, [tokens], self._host.pad_token_id)
-        return [float("nan"), *lp.tolist()]
+        """Teacher-forced logprobs of the prompt; NaN for the first token, which has no context.
+
+        Through the trainer's own forward where the engine runs one (the same numerics as training),
+        else transformers' forward.
+        """
+        if len(tokens) == 1:
+            return [float("nan")]
+        decoder = getattr(self._host.engine, "decoder", None)
+        if decoder is None:
+            (lp,) = teacher_forced_logprobs(self._host.model, [tokens], self._host.pad_token_id)
+            return [float("nan"), *lp.tolist()]
+        scorer = SharedPrefixScorer(decoder)
+        with torch.no_grad():
+            run = scorer.run([tokens[:-1]])
+            device = run.hidden.device
+            lp = scorer.score(run.hidden, torch.tensor(run.flat[0], device=device),
+                              torch.tensor(tokens[1:], device=device)).logprobs
+        return [float("nan"), *lp.float().cpu().tolist()]
 
     def compute_logprobs(self, prompt: types.ModelInput):
         """APIFuture of the prompt's per-token logprobs under these weights (``None`` first)."""
@@ -216,6 +248,11 @@ class LocalSamplingClient(ResolvedClient):
 
     def get_tokenizer(self):
         return self._host.tokenizer
+
+    @property
+    def engine_name(self) -> str:
+        """Local extension: which engine samples (``hf``, ``generate``, ``vllm``)."""
+        return self._host.engine.name if self._host.vllm is None else self._host.vllm.name
 
     def get_base_model(self) -> str:
         return self._host.name

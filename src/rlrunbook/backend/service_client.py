@@ -25,6 +25,7 @@ from rlrunbook.backend.storage import CheckpointStore, RunRecord, parse_tinker_p
 from rlrunbook.backend.trainer import LoraTrainer
 from rlrunbook.backend.training_client import LocalTrainingClient
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
+from rlrunbook.backend.vllm_sampling import VllmSamplers
 from rlrunbook.errors import ConfigError, ModelNotFoundError
 
 
@@ -43,6 +44,7 @@ class LocalServiceClient:
         self._worker = OrderedWorker(max_batch_rows=self.settings.max_batch_rows)
         self._base_hosts: dict[str, ModelHost] = {}
         self._training: dict[str, LocalTrainingClient] = {}
+        self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
         self._closed = False
 
     def result(self, timeout: float | None = None) -> Self:
@@ -88,9 +90,11 @@ class LocalServiceClient:
                 train_mlp=record.train_mlp, train_unembed=record.train_unembed,
             )
             host.engine.model = host.model
+            self._attach_sampler(host)
             trainer = LoraTrainer(host.model, pad_token_id=host.pad_token_id,
                                   vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
-                                  accept_zero_advantages=settings.zero_advantage_batches == "accept")
+                                  accept_zero_advantages=settings.zero_advantage_batches == "accept",
+                                  numerics=settings.numerics)
             self._store.write_run(record)
             return LocalTrainingClient(host, trainer, self._worker, model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,
@@ -171,8 +175,14 @@ class LocalServiceClient:
 
     def _base_host(self, base_model: str) -> ModelHost:
         if base_model not in self._base_hosts:
-            self._base_hosts[base_model] = load_host(base_model, self.settings)
+            self._base_hosts[base_model] = self._attach_sampler(load_host(base_model, self.settings))
         return self._base_hosts[base_model]
+
+    def _attach_sampler(self, host: ModelHost) -> ModelHost:
+        """With TINKER_LOCAL_SAMPLER=vllm, hand the host's sampling to its base model's vLLM server."""
+        if self._vllm is not None:
+            host.vllm = self._vllm.engine_for(host)
+        return host
 
     def _host_from_adapter(self, folder) -> ModelHost:
         meta = folder / BASE_MODEL_FILE
@@ -181,7 +191,7 @@ class LocalServiceClient:
         host = load_host(json.loads(meta.read_text())["base_model"], self.settings)
         host.model = load_saved_adapter(host.model, str(folder))
         host.engine.model = host.model
-        return host
+        return self._attach_sampler(host)
 
     # -- information ------------------------------------------------------------------------
     def create_rest_client(self) -> LocalRestClient:
@@ -199,14 +209,22 @@ class LocalServiceClient:
         """Stop the worker thread (after the calls already queued). Returns a finished future, as the SDK does."""
         if not self._closed:
             self._closed = True
+            if self._vllm is not None:  # after the queued calls, on the thread its servers die with
+                self._worker.run(self._vllm.close)
             self._worker.shutdown()
         return completed(None)
 
     def stop_now(self, timeout: float | None = None) -> bool:
         """Local extension, for Ctrl-C: cancel the queued calls, let the running one finish (up to ``timeout``
-        seconds), stop the worker. True when the worker has ended (nothing runs in torch any more)."""
+        seconds), stop a vLLM sampler's servers, stop the worker. True when the worker has ended (nothing runs
+        in torch any more); ``close`` afterwards does nothing."""
+        if self._closed:
+            return self._worker.shutdown(timeout=timeout)
         self._closed = True
-        return self._worker.shutdown(cancel_pending=True, timeout=timeout)
+        self._worker.cancel_pending()
+        if self._vllm is not None:  # queued behind the running call, on the thread its servers die with
+            self._worker.submit(self._vllm.close)
+        return self._worker.shutdown(timeout=timeout)
 
 
 class SdkLocalServiceClient(LocalServiceClient):

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import torch
 
+from rlrunbook.backend.vllm_settings import VllmSettings
+from rlrunbook.engines.decoder import NUMERICS
 from rlrunbook.errors import ConfigError
+
+SAMPLERS = ("hf", "generate", "vllm")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -71,7 +75,19 @@ class LocalSettings:
             backward each, so peak memory falls while the summed gradient is unchanged
             (``TINKER_LOCAL_GRAD_ACCUM_STEPS``, 1).
         lora_alpha: LoRA alpha (``TINKER_LOCAL_LORA_ALPHA``, 32: scale 1 at the SDK's default rank 32).
-        sampler: sampling engine (``TINKER_LOCAL_SAMPLER``: hf | vllm; hf).
+        sampler: sampling engine (``TINKER_LOCAL_SAMPLER``): ``hf`` (default: this project's in-process
+            engine over the transformers weights, the trainer's own forward, for the Llama, Qwen2,
+            Qwen3 and Mistral families), ``generate`` (transformers ``generate``, any causal LM) or ``vllm``
+            (a vLLM server, configured by ``vllm``; the in-process engine then only validates requests,
+            draws seeds and scores prompts).
+        numerics: how sampler and trainer round (``TINKER_LOCAL_NUMERICS``): ``invariant`` (default:
+            float64 attention core, bitwise sampler-trainer agreement on CPU), ``exact`` (also float64
+            matrix products: agreement on any device, slower) or ``native`` (the model's dtype throughout,
+            as transformers computes; for comparison). See rlrunbook.engines.decoder.
+        cuda_graphs: capture the decode step as CUDA graphs on a CUDA device (``TINKER_LOCAL_CUDA_GRAPHS``:
+            1 | 0; default 1).
+        prefix_cache_tokens: most tokens whose keys/values the engine keeps for reuse by later calls under
+            the same weights, e.g. a debate's next round (``TINKER_LOCAL_PREFIX_CACHE_TOKENS``, 65536; 0 = off).
         storage_dir: where ``tinker://`` checkpoints live (``TINKER_LOCAL_STORAGE``;
             default ``$RLRUNBOOK_CACHE_DIR/tinker`` or ``~/.cache/rlrunbook/tinker``).
         max_batch_rows: most sequences per generate call (``TINKER_LOCAL_MAX_BATCH_ROWS``, 256).
@@ -82,6 +98,8 @@ class LocalSettings:
             recipes need, whose loops send such batches when every group's rewards tie).
         load_in_4bit: load frozen base weights 4-bit NF4 (bitsandbytes, CUDA only; set by a run's
             ``backend.load_in_4bit``).
+        vllm: the vLLM sampler's server: managed or external, restarts, limits (``TINKER_LOCAL_VLLM_*``;
+            see :class:`rlrunbook.backend.vllm_settings.VllmSettings`).
     """
 
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -90,13 +108,21 @@ class LocalSettings:
     grad_accum_chunks: int = 1
     lora_alpha: int = 32
     sampler: str = "hf"
+    numerics: str = "invariant"
+    cuda_graphs: bool = True
+    prefix_cache_tokens: int = 65536
     storage_dir: Path | None = None
     max_batch_rows: int = 256
     zero_advantage_batches: str = "error"
     load_in_4bit: bool = False
+    vllm: VllmSettings = field(default_factory=VllmSettings)
 
     def __post_init__(self) -> None:
         check_device(self.device, "the local backend's device (TINKER_LOCAL_DEVICE, backend.device or --device)")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"sampler {self.sampler!r} must be one of {SAMPLERS} (TINKER_LOCAL_SAMPLER).")
+        if self.numerics not in NUMERICS:
+            raise ConfigError(f"numerics {self.numerics!r} must be one of {NUMERICS} (TINKER_LOCAL_NUMERICS).")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
 
@@ -126,17 +152,19 @@ class LocalSettings:
                 raise ConfigError(f"TINKER_LOCAL_DTYPE={name!r} is not one of {sorted(_DTYPES)}.")
             kwargs["dtype"] = _DTYPES[name]
         sampler = env.get("TINKER_LOCAL_SAMPLER", "hf") or "hf"
-        if sampler not in ("hf", "vllm"):
-            raise ConfigError(f"TINKER_LOCAL_SAMPLER={sampler!r} must be 'hf' or 'vllm'.")
-        if sampler == "vllm":
-            raise ConfigError(
-                "TINKER_LOCAL_SAMPLER=vllm: the vLLM engine is not part of this build yet; "
-                "unset TINKER_LOCAL_SAMPLER to sample with transformers (hf)."
-            )
+        if sampler not in SAMPLERS:
+            raise ConfigError(f"TINKER_LOCAL_SAMPLER={sampler!r} must be one of {SAMPLERS}.")
         zero = env.get("TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES", "").strip().lower() or "error"
         if zero not in ("error", "accept"):
             raise ConfigError(f"TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES={zero!r} must be 'error' or 'accept'.")
         kwargs["zero_advantage_batches"] = zero
+        if env.get("TINKER_LOCAL_NUMERICS"):
+            kwargs["numerics"] = env["TINKER_LOCAL_NUMERICS"].strip().lower()
+        graphs = env.get("TINKER_LOCAL_CUDA_GRAPHS", "").strip()
+        if graphs:
+            if graphs not in ("0", "1"):
+                raise ConfigError(f"TINKER_LOCAL_CUDA_GRAPHS={graphs!r} must be 1 (capture) or 0 (no graphs).")
+            kwargs["cuda_graphs"] = graphs == "1"
         if env.get("TINKER_LOCAL_STORAGE"):
             kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
         return cls(
@@ -144,6 +172,8 @@ class LocalSettings:
             grad_accum_chunks=_int_env(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1),
             lora_alpha=_int_env(env, "TINKER_LOCAL_LORA_ALPHA", 32, 1),
             max_batch_rows=_int_env(env, "TINKER_LOCAL_MAX_BATCH_ROWS", 256, 1),
+            prefix_cache_tokens=_int_env(env, "TINKER_LOCAL_PREFIX_CACHE_TOKENS", 65536, 0),
             sampler=sampler,
+            vllm=VllmSettings.from_env(env),
             **kwargs,  # type: ignore[arg-type]
         )

@@ -22,19 +22,21 @@ import torch
 from tinker import types
 
 from rlrunbook import distributed
+from rlrunbook.backend.chunk_scores import ChunkScores, ChunkScoring, PaddedScoring, SharedPrefixScoring
 from rlrunbook.backend.lora import adapter_parameters
-from rlrunbook.engines.scoring import gather_logprobs
+from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
+from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
 from rlrunbook.metrics import merge_reduced
 from rlrunbook.regularizers import (
     RegularizerConfig,
     clip_fraction,
+    importance_correction,
     sampler_mismatch,
     split_regularizer_config,
-    token_entropy,
 )
-from rlrunbook.tokens import check_token_ids, pad_batch
+from rlrunbook.tokens import check_token_ids
 
 
 class NonFiniteGradientError(RlrunbookError, FloatingPointError):
@@ -122,6 +124,7 @@ class _ChunkOutput:
     metrics: dict[str, float]
     positions: int  # tokens the loss saw: the weight of this chunk's ``:mean`` metrics
     weights: dict[str, int] = field(default_factory=dict)  # per-metric weights where they differ
+    sampling_logprobs: list[torch.Tensor] = field(default_factory=list)  # per datum, NaN off the loss positions
 
 
 # ``:mean`` metrics over the regularized positions (a subset of the loss's for cross_entropy).
@@ -129,44 +132,63 @@ _REGULARIZED_MEANS = ("kl_divergence:mean", "entropy:mean")
 _DEFAULT_RATIO_BOUNDS = (0.8, 1.2)  # PPO's epsilon 0.2, for clip_fraction of losses without clip bounds
 
 
-def _padded(chunk: list[_Item], attribute: str, width: int) -> torch.Tensor:
-    """The items' ``[L]`` bool masks named ``attribute``, right-padded with False to ``[B, width]``."""
-    masks = [getattr(item, attribute) for item in chunk]
-    return torch.stack([torch.nn.functional.pad(m, (0, width - len(m)), value=False) for m in masks])
+def _sampler_terms(lp: torch.Tensor, inputs: dict[str, torch.Tensor], sampling_lp: torch.Tensor,
+                   mismatch: MismatchConfig, config: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """Measure the sampler-trainer mismatch on the loss's positions and, if asked, correct for it.
 
-
-def _sampler_stats(lp: torch.Tensor, q: torch.Tensor, config: Mapping[str, float]) -> dict[str, torch.Tensor]:
-    """Clip fraction and sampler-trainer mismatch on the loss's positions, measured before this update.
-
-    The clip bounds are the loss's own (ppo, cispo) or else ``[0.8, 1.2]``.
+    The mismatch compares like with like: ``sampling_lp``, the trainer's logprobs under the sampler's
+    transform (``logits / T`` and filters), against the sampler's ``q``, before this call's update.
+    With a correction, ``inputs`` is changed in place: the loss reads the trainer's own T = 1 logprobs
+    as its behaviour policy and every token's advantage is scaled by its importance weight
+    (see :mod:`rlrunbook.backend.mismatch`). The clip fraction is then measured on the ratio the loss
+    uses, between the loss's clip bounds (ppo, cispo) or else ``[0.8, 1.2]``.
     """
+    q = inputs["logprobs"]
+    gap = sampler_mismatch(sampling_lp, q)
+    stats = {"mismatch/abs_logprob_diff:mean": gap.abs_logprob_diff, "mismatch/kl:mean": gap.kl}
+    if mismatch.correction != "none":
+        correction = importance_correction(sampling_lp - q, mismatch.correction, mismatch.cap, mismatch.mask_low,
+                                           mismatch.mask_high)
+        inputs["logprobs"] = lp.detach()
+        inputs["advantages"] = inputs["advantages"] * correction.weights
+        stats["mismatch/corrected_fraction:mean"] = correction.corrected_fraction
     low = config.get("clip_low_threshold", _DEFAULT_RATIO_BOUNDS[0])
     high = config.get("clip_high_threshold", _DEFAULT_RATIO_BOUNDS[1])
-    mismatch = sampler_mismatch(lp, q)
-    return {"clip_fraction:mean": clip_fraction(lp, q, low, high),
-            "mismatch/abs_logprob_diff:mean": mismatch.abs_logprob_diff, "mismatch/kl:mean": mismatch.kl}
+    stats["clip_fraction:mean"] = clip_fraction(lp, inputs["logprobs"], low, high)
+    return stats
 
 
-def _regularizer_terms(logits: torch.Tensor, lp: torch.Tensor, ref: torch.Tensor | None, where: torch.Tensor,
+def _regularizer_terms(scores: ChunkScores, where: torch.Tensor,
                        reg: RegularizerConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """``kl_coef * sum kl - entropy_coef * sum H`` over ``where`` [B, L], its parts as metrics, and the count.
-
-    ``logits`` [B, L, V] and ``lp`` [B, L] carry the policy's graph; ``ref`` [B, L] is the reference's
-    logprobs (None when ``kl_coef`` is 0). Entropy is computed only when ``entropy_coef > 0``.
-    """
+    """``kl_coef * sum kl - entropy_coef * sum H`` over the loss positions ``where`` (bool ``(N,)``), its parts
+    as metrics, and the count. The KL reads the reference logprobs, the entropy the policy's (both in ``scores``)."""
+    lp = scores.seen_logprobs
     n = int(where.sum())
     kl_loss = entropy_loss = lp.new_zeros(())
     stats: dict[str, torch.Tensor] = {}
-    if ref is not None and n > 0:
-        kl = reg.estimator(lp[where], ref[where])  # (n,)
+    if scores.seen_reference is not None and n > 0:
+        kl = reg.estimator(lp[where], scores.seen_reference[where])  # (n,)
         kl_loss = reg.kl_coef * kl.sum()
         stats["kl_divergence:mean"] = kl.mean()
-    if reg.entropy_coef > 0 and n > 0:
-        entropy = token_entropy(logits[where])  # (n, V) -> (n,)
+    if scores.seen_entropy is not None and n > 0:
+        entropy = scores.seen_entropy[where]  # (n,)
         entropy_loss = -reg.entropy_coef * entropy.sum()
         stats["entropy:mean"] = entropy.mean()
     stats.update({"loss_kl:sum": kl_loss, "loss_entropy:sum": entropy_loss})
     return kl_loss + entropy_loss, stats, n
+
+
+def _per_datum(chunk: list[_Item], seen_values: torch.Tensor) -> list[torch.Tensor]:
+    """Flat values over the loss positions, spread back to one ``[L]`` tensor per datum (NaN elsewhere)."""
+    values = seen_values.detach().float().cpu()
+    out, cursor = [], 0
+    for item in chunk:
+        row = torch.full((len(item.input_tokens),), float("nan"))
+        count = int(item.mask.sum())
+        row[item.mask] = values[cursor:cursor + count]
+        cursor += count
+        out.append(row)
+    return out
 
 
 def _merge_metrics(parts: list[_ChunkOutput]) -> dict[str, float]:
@@ -179,8 +201,12 @@ class LoraTrainer:
     """Owns a LoRA-wrapped model and its optimizer; every method runs on the backend's worker thread."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1,
-                 accept_zero_advantages: bool = False):
+                 accept_zero_advantages: bool = False, numerics: str = "invariant"):
         self.model = model
+        # The sampler's own forward (shared prefixes, logits only where needed) where it covers the model;
+        # otherwise transformers' forward over padded datums.
+        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics) if unsupported_reason(model) is None
+                                      else PaddedScoring(model, pad_token_id))
         # False (the project's default): a batch with no non-zero advantage raises NoLearningSignalError.
         # True: it is computed as the hosted service computes it, loss and gradient 0 (for unmodified recipes).
         self.accept_zero_advantages = accept_zero_advantages
@@ -226,6 +252,7 @@ class LoraTrainer:
              loss_fn_config: Mapping[str, float | str] | None, *, backward: bool) -> types.ForwardBackwardOutput:
         spec = get_loss(loss_fn)
         reg, loss_config = split_regularizer_config(loss_fn_config)
+        mismatch, loss_config = split_mismatch_config(loss_config)
         config = resolve_loss_config(spec, loss_config)
         if len(data) == 0:
             raise InputError("empty batch: forward_backward needs at least one Datum.")
@@ -242,10 +269,11 @@ class LoraTrainer:
         n_chunks = min(self.grad_accum_chunks, len(items))
         bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
         logprobs: list[torch.Tensor] = []
+        sampling: list[torch.Tensor] = []
         loss_total = 0.0
         parts: list[_ChunkOutput] = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part = self._chunk_loss(items[lo:hi], spec, config, reg)
+            part = self._chunk_loss(items[lo:hi], spec, config, reg, mismatch)
             if backward:
                 part.loss.backward()
                 self._has_gradients = True
@@ -253,6 +281,7 @@ class LoraTrainer:
             if backward:
                 self._pending_loss += float(part.loss.detach())
             logprobs += part.logprobs
+            sampling += part.sampling_logprobs
             parts.append(part)
         metrics = _merge_metrics(parts)
         metrics.update({
@@ -261,54 +290,38 @@ class LoraTrainer:
             "num_trained_tokens:sum": float(trained),
         })
         outputs = [{"logprobs": types.TensorData.from_torch(lp)} for lp in logprobs]
+        if sampling:  # the caller named the sampler's transform (a local extension)
+            for output, values in zip(outputs, sampling, strict=True):
+                output["sampling_logprobs"] = types.TensorData.from_torch(values)
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
                                            metrics=metrics)
 
-    def _chunk_loss(self, chunk: list[_Item], spec: LossSpec, config: dict[str, float],
-                    reg: RegularizerConfig) -> _ChunkOutput:
+    def _chunk_loss(self, chunk: list[_Item], spec: LossSpec, config: dict[str, float], reg: RegularizerConfig,
+                    mismatch: MismatchConfig) -> _ChunkOutput:
         """One forward over ``chunk``: the loss's value plus the regularizer terms, and their metrics."""
         device = self.device
-        batch = pad_batch([item.input_tokens for item in chunk], self.pad_token_id, side="right")
-        model_inputs = {"input_ids": batch.input_ids.to(device),
-                        "attention_mask": batch.attention_mask.to(device),
-                        "position_ids": batch.position_ids.to(device)}
-        width = batch.input_ids.shape[1]
-        targets = torch.stack([torch.nn.functional.pad(item.targets, (0, width - len(item.targets)))
-                               for item in chunk]).to(device)  # [B, L]
-        seen = _padded(chunk, "mask", width).to(device)  # [B, L] positions the loss sees
-        regularized = _padded(chunk, "regularized", width).to(device)  # [B, L] subset of seen
-        # The reference pass runs first, so its logits are freed before the policy's graph is built.
-        ref = self._reference_logprobs(model_inputs, targets) if reg.kl_coef > 0 else None  # [B, L]
-        logits = self.model(**model_inputs).logits  # [B, L, V]
-        lp = gather_logprobs(logits, targets)  # [B, L]
-        per_datum = [lp[row, :len(item.targets)].detach().float().cpu() for row, item in enumerate(chunk)]
-        flat_lp = lp[seen]  # (N,) row-major: datum by datum, as the inputs below
+        scores = self.scoring.score(chunk, mismatch.filters, with_entropy=reg.entropy_coef > 0,
+                                    with_reference=reg.kl_coef > 0)
+        sampling = _per_datum(chunk, scores.seen_sampling_logprobs) if mismatch.stated else []
+        flat_lp = scores.seen_logprobs  # (N,) row-major: datum by datum, as the inputs below
         if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward
-            return _ChunkOutput(lp.sum() * 0.0, per_datum, {}, 0)
+            return _ChunkOutput(scores.anchor, scores.per_datum, {}, 0, sampling_logprobs=sampling)
         flat_inputs = {key: torch.cat([item.inputs[key][item.mask] for item in chunk]).to(device)
                        for key in spec.required_inputs}
-        out = spec.fn(flat_lp, flat_inputs, config)
-        stats: dict[str, torch.Tensor] = {"loss_pg:sum": out.loss}
+        stats: dict[str, torch.Tensor] = {}
         if "logprobs" in spec.required_inputs:
-            stats.update(_sampler_stats(flat_lp, flat_inputs["logprobs"], config))
-        reg_loss, reg_stats, n_regularized = _regularizer_terms(logits, lp, ref, regularized, reg)
+            stats.update(_sampler_terms(flat_lp, flat_inputs, scores.seen_sampling_logprobs.to(device), mismatch,
+                                        config))
+        out = spec.fn(flat_lp, flat_inputs, config)
+        stats["loss_pg:sum"] = out.loss
+        regularized = torch.cat([item.regularized[item.mask] for item in chunk]).to(device)  # (N,)
+        reg_loss, reg_stats, n_regularized = _regularizer_terms(scores, regularized, reg)
         stats.update(reg_stats)
         names = list(stats)
         values = torch.stack([stats[name].detach().float() for name in names]).tolist()  # one host sync
         metrics = {**out.metrics, **dict(zip(names, values, strict=True))}
         weights = {name: n_regularized for name in _REGULARIZED_MEANS if name in metrics}
-        return _ChunkOutput(out.loss + reg_loss, per_datum, metrics, int(flat_lp.numel()), weights)
-
-    def _reference_logprobs(self, model_inputs: Mapping[str, torch.Tensor],
-                            targets: torch.Tensor) -> torch.Tensor:
-        """Logprobs of ``targets`` [B, L] under the base model: this model with the LoRA adapter disabled.
-
-        No second copy of the weights: peft's ``disable_adapter()`` bypasses the LoRA layers for the
-        duration of the forward and restores them afterwards. No gradient reaches the adapter.
-        """
-        with torch.no_grad(), self.model.disable_adapter():
-            logits = self.model(**model_inputs).logits  # [B, L, V]
-            return gather_logprobs(logits, targets)
+        return _ChunkOutput(out.loss + reg_loss, scores.per_datum, metrics, int(flat_lp.numel()), weights, sampling)
 
     def optim_step(self, params: types.AdamParams) -> types.OptimStepResponse:
         """One AdamW step (torch.optim.AdamW semantics) on the accumulated gradient, then zero it.

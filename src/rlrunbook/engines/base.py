@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -50,17 +50,46 @@ class Completion:
     start inside an earlier token, and that token's text may run past the string's end).
     ``logprobs`` are under the distribution actually sampled (after temperature and filters);
     ``policy_logprobs`` under the raw T = 1 policy. Both align one to one with ``tokens``.
+    ``policy_logprobs`` is ``None`` where the engine cannot know them: the vLLM engine returns one
+    logprob per token, those of the sampled distribution, which are the T = 1 policy's only for a
+    greedy sample or at T = 1 without filters (there it fills them in).
     """
 
     tokens: list[int]
     logprobs: list[float]
-    policy_logprobs: list[float]
+    policy_logprobs: list[float] | None
     stop_reason: StopReason
 
 
+@dataclass(frozen=True)
+class SampleJob:
+    """One caller's share of a batched call: a prompt, how many samples, and their request."""
+
+    prompt: list[int]
+    num_samples: int
+    request: GenerationRequest
+
+
 class SamplingEngine(Protocol):
-    """Samples completions for token-id prompts; ``result[i][j]`` is sample ``j`` of prompt ``i``."""
+    """What the local backend needs of an engine; ``result[i][j]`` is sample ``j`` of prompt ``i``.
+
+    ``model`` is the (possibly LoRA-wrapped) model the engine samples from, read at call time;
+    ``weights_key`` names the weights it computes with, so an engine may keep work done for earlier
+    calls under the same weights (cached prefixes) and must drop it under other weights.
+    """
+
+    name: str
+    model: object
+    pad_token_id: int
+    vocab_size: int
+    max_context: int | None
+
+    def validate(self, prompt: Sequence[int], request: GenerationRequest, what: str = "prompt") -> None: ...
+
+    def next_seed(self) -> int: ...
 
     def sample(
         self, prompts: Sequence[Sequence[int]], num_samples: int, request: GenerationRequest
     ) -> list[list[Completion]]: ...
+
+    def sample_jobs(self, jobs: Sequence[SampleJob], weights_key: Hashable | None = None) -> list[list[Completion]]: ...

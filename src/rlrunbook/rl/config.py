@@ -46,6 +46,27 @@ class LossSettings(_Section):
     grad_clip_norm: float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
 
 
+class MismatchSettings(_Section):
+    """The sampler-trainer mismatch: a gate (on by default) and a correction (off by default).
+
+    The mismatch is a step's mean |sampler - trainer| logprob over the trained tokens, like with like:
+    both under the sampled distribution (logits / T and the filters). Thresholds are stated at T = 1
+    and divided by T below 1 (a logit rounding error δ becomes δ / T). Defaults from measurements on
+    SmolLM2-135M in bf16 (16 x 128 tokens): transformers' own numerics 0.036-0.045 on this CPU and on an
+    H100, the default ``invariant`` numerics 0 on CPU; third-party vLLM-vs-trainer runs 0.003-0.011.
+    The correction needs the local backend (the hosted service does not know its keys).
+    """
+
+    warn: float = Field(0.01, gt=0, description="log a warning when a step's mean mismatch exceeds this")
+    max: float = Field(0.03, gt=0, description="stop the run, before the optimizer step, when it exceeds this")
+    correction: Literal["none", "truncate", "mask"] = Field(
+        "none", description="none | truncate: advantages x min(p/q, cap) (truncated importance sampling) | "
+                            "mask: drop tokens whose p/q lies outside [mask_low, mask_high]")
+    cap: float = Field(2.0, ge=1, description="truncate: the cap of the importance ratio")
+    mask_low: float = Field(0.125, gt=0, lt=1, description="mask: lowest ratio kept")
+    mask_high: float = Field(8.0, gt=1, description="mask: highest ratio kept")
+
+
 class CheckpointSettings(_Section):
     """Periodic checkpoints of everything a resume needs."""
 
@@ -100,6 +121,9 @@ class BackendSettings(_Section):
         None, description="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
     load_in_4bit: bool = Field(False, description="load the frozen base model 4-bit (bitsandbytes, cuda only)")
     grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch")
+    sampler: Literal["hf", "generate", "vllm"] | None = Field(
+        None, description="sampling engine: hf or generate (in process), vllm (a vLLM server); "
+                          "default TINKER_LOCAL_SAMPLER")
 
 
 class TrainConfig(BaseModel):
@@ -131,12 +155,15 @@ class TrainConfig(BaseModel):
     log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
     learning_rate: float = Field(1e-4, description="AdamW learning rate")
     lora_rank: int = Field(16, description="LoRA rank")
+    train_unembed: bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
+                                                  "Llama-family models, not for Qwen2 (set false there)")
     loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with")
     summary_max_words: int = Field(150, description="summary: the article is cut to this many words")
     deterministic: bool = Field(False, description="seed Python/NumPy/torch, deterministic torch algorithms")
     expected_dataset_hash: str | None = Field(None, description="refuse the run if the data set's fingerprint differs")
     extra: dict[str, Any] = Field(default_factory=dict, description="task plug-in options")
     loss: LossSettings = Field(default_factory=LossSettings)
+    mismatch: MismatchSettings = Field(default_factory=MismatchSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
     data: DataSettings = Field(default_factory=DataSettings)
@@ -170,8 +197,21 @@ class TrainConfig(BaseModel):
         """A validated copy with top-level fields changed."""
         return TrainConfig.model_validate({**self.model_dump(), **changes})
 
-    def loss_fn_config(self) -> dict[str, float | str]:
-        """The ``loss_fn_config`` sent with forward_backward: clip bounds for ppo/cispo, regularisers if on."""
+    def loss_fn_config(self, local: bool = False) -> dict[str, float | str]:
+        """The ``loss_fn_config`` sent with forward_backward: clip bounds for ppo/cispo, regularisers if on.
+
+        ``local`` (the local backend): also the sampler's transform, so the mismatch the trainer
+        reports compares like with like, and the mismatch correction when one is asked for.
+        """
+        config = self._tinker_loss_config()
+        if local:
+            config.update(sampling_temperature=self.temperature, sampling_min_p=self.min_p)
+            if self.mismatch.correction != "none":
+                config.update(is_correction=self.mismatch.correction, is_cap=self.mismatch.cap,
+                              is_mask_low=self.mismatch.mask_low, is_mask_high=self.mismatch.mask_high)
+        return config
+
+    def _tinker_loss_config(self) -> dict[str, float | str]:
         settings = self.loss
         config: dict[str, float | str] = {}
         if self.loss_fn in ("ppo", "cispo"):

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlrunbook.errors import InputError, RlrunbookError
+from rlrunbook.errors import InputError, LogprobMismatchError, RlrunbookError
 from rlrunbook.rl.prompts import render_prompt
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rewards.multi_signal import SIGNALS
@@ -204,3 +204,37 @@ def finite_optim_step(training, step: int, fb_metrics: Mapping[str, float], para
         raise _refuse(writer, step, "grad_norm", grad_norm, "optim_step reported a non-finite gradient norm",
                       applied=True)
     return optim
+
+
+# --- sampler-trainer mismatch ----------------------------------------------------------------------
+
+MISMATCH_METRIC = "mismatch/abs_logprob_diff:mean"
+
+
+def check_mismatch(step: int, fb_metrics: Mapping[str, float], settings, temperature: float, writer,
+                   log: Callable[[str], None], *, applied: bool = False) -> None:
+    """Warn above ``settings.warn`` and stop above ``settings.max`` (both divided by T below 1).
+
+    ``fb_metrics`` are forward_backward's; a backend that does not report the mismatch (the hosted
+    service) is not gated. ``applied``: the optimizer step already ran (data parallel checks the
+    merged metric after it), which the refusal records.
+    """
+    if MISMATCH_METRIC not in fb_metrics:
+        return
+    value = float(fb_metrics[MISMATCH_METRIC])
+    scale = 1.0 / temperature if 0 < temperature < 1 else 1.0
+    if value > settings.max * scale or not math.isfinite(value):
+        writer.record_refused_step({"step": step, "quantity": "mismatch/abs_logprob_diff", "value": repr(value),
+                                    "cause": f"above mismatch.max {settings.max * scale:.3g}",
+                                    "weights_changed": applied})
+        raise LogprobMismatchError(
+            f"step {step} refused: the sampler and the trainer disagree by {value:.4f} nats per trained token "
+            f"(mean |Δ| under the sampled distribution), above mismatch.max = {settings.max * scale:.3g}"
+            f"{'' if scale == 1 else f' (= {settings.max} / T)'}; "
+            f"{'the optimizer step had already been applied' if applied else 'the weights are unchanged'}. "
+            "Their numerics differ: run `rlrunbook check-logprobs` with this run's settings, use "
+            "TINKER_LOCAL_NUMERICS=exact (bitwise on any device) or fp32, or correct for it with "
+            "mismatch.correction=truncate and a higher mismatch.max.")
+    if value > settings.warn * scale:
+        log(f"[warn] step {step}: sampler-trainer mismatch {value:.4f} nats/token is above mismatch.warn "
+            f"{settings.warn * scale:.3g}; ratios and losses are biased by it (see `rlrunbook check-logprobs`).")

@@ -24,7 +24,7 @@ from rlrunbook.rl.checkpointing import plan_resume, save_if_due
 from rlrunbook.rl.config import TrainConfig, validate
 from rlrunbook.rl.dataset_cache import load_problems
 from rlrunbook.rl.dynamic_sampling import DataCursor, SampledStep, count_skip, sample_step, skip_reason
-from rlrunbook.rl.guards import PromptLimit, check_prompts, finite_optim_step
+from rlrunbook.rl.guards import PromptLimit, check_mismatch, check_prompts, finite_optim_step
 from rlrunbook.rl.judges import Judge, MockJudge, ModelJudge
 from rlrunbook.rl.paradigms import RolloutContext, get_paradigm
 from rlrunbook.rl.preflight import dataset_record, preflight
@@ -40,6 +40,7 @@ TRAINER_METRICS = {
     "loss_pg:sum": "loss_pg", "loss_kl:sum": "loss_kl", "loss_entropy:sum": "loss_entropy",
     "kl_divergence:mean": "kl_divergence", "entropy:mean": "entropy", "clip_fraction:mean": "clip_fraction",
     "mismatch/abs_logprob_diff:mean": "mismatch/abs_logprob_diff", "mismatch/kl:mean": "mismatch/kl",
+    "mismatch/corrected_fraction:mean": "mismatch/corrected_fraction",
 }
 
 
@@ -62,6 +63,20 @@ def _build_judge(config: TrainConfig, service, tokenizer) -> Judge | None:
     return ModelJudge(sampler, sampler.get_tokenizer() if config.judge_model else tokenizer)
 
 
+def _training_device(config: TrainConfig) -> str | None:
+    """The device the local backend will train on (torchrun ranks join a group on it); None: the default."""
+    from rlrunbook.backend import backend_name
+
+    return local_settings(config).device if backend_name() == "local" else None
+
+
+def _is_local(training) -> bool:
+    """Whether ``training`` is this project's local backend (which takes the local loss_fn_config keys)."""
+    from rlrunbook.backend.training_client import LocalTrainingClient
+
+    return isinstance(training, LocalTrainingClient)
+
+
 def _memory_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
     return round(peak, 1)
@@ -70,6 +85,12 @@ def _memory_mb() -> float:
 def prepare(config: TrainConfig):
     """Validate options and load the data set: every user error surfaces here, before any model loads."""
     config = validate(config)
+    if config.mismatch.correction != "none":
+        from rlrunbook.backend import backend_name
+
+        if backend_name() != "local":
+            raise ConfigError(f"mismatch.correction={config.mismatch.correction} is a local-backend extension; the "
+                              "hosted service (TINKER_BACKEND=api) does not know it. Drop it or train locally.")
     paradigm = get_paradigm(config.mode)
     weights = config.reward
     options = {"summary_max_words": config.summary_max_words, "verify_weight": weights.verify_weight,
@@ -105,6 +126,8 @@ def local_settings(config: TrainConfig):
         changes["dtype"] = getattr(torch, stated.dtype)
     if stated.grad_accum_steps is not None:
         changes["grad_accum_chunks"] = stated.grad_accum_steps
+    if stated.sampler is not None:
+        changes["sampler"] = stated.sampler
     return dataclasses.replace(settings, **changes)
 
 
@@ -156,7 +179,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     dataset, data_warnings = dataset_record(task, problems)
     layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
-    distributed.init(layout)
+    distributed.init(layout, device=_training_device(config))
     if not distributed.is_main():
         log, progress = (lambda line: None), None
     advantages_of = advantage_mode(config.run_mode)
@@ -173,12 +196,13 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     if task.cache_info is not None:
         log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)
-    service = None
+    owned = None  # a service made here is closed here (a vLLM sampler's server stops with it)
     try:
         if resume is not None:
             resume.begin(writer)
-        service = service_factory() if service_factory is not None else _default_service(config)
-        training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed)
+        service = service_factory() if service_factory is not None else (owned := _default_service(config))
+        training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
+                                                       train_unembed=config.train_unembed)
         tokenizer = training.get_tokenizer()
         limit = PromptLimit.from_settings(config.data)
         check_prompts(tokenizer, task, problems, limit, paradigm.prompt_suffixes, log)
@@ -206,10 +230,13 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
         writer.write_report()
         writer.finish("completed")
     except KeyboardInterrupt as interrupt:
-        raise _interrupted(run_dir, writer, service if service_factory is None else None, interrupt, log) from None
+        raise _interrupted(run_dir, writer, owned, interrupt, log) from None
     except BaseException as error:
         writer.finish("failed", error=f"{type(error).__name__}: {error}")
         raise
+    finally:
+        if owned is not None and callable(getattr(owned, "close", None)):
+            owned.close()
     distributed.barrier()  # the other ranks return the directory only once rank 0 has completed it
     return run_dir
 
@@ -288,8 +315,12 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
     chosen = [(r, a) for r, a in zip(sampled.kept, advantages, strict=True) if a != 0]
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
     datums = [to_datum(r, a) for r, a in dp.own_share(chosen, sampled.own_groups)]
-    fb = training.forward_backward(datums, config.loss_fn, config.loss_fn_config() or None).result() if datums else None
+    loss_config = config.loss_fn_config(local=_is_local(training)) or None
+    fb = training.forward_backward(datums, config.loss_fn, loss_config).result() if datums else None
     fb_done = time.perf_counter()
+    single = distributed.world_size() == 1
+    if single and fb is not None:  # before optim_step: a refused step leaves the weights unchanged
+        check_mismatch(step, fb.metrics, config.mismatch, config.temperature, writer, log)
     # A NaN/inf loss or gradient norm is refused before it reaches the weights (rl/guards.py). Every rank
     # submits optim_step (its gradient all-reduce needs all of them); a NaN on one rank makes the summed
     # gradient norm NaN everywhere, so the trainer refuses the step on every rank alike.
@@ -300,6 +331,8 @@ def _one_step(config, step, paradigm, task, problems, order, training, tokenizer
     # Only after optim_step (whose gradient all-reduce runs on the backend's thread) has returned:
     # the ranks' collectives must come in the same order on every rank.
     fb_metrics = dp.union_metrics(fb.metrics if fb is not None else {})
+    if not single:  # every rank joined the step's all-reduce; all of them see the merged mismatch
+        check_mismatch(step, fb_metrics, config.mismatch, config.temperature, writer, log, applied=True)
     trained = int(fb_metrics.get("num_trained_tokens:sum", 0))
     loss = float(fb_metrics["loss:sum"])
     centred = {id(r): a for r, a in chosen}

@@ -43,13 +43,20 @@ ENV_PREFIXES = (
 
 
 def package_versions() -> dict[str, str]:
-    """Python and the installed versions of the packages a run depends on ("missing" if absent)."""
+    """Python and the installed versions of the packages a run depends on ("missing" if absent).
+
+    ``torch_build`` is the running torch's own version string: it carries the local build tag
+    (``2.11.0+cu130``) that the installed distribution's metadata may lack (``2.11.0``).
+    """
     versions = {"python": platform.python_version()}
     for package in VERSIONED_PACKAGES:
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = "missing"
+    import torch
+
+    versions["torch_build"] = torch.__version__
     return versions
 
 

@@ -1,0 +1,143 @@
+"""What one gradient-accumulation chunk of datums needs from the model, computed two ways.
+
+:class:`SharedPrefixScoring` (every model the in-process engine runs) goes through
+:class:`~rlrunbook.engines.shared_prefix.SharedPrefixScorer`: the sampler's own forward, each
+distinct prefix once, the output layer only at asked positions. :class:`PaddedScoring` is the plain
+transformers pass over right-padded datums, for models that forward does not cover (and the
+reference the first is tested against). Both return :class:`ChunkScores` with the same meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rlrunbook.engines.decoder import Decoder
+from rlrunbook.engines.filters import SamplingFilters, apply_filters
+from rlrunbook.engines.scoring import gather_logprobs
+from rlrunbook.engines.shared_prefix import SharedPrefixScorer
+from rlrunbook.regularizers import token_entropy
+from rlrunbook.tokens import pad_batch
+
+
+class ScoredItem(Protocol):
+    """A datum as the trainer holds it: ``input_tokens`` (L), ``targets`` and ``mask`` ``[L]``."""
+
+    input_tokens: list[int]
+    targets: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkScores:
+    """Scores of a chunk. ``seen`` positions are those the loss reads (``item.mask``), concatenated datum
+    by datum; ``per_datum`` are the logprobs of every target position, returned to the caller."""
+
+    per_datum: list[torch.Tensor]  # [L_i] float32, detached
+    seen_logprobs: torch.Tensor  # (N,) T = 1, differentiable
+    seen_sampling_logprobs: torch.Tensor  # (N,) under the sampler's transform, detached
+    seen_entropy: torch.Tensor | None  # (N,) differentiable, when asked for
+    seen_reference: torch.Tensor | None  # (N,) base model (adapter disabled), no grad, when asked for
+    anchor: torch.Tensor  # a differentiable scalar of the pass (0 * it keeps an empty chunk's graph)
+
+
+class ChunkScoring(Protocol):
+    def score(self, chunk: Sequence[ScoredItem], filters: SamplingFilters, with_entropy: bool,
+              with_reference: bool) -> ChunkScores: ...
+
+
+class SharedPrefixScoring:
+    """Scores through the shared-prefix decoder pass (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, numerics: str):
+        self.scorer = SharedPrefixScorer(Decoder(model, numerics))
+
+    def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
+        run = self.scorer.run([item.input_tokens for item in chunk])
+        pairs: dict[tuple[int, int], int] = {}  # (hidden row, target) -> index: each distinct pair once
+        seen: list[int] = []  # pair index of every position the loss reads, datum by datum
+        for i, item in enumerate(chunk):
+            targets = item.targets.tolist()
+            for t in item.mask.nonzero().flatten().tolist():
+                seen.append(pairs.setdefault((run.flat[i][t], targets[t]), len(pairs)))
+        device = run.hidden.device
+        rows = torch.tensor([row for row, _ in pairs], dtype=torch.long, device=device)
+        targets = torch.tensor([target for _, target in pairs], dtype=torch.long, device=device)
+        scores = self.scorer.score(run.hidden, rows, targets, filters, with_entropy)
+        seen_index = torch.tensor(seen, dtype=torch.long, device=device)
+        per_datum = [torch.zeros(len(item.input_tokens)) for item in chunk]
+        values = scores.logprobs.detach().float().cpu()
+        cursor = 0
+        for i, item in enumerate(chunk):
+            positions = item.mask.nonzero().flatten()
+            per_datum[i][positions] = values[torch.tensor(seen[cursor:cursor + len(positions)], dtype=torch.long)]
+            cursor += len(positions)
+        self._fill_others(run, chunk, per_datum)
+        reference = None
+        if with_reference:
+            with torch.no_grad(), self.scorer.decoder.model.disable_adapter():
+                base = self.scorer.run([item.input_tokens for item in chunk])
+                reference = self.scorer.score(base.hidden, rows, targets).logprobs[seen_index]
+        return ChunkScores(per_datum, scores.logprobs[seen_index], scores.sampling_logprobs[seen_index],
+                           None if scores.entropy is None else scores.entropy[seen_index], reference,
+                           run.hidden.sum() * 0.0 if run.hidden.requires_grad else run.hidden.new_zeros(()))
+
+    def _fill_others(self, run, chunk, per_datum) -> None:
+        """Logprobs of the positions the loss does not read (prompts), without gradient, each pair once."""
+        wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for i, item in enumerate(chunk):
+            for t in (~item.mask).nonzero().flatten().tolist():
+                wanted.setdefault((run.flat[i][t], int(item.targets[t])), []).append((i, t))
+        if not wanted:
+            return
+        device = run.hidden.device
+        keys = list(wanted)
+        with torch.no_grad():
+            values = self.scorer.score(run.hidden.detach(), torch.tensor([k[0] for k in keys], device=device),
+                                       torch.tensor([k[1] for k in keys], device=device)).logprobs.float().cpu()
+        for key, value in zip(keys, values.tolist(), strict=True):
+            for i, t in wanted[key]:
+                per_datum[i][t] = value
+
+
+class PaddedScoring:
+    """Scores through the model's own forward over a right-padded batch (every target position)."""
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int):
+        self.model = model
+        self.pad_token_id = pad_token_id
+
+    def _logits(self, chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(self.model.parameters()).device
+        batch = pad_batch([item.input_tokens for item in chunk], self.pad_token_id, side="right")
+        width = batch.input_ids.shape[1]
+        targets = torch.stack([torch.nn.functional.pad(item.targets, (0, width - len(item.targets)))
+                               for item in chunk]).to(device)  # [B, L]
+        logits = self.model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                            position_ids=batch.position_ids.to(device)).logits  # [B, L, V]
+        return logits, targets
+
+    def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
+        width = max(len(item.input_tokens) for item in chunk)
+        seen = torch.stack([torch.nn.functional.pad(item.mask, (0, width - len(item.mask)), value=False)
+                            for item in chunk])  # [B, L]
+        reference = None
+        if with_reference:  # first, so its logits are freed before the policy's graph is built
+            with torch.no_grad(), self.model.disable_adapter():
+                ref_logits, ref_targets = self._logits(chunk)
+                reference = gather_logprobs(ref_logits, ref_targets)[seen.to(ref_logits.device)]
+                del ref_logits
+        logits, targets = self._logits(chunk)
+        seen = seen.to(logits.device)
+        lp = gather_logprobs(logits, targets)  # [B, L]
+        per_datum = [lp[row, : len(item.targets)].detach().float().cpu() for row, item in enumerate(chunk)]
+        picked = targets[seen][:, None]
+        with torch.no_grad():
+            transformed = logits[seen].float()
+            transformed = transformed if filters.greedy else apply_filters(transformed, filters)
+            sampling = torch.log_softmax(transformed, dim=-1).gather(-1, picked).squeeze(-1)
+        entropy = token_entropy(logits[seen]) if with_entropy else None
+        return ChunkScores(per_datum, lp[seen], sampling, entropy, reference, lp.sum() * 0.0)

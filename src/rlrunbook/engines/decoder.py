@@ -1,0 +1,233 @@
+"""One forward pass of a decoder-only transformer, shared by the sampler and the trainer.
+
+The sampler's cached one-token decode steps and the trainer's full-sequence pass call the same
+functions on the same modules of the (possibly LoRA-wrapped) transformers model, so the two can
+only differ where a kernel does: the attention core (made order-independent in
+:mod:`rlrunbook.engines.attention`) and, under ``exact`` numerics, the matrix products.
+
+Tokens are laid out flat (``[N]`` ids with their ``[N]`` positions): the projections, norms and MLP
+see every token as one row of one matrix, and attention is left to a :class:`KeyValueLayout`, which
+knows which earlier tokens each token may read: a shared prompt computed once (prefix sharing), a
+per-row KV cache (decoding), or a pool of cached prefixes. Every row-wise operation is computed with
+at least two rows (a single row may take a different matrix-vector kernel that rounds differently).
+
+Numerics (``Numerics``):
+
+- ``invariant`` (default): the model's dtype everywhere; for half-precision models (bf16, fp16) the
+  attention core in float64. On CPU this makes a token's logits bitwise equal between decoding and
+  the training pass (measured on SmolLM2-135M in bf16; see README "Numerics"). An fp32 model needs
+  no float64 core: its two passes differ by ~1e-6 whatever the kernels, far inside the 1e-4 gate,
+  because fp32 rounding steps are too small to cascade the way bf16's do.
+- ``exact``: also every matrix product accumulated in float64 and rounded once to the model's
+  dtype, so no kernel's summation order can matter on any device; slower (measured in the README).
+- ``native``: the model's dtype and PyTorch's SDPA, as transformers computes (the reference the
+  other two are measured against).
+
+Supported: the Llama, Qwen2, Qwen3 and Mistral families (RMSNorm, rotary positions with a static
+frequency table, grouped-query attention, gated MLP), plain or with peft LoRA adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from rlrunbook.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+NUMERICS = ("invariant", "exact", "native")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why :class:`Decoder` cannot run ``model`` (``None`` when it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types) or (
+            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
+        return "sliding-window attention is not implemented"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in _STATIC_ROPE_TYPES:
+        return f"rope_type {rope!r} changes its frequencies with the sequence length"
+    return None
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+class KeyValueLayout(Protocol):
+    """Where each layer's keys and values go and which of them each flat token attends to."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               exact: bool) -> torch.Tensor:
+        """Store this layer's ``k``, ``v`` (``[N, Hkv, D]``) and attend with ``q`` (``[N, H, D]``) → ``[N, H*D]``."""
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a forward pass rounds; see the module docstring."""
+
+    name: str = "invariant"
+
+    def __post_init__(self) -> None:
+        if self.name not in NUMERICS:
+            raise ConfigError(f"numerics {self.name!r} must be one of {NUMERICS} "
+                              "(TINKER_LOCAL_NUMERICS; 'invariant' is the default).")
+
+    @property
+    def float64_matmuls(self) -> bool:
+        return self.name == "exact"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _at_least_two_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a ``[M, ...]`` input, computed with ``M >= 2`` rows (see the module docstring)."""
+    if x.shape[0] != 1:
+        return fn(x)
+    return fn(torch.cat([x, x]))[:1]
+
+
+class Decoder:
+    """The forward pass of a supported causal LM (plain or LoRA-wrapped), module by module.
+
+    ``model`` is read at call time, so adapter weights changed in place (an optimizer step, a
+    sampler snapshot) and peft's ``disable_adapter()`` take effect on the next call.
+    """
+
+    def __init__(self, model: torch.nn.Module, numerics: Numerics | str = "invariant"):
+        reason = unsupported_reason(_causal_lm(model))
+        if reason is not None:
+            raise ConfigError(f"the in-process engine cannot run this model: {reason}. "
+                              "Use TINKER_LOCAL_SAMPLER=generate (transformers generate) instead.")
+        self.model = model
+        self.numerics = numerics if isinstance(numerics, Numerics) else Numerics(numerics)
+        config = _causal_lm(model).config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self._float64_weights: dict[int, torch.Tensor] = {}
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        self.exact_attention = self.numerics.name == "exact" or (self.numerics.name == "invariant" and half)
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        """The transformers ``*ForCausalLM`` (inside the peft wrapper, if any)."""
+        return _causal_lm(self.model)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.model.embed_tokens.weight.dtype
+
+    # -- matrix products -------------------------------------------------------------------------
+    def _frozen_float64(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float64 copy of a frozen base weight (made once: base weights never change)."""
+        key = id(weight)
+        cached = self._float64_weights.get(key)
+        if cached is None or cached.shape != weight.shape:
+            cached = weight.detach().double()
+            self._float64_weights[key] = cached
+        return cached
+
+    def _plain_linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not self.numerics.float64_matmuls:
+            return F.linear(x, module.weight, module.bias)
+        weight = self._frozen_float64(module.weight) if not module.weight.requires_grad else module.weight.double()
+        bias = None if module.bias is None else module.bias.double()
+        return F.linear(x.double(), weight, bias).to(x.dtype)
+
+    def linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` for an ``nn.Linear`` or a peft LoRA ``Linear`` (active adapters applied as peft does)."""
+        base = getattr(module, "base_layer", None)
+        if base is None:
+            if not isinstance(module, torch.nn.Linear):
+                raise ConfigError(f"{type(module).__name__} is not a linear layer this engine can run "
+                                  "(quantised base weights need TINKER_LOCAL_SAMPLER=generate).")
+            return self._plain_linear(module, x)
+        result = self.linear(base, x)
+        if module.disable_adapters or module.merged:
+            return result
+        result_dtype = result.dtype
+        for name in module.active_adapters:
+            if name not in module.lora_A:
+                continue
+            if name in getattr(module, "lora_variant", {}):
+                raise ConfigError(f"LoRA variant {type(module.lora_variant[name]).__name__} (DoRA, ...) "
+                                  "is not supported by this engine; use plain LoRA.")
+            a, b = module.lora_A[name].weight, module.lora_B[name].weight
+            scaling = module.scaling[name]
+            if self.numerics.float64_matmuls:
+                delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling
+                result = (result.double() + delta).to(result_dtype)
+            else:  # peft: x cast to the adapter's dtype, result + lora_B(lora_A(x)) * scaling, cast back
+                delta = F.linear(F.linear(x.to(a.dtype), a), b) * scaling
+                result = (result + delta).to(result_dtype)
+        return result
+
+    # -- the pieces of a layer --------------------------------------------------------------------
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm: fp32 statistics (float64 for a float64 model), weight applied in the input dtype."""
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * x32.to(x.dtype)
+
+    def _attention(self, index: int, layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, layout: KeyValueLayout) -> torch.Tensor:
+        attn = layer.self_attn
+        n = x.shape[0]
+        q = self.linear(attn.q_proj, x).view(n, self.num_heads, self.head_dim)
+        k = self.linear(attn.k_proj, x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.linear(attn.v_proj, x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = layout.attend(index, q, k, v, attn.scaling, self.exact_attention)  # [N, H*D]
+        return self.linear(attn.o_proj, out)
+
+    def _mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+
+    # -- the whole pass ---------------------------------------------------------------------------
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, layout: KeyValueLayout) -> torch.Tensor:
+        """Final-norm hidden states ``[N, E]`` of flat tokens ``ids`` (``[N]``) at ``positions`` (``[N]``)."""
+        if ids.shape[0] == 1:  # one token: compute it as two identical rows (see _at_least_two_rows)
+            return self.hidden(ids.repeat(2), positions.repeat(2), _FirstOfTwo(layout))[:1]
+        body = self.lm.model
+        h = body.embed_tokens(ids)  # [N, E]
+        cos, sin = body.rotary_emb(h, positions[None])  # [1, N, D] each, in h's dtype
+        cos, sin = cos[0], sin[0]
+        for index, layer in enumerate(body.layers):
+            h = h + self._attention(index, layer, self._norm(layer.input_layernorm, h), cos, sin, layout)
+            h = h + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, h))
+        return self._norm(body.norm, h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output-layer logits ``[M, V]`` of final hidden states ``[M, E]``, in float32 (float64 for a float64 model)."""
+        logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+class _FirstOfTwo:
+    """Wraps a layout for a one-token pass run as two copies of the token: only the first is real."""
+
+    def __init__(self, layout: KeyValueLayout):
+        self.layout = layout
+
+    def attend(self, layer, q, k, v, scale, exact):
+        out = self.layout.attend(layer, q[:1], k[:1], v[:1], scale, exact)
+        return torch.cat([out, out])

@@ -1,0 +1,191 @@
+"""Key/value layouts for :class:`rlrunbook.engines.decoder.Decoder`: which keys each token reads.
+
+- :class:`TreeLayout`: tokens of many sequences whose shared prefixes are computed once
+  (:mod:`rlrunbook.prefix_tree`); each attention row reads its path's keys, either from the
+  tokens of this pass (training) or from a :class:`SlotStore` that keeps them for later calls
+  (prefill of the sampling engine, which reuses a debate's earlier rounds).
+- :class:`RowCache`: one decode step, one new token per row, each row reading its own cache.
+
+Both end in :func:`rlrunbook.engines.attention.attend`, so a token's attention output is the same
+whichever layout computed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlrunbook.engines.attention import attend, causal_allowed
+from rlrunbook.prefix_tree import Row
+
+# Most attention-score elements (rows x heads x queries x keys) computed at once: 2^24 float64
+# scores are 128 MB. Rows are batched up to this, sorted by key length so little is padding.
+_MAX_SCORE_ELEMENTS = 1 << 24
+
+
+class SlotStore:
+    """Keys and values of every layer, one slot per trie node, kept across calls (no gradient)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.shape = (kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.keys = [torch.empty(0, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(0, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[0]
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` slots (grows by doubling; existing slots keep their values)."""
+        if slots <= self.capacity:
+            return
+        size = max(slots, 2 * self.capacity, 256)
+        for store in (self.keys, self.values):
+            for layer, old in enumerate(store):
+                grown = torch.empty(size, *self.shape, dtype=self.dtype, device=self.device)
+                grown[: old.shape[0]] = old
+                store[layer] = grown
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys[layer][slots] = k.detach()
+        self.values[layer][slots] = v.detach()
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Index tensors of a batch of rows: ``[R, T]`` queries and ``[R, S]`` keys (``-1``: padding)."""
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    allowed: torch.Tensor  # [R, T, S]
+    query_flat: torch.Tensor  # flat indices of the real queries, row-major
+    query_valid: torch.Tensor  # [R, T]
+
+
+class TreeLayout:
+    """Attention rows over a pass's flat tokens (see :func:`rlrunbook.prefix_tree.plan_rows`).
+
+    ``flat_of[node]`` is the flat index of each node computed in this pass. Keys are looked up in
+    this pass's own keys (``store=None``: every key node is computed here, and gradients flow), or
+    in ``store`` by slot (``node - 1``), after this pass's keys are written there.
+    """
+
+    def __init__(self, rows: Sequence[Row], flat_of: dict[int, int], positions_of: Sequence[int],
+                 device: torch.device, store: SlotStore | None = None):
+        self.store = store
+        self.size = len(flat_of)
+        slots = [0] * self.size
+        for node, flat in flat_of.items():
+            slots[flat] = node - 1
+        self.new_slots = torch.tensor(slots, dtype=torch.long, device=device)
+
+        def key_ref(node: int) -> int:
+            return node - 1 if store is not None else flat_of[node]
+
+        self.batches = [self._batch(group, flat_of, key_ref, positions_of, device)
+                        for group in _group_rows(rows)]
+
+    @staticmethod
+    def _batch(rows: list[Row], flat_of, key_ref, positions_of, device) -> _Batch:
+        width_q = max(len(r.queries) for r in rows)
+        width_k = max(len(r.keys) for r in rows)
+        query_index = torch.full((len(rows), width_q), -1, dtype=torch.long)
+        key_index = torch.full((len(rows), width_k), -1, dtype=torch.long)
+        query_pos = torch.full((len(rows), width_q), -1, dtype=torch.long)
+        key_pos = torch.zeros((len(rows), width_k), dtype=torch.long)
+        for i, row in enumerate(rows):
+            query_index[i, : len(row.queries)] = torch.tensor([flat_of[n] for n in row.queries])
+            query_pos[i, : len(row.queries)] = torch.tensor([positions_of[n] for n in row.queries])
+            key_index[i, : len(row.keys)] = torch.tensor([key_ref(n) for n in row.keys])
+            key_pos[i, : len(row.keys)] = torch.tensor([positions_of[n] for n in row.keys])
+        query_valid = query_index >= 0
+        allowed = causal_allowed(query_pos, key_pos, key_index >= 0) & query_valid[:, :, None]
+        return _Batch(query_index.clamp(min=0).to(device), key_index.clamp(min=0).to(device), allowed.to(device),
+                      query_index[query_valid].to(device), query_valid.to(device))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               exact: bool) -> torch.Tensor:
+        if self.store is not None:
+            self.store.write(layer, self.new_slots, k, v)
+            keys, values = self.store.keys[layer], self.store.values[layer]
+        else:
+            keys, values = k, v
+        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+        for batch in self.batches:
+            rows_out = attend(q[batch.query_index], keys[batch.key_index], values[batch.key_index],
+                              batch.allowed, scale, exact)  # [R, T, H*D]
+            out = out.index_copy(0, batch.query_flat, rows_out[batch.query_valid])
+        return out
+
+
+def _group_rows(rows: Sequence[Row]) -> list[list[Row]]:
+    """Rows sorted by key length and cut into batches of bounded padded size."""
+    ordered = sorted(rows, key=lambda r: (len(r.keys), len(r.queries)))
+    groups: list[list[Row]] = []
+    current: list[Row] = []
+    for row in ordered:
+        candidate = current + [row]
+        size = len(candidate) * max(len(r.queries) for r in candidate) * max(len(r.keys) for r in candidate)
+        if current and size * 64 > _MAX_SCORE_ELEMENTS:  # 64: a generous bound on the query heads
+            groups.append(current)
+            candidate = [row]
+        current = candidate
+    if current:
+        groups.append(current)
+    return groups
+
+
+class RowCache:
+    """A static per-row KV cache for decoding: ``[rows, capacity]`` slots per layer.
+
+    Row ``r`` holds its tokens at cache index = position (left-aligned, no padding inside a row).
+    Each :meth:`attend` call is one decode step: the new token of row ``r`` sits at position
+    ``lengths[r]`` and reads cache indices ``0..lengths[r]`` of its own row. ``window`` (a Python int,
+    fixed per captured graph) bounds how many cache columns a step reads.
+    """
+
+    def __init__(self, layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (rows, capacity, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.row_index = torch.arange(rows, device=device)
+        self.window = capacity
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               exact: bool) -> torch.Tensor:
+        keys, values = self.keys[layer], self.values[layer]
+        keys[self.row_index, self.lengths] = k
+        values[self.row_index, self.lengths] = v
+        window = self.window
+        columns = torch.arange(window, device=q.device)
+        allowed = (columns[None, :] <= self.lengths[:, None])[:, None, :]  # [R, 1, S]
+        out = attend(q[:, None], keys[:, :window], values[:, :window], allowed, scale, exact)
+        return out[:, 0]
+
+    def reset(self) -> None:
+        """Forget every row (the buffers are reused; stale entries are never read past ``lengths``)."""
+        self.lengths.zero_()
+        self.window = self.capacity
+
+    def copy_rows_to(self, other: RowCache, rows: torch.Tensor) -> None:
+        """Put rows ``rows`` of this cache into the first ``len(rows)`` rows of ``other`` (same capacity)."""
+        count = rows.numel()
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            for layer, tensor in enumerate(mine):
+                theirs[layer][:count] = tensor[rows]
+        other.lengths.zero_()
+        other.lengths[:count] = self.lengths[rows]
+        other.window = self.window

@@ -1,0 +1,110 @@
+"""The trainer's forward: every distinct prefix once, the output layer only where a logprob is asked.
+
+A batch of datums is a set of token sequences. Samples of one prompt share the prompt (and often
+their first tokens), so the sequences are put in a :class:`~rlrunbook.prefix_tree.TokenTrie` found
+from the tokens alone (datums carry no group id), and :class:`~rlrunbook.engines.decoder.Decoder`
+computes each distinct prefix once, forward and backward (shared-prefix attention, as Prefix
+Grouper does for GRPO). Because a causal model's output at a position depends only on the tokens
+up to it, this is the same function as the unshared pass, and its gradient is the sum of the
+unshared ones (tested against it).
+
+The output layer then runs only for the ``(position, target)`` pairs asked for, each distinct pair
+once, in chunks of rows whose ``[rows, V]`` logits are recomputed in the backward pass instead of
+kept (activation checkpointing): no ``[tokens, V]`` tensor is ever held for the whole batch.
+Logprobs are ``log_softmax(logits)[target]``, the very expression the sampler reports, so the two
+can agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from rlrunbook.engines.decoder import Decoder
+from rlrunbook.engines.filters import SamplingFilters, apply_filters
+from rlrunbook.engines.layouts import TreeLayout
+from rlrunbook.prefix_tree import TokenTrie, plan_forward
+from rlrunbook.regularizers import token_entropy
+
+_QUERY_BLOCK = 128  # queries per attention row (bounds padding between long prompts and short answers)
+_HEAD_CHUNK_ELEMENTS = 1 << 24  # logits per output-layer chunk: 16M fp32 = 64 MB (and as much for the grad)
+
+
+@dataclass(frozen=True)
+class SharedPass:
+    """Final hidden states of every distinct prefix (``hidden[N, E]``) and where each token's state is:
+    ``flat[i][t]`` is the row of ``hidden`` for token ``t`` of sequence ``i``."""
+
+    hidden: torch.Tensor
+    flat: list[list[int]]
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Per asked pair: the T = 1 ``logprobs`` (differentiable when the pass was), and when asked for,
+    the logprobs under a sampling transform (detached) and the entropy of the T = 1 distribution."""
+
+    logprobs: torch.Tensor
+    sampling_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+class SharedPrefixScorer:
+    """Teacher-forced logprobs of token sequences through a :class:`Decoder`, prefixes shared."""
+
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
+
+    def run(self, sequences: Sequence[Sequence[int]]) -> SharedPass:
+        """One forward over ``sequences`` (differentiable unless called under ``torch.no_grad``)."""
+        device = next(self.decoder.model.parameters()).device
+        trie = TokenTrie()
+        plan = plan_forward(trie, sequences, max_queries=_QUERY_BLOCK)
+        flat_of = plan.flat_of()
+        ids = torch.tensor([trie.tokens[n] for n in plan.nodes], device=device)
+        positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
+        layout = TreeLayout(plan.rows, flat_of, trie.positions, device)
+        hidden = self.decoder.hidden(ids, positions, layout)
+        return SharedPass(hidden, [[flat_of[node] for node in path] for path in plan.paths])
+
+    def score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+              filters: SamplingFilters | None = None, with_entropy: bool = False) -> TokenScores:
+        """Logprobs of ``targets`` (``[M]``) after hidden rows ``rows`` (``[M]``), chunked over rows.
+
+        ``filters``: also the logprobs under that sampling transform (``logits / T`` and filters; the
+        distribution a sampler with these settings drew from), detached. ``with_entropy``: also the
+        entropy of each row's T = 1 distribution (differentiable).
+        """
+        chunk = max(2, _HEAD_CHUNK_ELEMENTS // self.decoder.vocab_size)
+        parts: list[tuple[torch.Tensor, ...]] = []
+        for start in range(0, rows.numel(), chunk):
+            h = hidden[rows[start:start + chunk]]
+            t = targets[start:start + chunk]
+            if torch.is_grad_enabled() and h.requires_grad:
+                parts.append(checkpoint(self._head, h, t, filters, with_entropy, use_reentrant=False))
+            else:
+                parts.append(self._head(h, t, filters, with_entropy))
+        columns = list(zip(*parts, strict=True)) if parts else [[], [], []]
+        logprobs = torch.cat(columns[0]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+        sampled = torch.cat(columns[1]) if parts and filters is not None else None
+        entropy = torch.cat(columns[2]) if parts and with_entropy else None
+        return TokenScores(logprobs, sampled, entropy)
+
+    def _head(self, h: torch.Tensor, targets: torch.Tensor, filters: SamplingFilters | None,
+              with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.decoder.logits(h)  # [m, V] float32
+        picked = targets[:, None]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, picked).squeeze(-1)
+        empty = logprobs.new_zeros(0)
+        sampled = empty
+        if filters is not None and not filters.greedy and filters.temperature == 1.0 and not filters.filters_tokens:
+            sampled = logprobs.detach()  # the sampling transform is the identity
+        elif filters is not None:
+            with torch.no_grad():
+                transformed = logits.detach() if filters.greedy else apply_filters(logits.detach(), filters)
+                sampled = torch.log_softmax(transformed, dim=-1).gather(-1, picked).squeeze(-1)
+        entropy = token_entropy(logits) if with_entropy else empty
+        return logprobs, sampled, entropy

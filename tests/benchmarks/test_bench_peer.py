@@ -1,0 +1,95 @@
+"""rlrunbook's whole RL step against TRL's GRPOTrainer on the peer workload, in one process.
+
+See peer_workload.py for the workload and the interleaving. Reported in ``extra_info`` (and so in
+``--benchmark-json``): each side's median seconds per step after a warm-up step, the ratio
+rlrunbook / TRL, rlrunbook's phase split (sample / score / forward_backward / optimizer) and decode
+steps, TRL's seconds inside ``generate``, and both warm-ups (first step). The regression gate compares
+the ratio with the one stored for this device and model (``baselines.json``): more than 15% worse
+fails. Never absolute times: they swing 2x on shared cores, the ratio measured in one run does not.
+
+    pytest -m benchmark tests/benchmarks/test_bench_peer.py --benchmark-enable --benchmark-json=peer.json
+    RLRUNBOOK_UPDATE_BENCH_BASELINE=1 pytest -m benchmark ... # store this run's ratio as the baseline
+
+Needs the ``bench`` extra (trl). ``RLRUNBOOK_PEER_STEPS`` (default 4) timed steps per side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from bench_support import bench_device, describe, synchronize
+from peer_workload import GenerateTimer, RlrunbookPeer, Timings, peer_model, trl_trainer
+
+pytestmark = pytest.mark.benchmark(group="peer")
+
+BASELINES = Path(__file__).parent / "baselines.json"
+WARMUP = 1
+REGRESSION = 1.15  # a ratio more than 15% above the stored one fails
+
+
+def _baseline_key(device: str) -> str:
+    return f"peer/{device.split(':')[0]}/{peer_model()}"
+
+
+def test_rl_step_against_trl(benchmark, tmp_path):
+    try:
+        from transformers import TrainerCallback
+        import trl  # noqa: F401
+    except ImportError as error:
+        pytest.fail(f"the peer benchmark needs TRL: pip install -e '.[bench]' ({error})")
+    device = bench_device()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    steps = int(os.environ.get("RLRUNBOOK_PEER_STEPS", "4"))
+    ours = RlrunbookPeer(device, dtype, tmp_path / "tinker")
+    theirs = Timings()
+    timer = GenerateTimer()
+
+    class Interleave(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            synchronize(device)
+            self.started, self.generating = time.perf_counter(), timer.seconds
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize(device)
+            theirs.add(time.perf_counter() - self.started, sample=timer.seconds - self.generating)
+            ours.step()
+
+    trainer = trl_trainer(device, dtype, WARMUP + steps, [Interleave()], str(tmp_path / "trl"))
+    with timer:
+        benchmark.pedantic(trainer.train, rounds=1, iterations=1)
+    ours.close()
+    assert len(theirs.steps) == len(ours.timings.steps) == WARMUP + steps
+    ratio = ours.timings.median(WARMUP) / theirs.median(WARMUP)
+    engine = ours.engine
+    info = {
+        "model": peer_model(), "rlrunbook_s_per_step": round(ours.timings.median(WARMUP), 3),
+        "trl_s_per_step": round(theirs.median(WARMUP), 3), "ratio_rlrunbook_over_trl": round(ratio, 3),
+        "rlrunbook_warmup_s": round(ours.timings.steps[0], 3), "trl_warmup_s": round(theirs.steps[0], 3),
+        **{f"rlrunbook_{k}_s": round(v, 3) for k, v in ours.timings.phase_medians(WARMUP).items()},
+        "trl_generate_s": round(theirs.phase_medians(WARMUP)["sample"], 3),
+        "rlrunbook_decode_ms_per_step": round(1e3 * engine.decode_seconds / max(1, engine.decode_steps), 2)
+        if hasattr(engine, "decode_steps") else None,
+        "rlrunbook_prefill_tokens_per_step": engine.prefill_tokens // len(ours.timings.steps)
+        if hasattr(engine, "prefill_tokens") else None,
+        **describe(device, dtype),
+    }
+    benchmark.extra_info.update(info)
+    print(json.dumps(info, indent=1))
+    key = _baseline_key(device)
+    baselines = json.loads(BASELINES.read_text()) if BASELINES.exists() else {}
+    if os.environ.get("RLRUNBOOK_UPDATE_BENCH_BASELINE") == "1":
+        baselines[key] = {"ratio": round(ratio, 3), "machine": platform.processor() or platform.machine(),
+                          "torch": torch.__version__, "steps": steps}
+        BASELINES.write_text(json.dumps(baselines, indent=1, sort_keys=True) + "\n")
+        return
+    stored = baselines.get(key)
+    if stored is not None:
+        assert ratio <= stored["ratio"] * REGRESSION, (
+            f"rlrunbook/TRL step ratio {ratio:.3f} is more than 15% above the stored {stored['ratio']:.3f} "
+            f"({key}): a speed regression, or regenerate with RLRUNBOOK_UPDATE_BENCH_BASELINE=1 and say why")

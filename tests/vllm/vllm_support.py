@@ -1,0 +1,61 @@
+"""Shared pieces of the vLLM tier: prompts of different lengths, a trained adapter, vLLM processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tinker import types
+
+from rlrunbook.tokens import build_datum_arrays
+
+QUESTIONS = (
+    "Hi.",
+    "What is 7 * 8?",
+    "Name a colour of the sky.",
+    "Write one short sentence about the sea at night.",
+    "List three fruits that are red, and say which one you like best.",
+    "Explain in two sentences why the moon shows phases as it goes around the earth.",
+)
+
+
+def chat_prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
+    """``n`` chat-formatted prompts of different lengths, as token ids."""
+    prompts = []
+    for question in QUESTIONS[:n]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def supervised_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
+    """A cross-entropy datum that teaches ``answer`` after ``prompt``."""
+    arrays = build_datum_arrays(tokenizer.encode(prompt), tokenizer.encode(answer))
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(arrays.input_tokens),
+        loss_fn_inputs={"target_tokens": arrays.target_tokens, "weights": arrays.weights},
+    )
+
+
+def train_steps(training, steps: int, learning_rate: float = 1e-2) -> None:
+    """Move the adapter away from its zero-B start with a few cross-entropy steps."""
+    datum = supervised_datum(training.get_tokenizer(), "What is 7 * 8?", " The answer is 56.")
+    for _ in range(steps):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=learning_rate)).result()
+
+
+def vllm_pids() -> set[int]:
+    """Processes that belong to a vLLM server: its API server, engine core and workers (Linux /proc)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"vllm.entrypoints" in cmdline or cmdline.startswith(b"VLLM::") or b"venv-vllm" in cmdline:
+                pids.add(int(entry.name))
+    return pids - {os.getpid()}
