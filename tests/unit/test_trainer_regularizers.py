@@ -192,8 +192,10 @@ def test_chunked_equals_unchunked(client, rollouts, loss):
     chunked = client.forward_backward(data, loss, config).result()
     assert_grads_close(adapter_grads(client), grads_whole, rel=1e-5)
     assert expected <= set(whole.metrics) and set(whole.metrics) == set(chunked.metrics)
+    # Two chunks share their prompt in other attention layouts, so fp32 logprobs differ by ~1e-7-1e-6 per
+    # token; a loss summed over ~25 tokens with |advantage| <= 1 (which cancel) moves by <= 25 * 4e-7 = 1e-5.
     for key, value in whole.metrics.items():
-        assert chunked.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert chunked.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
     assert whole.metrics["kl_divergence:mean"] > 0
 
 
