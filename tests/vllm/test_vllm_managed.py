@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 
 import pytest
 import torch
-from vllm_support import vllm_pids
+from vllm_support import kill_and_wait, vllm_pids
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings
 from rlrunbook.backend.vllm_settings import VllmSettings
@@ -71,11 +70,7 @@ def test_restart_every_then_death_mid_run_keeps_the_runs_records(tmp_path, capsy
     def progress(steps):
         for step in steps:
             if step == 3:  # the server dies between steps 2 and 3: SIGKILL to its whole process group
-                for pid in vllm_pids() - before:
-                    try:
-                        os.killpg(os.getpgid(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_and_wait(vllm_pids() - before)
             yield step
 
     with pytest.raises(VllmServerError, match=r"(?s)was killed \(SIGKILL.*mid-run.*--resume-from"):

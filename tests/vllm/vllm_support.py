@@ -59,3 +59,34 @@ def vllm_pids() -> set[int]:
             if b"vllm.entrypoints" in cmdline or cmdline.startswith(b"VLLM::") or b"venv-vllm" in cmdline:
                 pids.add(int(entry.name))
     return pids - {os.getpid()}
+
+
+def kill_and_wait(pids: set[int], timeout: float = 30.0) -> None:
+    """SIGKILL each process group in ``pids`` and wait until every process has exited (gone or a zombie).
+
+    SIGKILL is asynchronous: a server holding gigabytes takes a moment to unmap them, and a caller that asks
+    "is it alive?" right after the signal can still hear yes."""
+    import signal
+    import time
+
+    for pid in pids:
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_running(pid) for pid in pids):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(
+        f"processes {sorted(p for p in pids if _running(p))} still run {timeout:.0f} s after SIGKILL"
+    )
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
