@@ -486,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how sampler and trainer round (default: TINKER_LOCAL_NUMERICS, else invariant)")
     check.add_argument("--lora-rank", type=int, default=16, help="rank of the (fresh) adapter, as train's default")
     check.add_argument("--tolerance", type=_positive_float, default=None,
-                       help="max abs logprob gap allowed (default 1e-4 in float32, 5e-2 in half precision)")
+                       help="max abs logprob gap allowed (default: the gate of the dtype, 1e-4 in float32, 0.1/T in half "
+                            "precision, where the mean must also stay <= 0.01/T)")
     check.add_argument("--raw", action="store_true", help="encode the prompt as plain text, no chat template")
     check.set_defaults(func=cmd_check_logprobs)
 
