@@ -7,17 +7,22 @@ import torch
 
 from rlrunbook import cli
 from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.rl.checkpoint_eval import EvalOptions, evaluate_checkpoints, held_out_problems, table_columns
-from rlrunbook.rl.config import TrainConfig
-from rlrunbook.rl.loop import _order
-from rlrunbook.rl.tasks import Problem
+from rlrunbook.rl.evaluation.checkpoint_eval import (
+    EvalOptions,
+    evaluate_checkpoints,
+    held_out_problems,
+    table_columns,
+)
+from rlrunbook.rl.rollout.tasks import Problem
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.data_order import problem_order
 from rlrunbook.run.checkpoints import Checkpoint, capture_rng, save_checkpoint
 
 
 def test_held_out_problems_are_those_training_never_drew():
     problems = [Problem(f"p{i}", None) for i in range(10)]
     config = TrainConfig(num_rollouts=4, num_groups=2, steps=3, seed=5)
-    order = _order(problems, 5)
+    order = problem_order(problems, 5)
     held = held_out_problems(config, problems)
     assert [p.id for p in held] == [problems[i].id for i in order[6:]]
     assert held_out_problems(config.replace(steps=5), problems) == []  # 10 draws cover all 10

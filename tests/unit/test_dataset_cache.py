@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rlrunbook.rl.config import TrainConfig
 from rlrunbook.rl.data import DatasetError, fingerprint_records
-from rlrunbook.rl.loop import prepare
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.prepare import prepare
 
 ROWS = [
     {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},

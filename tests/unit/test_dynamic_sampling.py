@@ -16,13 +16,14 @@ import pytest
 
 from rlrunbook import cli, distributed
 from rlrunbook.errors import NoLearningSignalError
-from rlrunbook.rl.config import TrainConfig
 from rlrunbook.rl.data import QARecord
-from rlrunbook.rl.dynamic_sampling import DataCursor, count_skip, merge_rounds, sample_step
-from rlrunbook.rl.paradigms import RolloutBatch
 from rlrunbook.rl.rewards.base import RewardResult
-from rlrunbook.rl.rollouts import Rollout, centered_by_group, grpo_advantages, rs_grpo_advantages
-from rlrunbook.rl.tasks import Problem, Task, register_task
+from rlrunbook.rl.rollout.paradigms import RolloutBatch
+from rlrunbook.rl.rollout.rollouts import Rollout, centered_by_group, grpo_advantages, rs_grpo_advantages
+from rlrunbook.rl.rollout.tasks import Problem, Task, register_task
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.data_order import DataCursor
+from rlrunbook.rl.training.dynamic_sampling import count_skip, merge_rounds, sample_step
 
 
 def _rollout(group: int, reward: float, task_reward: float | None = None, won: bool | None = None) -> Rollout:

@@ -16,21 +16,21 @@ import torch
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.models import resolve_model
 from rlrunbook.models.loading import load_tokenizer
-from rlrunbook.rl import rollouts, tasks
-from rlrunbook.rl.config import TrainConfig, validate
-from rlrunbook.rl.guards import (
+from rlrunbook.rl.rewards.base import RewardResult
+from rlrunbook.rl.rollout import rollouts, tasks
+from rlrunbook.rl.rollout.guards import (
     Blocklist,
-    NonFiniteStepError,
     PromptLimit,
     StepTally,
     check_prompts,
     checked_reward,
 )
-from rlrunbook.rl.loop import run_training
-from rlrunbook.rl.paradigms import Debate
-from rlrunbook.rl.prompts import render_prompt
-from rlrunbook.rl.rewards.base import RewardResult
-from rlrunbook.rl.tasks import Problem, Task, register_task
+from rlrunbook.rl.rollout.paradigms import Debate
+from rlrunbook.rl.rollout.prompts import render_prompt
+from rlrunbook.rl.rollout.tasks import Problem, Task, register_task
+from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.training.loop import run_training
+from rlrunbook.rl.training.step_guards import NonFiniteStepError
 
 # ---- blocklist ---------------------------------------------------------------------------------------
 
@@ -343,8 +343,8 @@ class _Writer:
 ])
 def test_mismatch_gate_by_hand(value, temperature, outcome):
     from rlrunbook.errors import LogprobMismatchError
-    from rlrunbook.rl.config import MismatchSettings
-    from rlrunbook.rl.guards import check_mismatch
+    from rlrunbook.rl.setup.config import MismatchSettings
+    from rlrunbook.rl.training.step_guards import check_mismatch
 
     lines, writer = [], _Writer()
     metrics = {"mismatch/abs_logprob_diff:mean": value}

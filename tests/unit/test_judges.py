@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from rlrunbook.rl.judges import DebateOutcome, MockJudge, ModelJudge
+from rlrunbook.rl.rollout.judges import DebateOutcome, MockJudge, ModelJudge
 
 
 def outcome(i: int, ra: float, rb: float) -> DebateOutcome:

@@ -11,9 +11,7 @@ import pydantic
 import pytest
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.config import TrainConfig
 from rlrunbook.rl.data import QARecord
-from rlrunbook.rl.loop import prepare
 from rlrunbook.rl.rewards.multi_signal import (
     BOXED,
     TRAILING_NUMBER,
@@ -22,7 +20,9 @@ from rlrunbook.rl.rewards.multi_signal import (
     multi_signal_reward,
     reflect_signal,
 )
-from rlrunbook.rl.tasks import MathTask, Problem, QATask
+from rlrunbook.rl.rollout.tasks import MathTask, Problem, QATask
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.prepare import prepare
 
 # math, reference "12": (completion, verify, format, reflect, total)
 MATH_CASES = [

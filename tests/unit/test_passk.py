@@ -1,4 +1,4 @@
-"""Tests of rlrunbook.rl.passk: pass@k (Chen et al. 2021, eq. 1), mean@k, best-of-k, bootstrap CIs.
+"""Tests of rlrunbook.rl.evaluation.passk: pass@k (Chen et al. 2021, eq. 1), mean@k, best-of-k, bootstrap CIs.
 
 Expected values are derived by hand in comments, and every estimator is checked against an
 independent brute force that enumerates all k-subsets of the n samples (hypothesis, n <= 8).
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.rl.passk import (
+from rlrunbook.rl.evaluation.passk import (
     EvalSummary,
     bootstrap_ci,
     expected_max_at_k,
@@ -130,7 +130,7 @@ def test_bootstrap_contains_estimate_narrows_and_is_deterministic():
 
 
 def test_bootstrap_chunks_agree_with_one_draw(monkeypatch):
-    from rlrunbook.rl import passk
+    from rlrunbook.rl.evaluation import passk
 
     values = np.random.default_rng(0).random(51)
     whole = bootstrap_ci(values, resamples=300)

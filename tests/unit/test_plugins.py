@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from rlrunbook.rl import tasks
-from rlrunbook.rl.config import TrainConfig
-from rlrunbook.rl.loop import run_training
 from rlrunbook.rl.rewards.base import RewardResult
-from rlrunbook.rl.tasks import Problem, Task, register_task
+from rlrunbook.rl.rollout import tasks
+from rlrunbook.rl.rollout.tasks import Problem, Task, register_task
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.training.loop import run_training
 from rlrunbook.run import check_run, format_results, rubric_passed
 
 

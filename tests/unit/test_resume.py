@@ -1,4 +1,4 @@
-"""Resume planning (rlrunbook.rl.checkpointing) and the backend's in-memory training state export/import."""
+"""Resume planning (rlrunbook.rl.setup.checkpointing) and the backend's in-memory training state export/import."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from tinker import types
 
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.rl.checkpointing import checkpoint_due, plan_resume
-from rlrunbook.rl.config import TrainConfig, validate
+from rlrunbook.rl.setup.checkpointing import CheckpointSchedule, plan_resume
+from rlrunbook.rl.setup.config import TrainConfig, validate
 from rlrunbook.run import RunWriter
 from rlrunbook.run.checkpoints import Checkpoint, capture_rng, save_checkpoint
 from rlrunbook.tokens import build_datum_arrays
@@ -32,7 +32,7 @@ def fake_run(root, steps=(2,)):
 
 def cli_sources(**stated):
     """Sources as build_config records them: the stated keys from the cli, the rest defaults."""
-    from rlrunbook.rl.config_sources import leaf_keys
+    from rlrunbook.rl.setup.config_sources import leaf_keys
 
     return {key: ("cli" if key in stated else "default") for key in leaf_keys()}
 
@@ -100,8 +100,8 @@ def test_corrupted_latest_checkpoint_is_refused_not_skipped(tmp_path):
 
 def test_checkpoint_due_every_n_and_after_the_last():
     config = TrainConfig(steps=5, checkpoint={"every": 2})
-    assert [k for k in range(1, 6) if checkpoint_due(config, k)] == [2, 4, 5]
-    assert not any(checkpoint_due(TrainConfig(steps=5), k) for k in range(1, 6))
+    assert [k for k in range(1, 6) if CheckpointSchedule.of(config).due(k)] == [2, 4, 5]
+    assert not any(CheckpointSchedule.of(TrainConfig(steps=5)).due(k) for k in range(1, 6))
 
 
 def test_copy_steps_from_needs_every_record(tmp_path):

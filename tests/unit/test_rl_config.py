@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlrunbook import cli
-from rlrunbook.rl.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig, validate
 
 
 @pytest.mark.parametrize("args, match", [

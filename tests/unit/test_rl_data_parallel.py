@@ -8,12 +8,13 @@ import pytest
 
 from rlrunbook import distributed
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl import data_parallel as dp
-from rlrunbook.rl.config import TrainConfig
-from rlrunbook.rl.judges import MockJudge
-from rlrunbook.rl.loop import prepare, run_training
-from rlrunbook.rl.paradigms import RolloutBatch, RolloutContext, get_paradigm
-from rlrunbook.rl.rollouts import Rollout
+from rlrunbook.rl.rollout.judges import MockJudge
+from rlrunbook.rl.rollout.paradigms import RolloutBatch, RolloutContext, get_paradigm
+from rlrunbook.rl.rollout.rollouts import Rollout
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.prepare import prepare
+from rlrunbook.rl.training import data_parallel as dp
+from rlrunbook.rl.training.loop import run_training
 
 
 class SeedEchoSampler:
@@ -42,7 +43,8 @@ def _rollout(mode, qa, group_ids, step=3, **config_changes):
     config = config.replace(mode=mode, **config_changes)
     sampler = SeedEchoSampler()
     ids = list(range(config.num_groups)) if group_ids is None else group_ids
-    ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id], MockJudge(), lambda _: None,
+    ctx = RolloutContext(sampler, tokenizer, task, config.rollout_settings(), [tokenizer.eos_token_id], MockJudge(),
+                         lambda _: None,
                          group_ids=group_ids)
     batch = get_paradigm(mode).rollout(ctx, [problems[g] for g in ids], step)
     return batch, sampler.seeds

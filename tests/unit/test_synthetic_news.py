@@ -8,12 +8,12 @@ import re
 import pytest
 
 from rlrunbook.errors import InputError
-from rlrunbook.rl.config import DataSettings
 from rlrunbook.rl.data import DATA_DIR_ENV, default_local_path
 from rlrunbook.rl.data.synthetic_news import synthetic_news
-from rlrunbook.rl.dataset_cache import load_problems
 from rlrunbook.rl.rewards.summary import compression_reward, words
-from rlrunbook.rl.tasks import SummaryTask
+from rlrunbook.rl.rollout.tasks import SummaryTask
+from rlrunbook.rl.setup.config import DataSettings
+from rlrunbook.rl.setup.dataset_cache import load_problems
 
 
 def _cut(text: str, limit: int = 150) -> str:
@@ -59,7 +59,7 @@ def no_local_copy(tmp_path, monkeypatch):
 
 
 def test_the_kind_name_falls_back_with_one_notice(no_local_copy, monkeypatch):
-    monkeypatch.setattr("rlrunbook.rl.tasks.hub_unreachable", lambda: "no connection to huggingface.co:443 (test)")
+    monkeypatch.setattr("rlrunbook.rl.rollout.tasks.hub_unreachable", lambda: "no connection to huggingface.co:443 (test)")
     task = _task()
     problems = task.load()
     assert len(problems) == 200 and problems[0].id == "synth-news-0-0"
@@ -76,7 +76,7 @@ def hub_fails(monkeypatch):
     def refuse(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'abisee/cnn_dailymail' on the Hub (test)")
 
-    monkeypatch.setattr("rlrunbook.rl.tasks.hub_unreachable", lambda: None)
+    monkeypatch.setattr("rlrunbook.rl.rollout.tasks.hub_unreachable", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", refuse)
 
 
@@ -103,7 +103,7 @@ def test_the_local_copy_wins_when_there_is_one():
 
 
 def test_the_fallback_is_never_pinned_by_the_dataset_cache(no_local_copy, tmp_path, monkeypatch):
-    monkeypatch.setattr("rlrunbook.rl.tasks.hub_unreachable", lambda: "test")
+    monkeypatch.setattr("rlrunbook.rl.rollout.tasks.hub_unreachable", lambda: "test")
     task = _task()
     problems = load_problems(task, DataSettings(cache=True, cache_dir=str(tmp_path / "cache")))
     assert len(problems) == 200 and task.cache_info is None and not (tmp_path / "cache").exists()

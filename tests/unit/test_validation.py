@@ -16,10 +16,12 @@ import pytest
 from fake_wandb import FakeWandb
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.config import TrainConfig, ValidationSettings
-from rlrunbook.rl.loop import _order, prepare, run_training
-from rlrunbook.rl.tasks import Problem
-from rlrunbook.rl.validation import Validator, measure, split_held_out, validation_seed
+from rlrunbook.rl.evaluation.validation import Validator, measure, validation_seed
+from rlrunbook.rl.rollout.tasks import Problem
+from rlrunbook.rl.setup.config import TrainConfig, ValidationSettings
+from rlrunbook.rl.setup.data_order import problem_order, split_held_out
+from rlrunbook.rl.setup.prepare import prepare
+from rlrunbook.rl.training.loop import run_training
 from rlrunbook.run import check_run, format_results, rubric_passed
 from rlrunbook.run.schema import validation_schedule
 
@@ -43,7 +45,7 @@ def _problems(n: int) -> list[Problem]:
 
 def test_split_holds_out_the_last_of_the_seeded_order():
     problems = _problems(10)
-    order = _order(problems, seed=3)
+    order = problem_order(problems, seed=3)
     training, train_order, held_out = split_held_out(problems, order, ValidationSettings(every=1, num_problems=3))
     assert [p.id for p in held_out] == [f"p{i}" for i in order[-3:]]
     assert not {p.id for p in training} & {p.id for p in held_out}
@@ -57,7 +59,7 @@ def test_split_holds_out_the_last_of_the_seeded_order():
 
 def test_split_is_a_no_op_with_validation_off():
     problems = _problems(5)
-    order = _order(problems, seed=0)
+    order = problem_order(problems, seed=0)
     assert split_held_out(problems, order, ValidationSettings(every=0, num_problems=3)) == (problems, order, [])
 
 
@@ -114,7 +116,7 @@ def test_rows_at_the_scheduled_steps_on_disjoint_problems(runs):
     rows = _rows(run_dir / "validation.jsonl")
     assert [row["step"] for row in rows] == [0, 2, 3]
     _, _, task, problems = prepare(_config(run_dir, validation=ValidationSettings(every=2, num_problems=4)))
-    expected = [problems[i].id for i in _order(problems, 0)[-4:]]
+    expected = [problems[i].id for i in problem_order(problems, 0)[-4:]]
     for row in rows:
         assert row["problem_ids"] == expected
         assert (row["num_problems"], row["samples_per_problem"]) == (4, 2)
@@ -163,7 +165,7 @@ def test_wandb_mirrors_train_and_validation_rows(runs):
 def test_same_weights_same_numbers(runs):
     """Validating one set of weights twice gives the same row; another seed gives other samples."""
     from rlrunbook.backend import create_service_client
-    from rlrunbook.rl.paradigms import RolloutContext
+    from rlrunbook.rl.rollout.paradigms import RolloutContext
 
     config = _config(runs[0], validation=ValidationSettings(every=1, samples=2, num_problems=3))
     config, _, task, problems = prepare(config)
@@ -178,10 +180,12 @@ def test_same_weights_same_numbers(runs):
             self.rows.append({k: v for k, v in row.items() if k != "time/validation_s"})
 
     sink = Rows()
-    validator = Validator(config, task, problems[:3], sink, log=lambda *_: None)
-    assert validator(0, training, tokenizer) is not None and validator(0, training, tokenizer) is not None
+    validator = Validator(task, problems[:3], config.validation, config.rollout_settings(), config.seed, config.steps)
+    quiet = lambda *_: None
+    assert validator(0, training, tokenizer, sink, quiet) is not None
+    assert validator(0, training, tokenizer, sink, quiet) is not None
     assert sink.rows[0] == sink.rows[1]
-    ctx = RolloutContext(training.save_weights_and_get_sampling_client(), tokenizer, task, config,
+    ctx = RolloutContext(training.save_weights_and_get_sampling_client(), tokenizer, task, config.rollout_settings(),
                          [tokenizer.eos_token_id])
     _, same = measure(ctx, problems[:3], config.validation, validator.seed)
     _, other = measure(ctx, problems[:3], config.validation, validator.seed + 1)

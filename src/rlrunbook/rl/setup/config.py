@@ -3,7 +3,7 @@
 Flat fields keep the seeds' flag names (``-n`` → ``num_rollouts``, ``--debate-train`` → ``debate_train``);
 the options added for trustworthy runs live in sections (``loss.kl_coef``, ``checkpoint.every``, ...),
 addressable as dotted keys from a config file, ``key.sub=value`` overrides and the CLI alike (see
-:mod:`rlrunbook.rl.config_sources` for how those layers are merged and recorded).
+:mod:`rlrunbook.rl.setup.config_sources` for how those layers are merged and recorded).
 
 Types are checked by pydantic (an unknown key or a wrong type is refused with its dotted name);
 the cross-field rules in :func:`validate` each name themselves and their fix.
@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.models.registry import DEFAULT_MODEL
-from rlrunbook.rl.tasks import get_task_class
+from rlrunbook.rl.rollout.guards import Blocklist, PromptLimit
+from rlrunbook.rl.rollout.paradigms import RolloutSettings
+from rlrunbook.rl.rollout.tasks import get_task_class
 
 CONFIG_VERSION = 1  # bump when a field changes meaning; files stating another version are refused
 
@@ -105,7 +107,7 @@ class RewardSettings(_Section):
 
 
 class DynamicSamplingSettings(_Section):
-    """Dynamic sampling (DAPO): tied groups are replaced by new ones (see ``rlrunbook.rl.dynamic_sampling``)."""
+    """Dynamic sampling (DAPO): tied groups are replaced by new ones (see ``rlrunbook.rl.training.dynamic_sampling``)."""
 
     max_rounds: int = Field(4, ge=1, description="sampling rounds per step, each drawing the groups still missing "
                                                  "after tied ones are dropped; 1 = no refill")
@@ -196,6 +198,13 @@ class TrainConfig(BaseModel):
     def replace(self, **changes: Any) -> TrainConfig:
         """A validated copy with top-level fields changed."""
         return TrainConfig.model_validate({**self.model_dump(), **changes})
+
+    def rollout_settings(self) -> RolloutSettings:
+        """What rollouts need of this run: sampling, group size, seed, prompt limit and blocklist."""
+        return RolloutSettings(
+            group_size=self.group_size, seed=self.seed, max_tokens=self.max_tokens, temperature=self.temperature,
+            min_p=self.min_p, prompt_limit=PromptLimit(self.data.max_prompt_tokens, self.data.truncate_prompts),
+            blocklist=Blocklist(tuple(self.reward.blocklist), self.reward.reject_blocklisted))
 
     def loss_fn_config(self, local: bool = False) -> dict[str, float | str]:
         """The ``loss_fn_config`` sent with forward_backward: clip bounds for ppo/cispo, regularisers if on.

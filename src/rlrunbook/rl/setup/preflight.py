@@ -1,6 +1,6 @@
 """Checks of a run's surroundings, made before any model loads and before a run directory exists.
 
-:func:`rlrunbook.rl.loop.prepare` checks the options and the data; this module checks what they
+:func:`rlrunbook.rl.setup.prepare.prepare` checks the options and the data; this module checks what they
 point at: where run directories go (``--log-root``, ``--name``), which backend runs the model and
 whether it can (a device this machine has, credentials for the hosted service) and whether the model
 folders are complete. A mistake found here is a ``ConfigError`` naming the cause and the fix, and it
@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.config import TrainConfig
+from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.run.paths import check_log_root, check_run_dir_name, log_root
 
 
@@ -53,9 +53,9 @@ def check_backend(config: TrainConfig, environ: Mapping[str, str] | None = None)
         check_api_credentials(environ)
         return
     from rlrunbook.models import resolve_model
-    from rlrunbook.rl.loop import local_settings
+    from rlrunbook.rl.setup.service import local_settings
 
-    local_settings(config)  # ConfigError for a bad TINKER_LOCAL_* value or a device this machine lacks
+    local_settings(config.backend)  # ConfigError for a bad TINKER_LOCAL_* value or a device this machine lacks
     resolve_model(config.model)  # built-ins are built here; a folder must hold weights and a tokenizer
     if config.mode == "debate" and not config.mock_judge and config.judge_model:
         resolve_model(config.judge_model)
@@ -78,16 +78,3 @@ def check_output_file(path: str | os.PathLike[str], flag: str = "--out") -> None
         raise ConfigError(f"{flag} {str(path)!r} is a directory; it names the file to write. Pass a file path, "
                           f"e.g. {flag} {str(target / 'results.json')!r}.")
     check_log_root(target.parent, flag)
-
-
-def dataset_record(task, problems) -> tuple[dict, list[str]]:
-    """What ``run_metadata.json`` records of the data set (with ``warnings`` when there are any), and the
-    lines to log: the task's notices (a fallback data set), then duplicate rows, shared ids and empty
-    prompts (see :mod:`rlrunbook.rl.data.quality`)."""
-    from rlrunbook.rl.data.quality import data_warnings
-
-    warnings = [*task.notices, *data_warnings(task.dataset, problems, task.user_message,
-                                              duplicates_expected=task.repeats_by_design())]
-    info = task.dataset_info(problems)
-    lines = [*(f"notice: {n}" for n in task.notices), *(f"warning: {w}" for w in warnings[len(task.notices):])]
-    return ({**info, "warnings": warnings} if warnings else info), lines

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tinker import types
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.prompts import render_prompt
+from rlrunbook.rl.rollout.prompts import render_prompt
 
 
 @dataclass(frozen=True)
@@ -93,3 +93,25 @@ class ModelJudge(Judge):
             scores = {side: float(f.result()[-1]) for side, f in pending.items()}
             verdicts.append(Verdict("a" if scores["a"] >= scores["b"] else "b", self.name, scores))
         return verdicts
+
+
+@dataclass(frozen=True)
+class JudgeChoice:
+    """Which judge a run uses, chosen from its options before any model loads and built once a service exists.
+
+    ``kind`` ``none`` (single-turn runs), ``mock`` (:class:`MockJudge`) or ``model`` (a :class:`ModelJudge`
+    of base model ``model``, reading with that model's own tokenizer when ``own_tokenizer``, else the policy's).
+    """
+
+    kind: str = "none"
+    model: str | None = None
+    own_tokenizer: bool = False
+
+    def build(self, service, tokenizer) -> Judge | None:
+        """The judge: ``service`` makes the model judge's sampler; ``tokenizer`` is the policy's."""
+        if self.kind == "none":
+            return None
+        if self.kind == "mock":
+            return MockJudge()
+        sampler = service.create_sampling_client(base_model=self.model)
+        return ModelJudge(sampler, sampler.get_tokenizer() if self.own_tokenizer else tokenizer)

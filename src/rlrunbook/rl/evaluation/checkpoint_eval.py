@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.config import TrainConfig
-from rlrunbook.rl.tasks import Problem
+from rlrunbook.rl.rollout.tasks import Problem
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.data_order import problem_order
 from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint, verify_checkpoint
 
 
@@ -52,9 +53,7 @@ def held_out_problems(config: TrainConfig, problems: list[Problem], drawn: int |
     draws more than ``num_groups`` per step when it replaces tied groups); default ``steps * num_groups``,
     which is exact for checkpoints made before dynamic sampling.
     """
-    from rlrunbook.rl.loop import _order
-
-    order = _order(problems, config.seed)
+    order = problem_order(problems, config.seed)
     count = config.steps * config.num_groups if drawn is None else drawn
     taken = {order[i % len(problems)] for i in range(min(count, len(problems)))}
     return [problems[i] for i in order if i not in taken]
@@ -94,10 +93,11 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
 
     Every checkpoint is verified and every option checked before a model loads.
     """
-    from rlrunbook.rl.evaluate import rewards_per_problem
-    from rlrunbook.rl.loop import _default_service, prepare
-    from rlrunbook.rl.paradigms import RolloutContext
-    from rlrunbook.rl.passk import pass_at_k, summarize_eval
+    from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
+    from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
+    from rlrunbook.rl.rollout.paradigms import RolloutContext
+    from rlrunbook.rl.setup.prepare import prepare
+    from rlrunbook.rl.setup.service import default_service
 
     found = checkpoint_dirs(run_dir)
     if not found:
@@ -113,7 +113,7 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
     for notice in task.notices:
         log(f"[data] notice: {notice}")
     if service_factory is None:
-        from rlrunbook.rl.preflight import preflight
+        from rlrunbook.rl.setup.preflight import preflight
 
         preflight(config, writes_run_dir=False)  # device, model folder: before the model loads
     drawn = (manifests[-1].get("data_cursor") or {}).get("next_problem")
@@ -122,15 +122,16 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
         raise ConfigError(f"training drew every one of the {len(problems)} problems of {config.dataset!r}: none is "
                           "held out. Pass --dataset with problems the run did not train on.")
     held_out = pool[:options.num_problems]
-    service = service_factory(config) if service_factory is not None else _default_service(config)
+    service = service_factory(config) if service_factory is not None else default_service(config.backend)
     training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
                                                   train_unembed=config.train_unembed)
     if not hasattr(type(training), "import_training_state"):
         raise ConfigError("eval-checkpoints loads adapters into the local backend (TINKER_BACKEND=local).")
     tokenizer = training.get_tokenizer()
+    settings = config.rollout_settings()
     rows = []
     for step, sampler in checkpoint_samplers(training, [folder for _, folder in found], options.include_base):
-        ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id])
+        ctx = RolloutContext(sampler, tokenizer, task, settings, [tokenizer.eos_token_id])
         log(f"[eval-checkpoints] step {step}: {len(held_out)} problems x {options.samples} samples")
         rewards = rewards_per_problem(ctx, held_out, options.samples, seed=config.seed)
         rows.append(_row(step, summarize_eval(rewards, ks=options.ks, threshold=options.threshold,

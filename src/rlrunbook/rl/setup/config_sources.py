@@ -22,9 +22,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.config import TrainConfig
+from rlrunbook.rl.setup.config import TrainConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[3] / "configs"  # the project's presets (source checkout)
+PRESET_DIR = Path(__file__).resolve().parents[4] / "configs"  # the project's presets (source checkout)
 SWEEP_KEY = "sweep"
 
 

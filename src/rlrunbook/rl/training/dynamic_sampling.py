@@ -20,7 +20,7 @@ instead of a smaller batch (the loss is a token sum, so a smaller batch would be
 
 The data cursor: problems are taken in the seeded order, one per drawn group, so after a refill the
 next step starts further along. :class:`DataCursor` (the next problem's index into that order and the
-skipped-in-a-row count) is saved in every checkpoint, which keeps resume exact. Under data parallelism
+skipped-in-a-row count; :mod:`rlrunbook.rl.setup.data_order`) is saved in every checkpoint, which keeps resume exact. Under data parallelism
 every rank sees the union of every round (``union_batch``), so all ranks drop the same groups and draw
 the same refill; each rank samples its contiguous share of the refill's groups.
 """
@@ -33,28 +33,10 @@ from typing import Any
 
 from rlrunbook import distributed
 from rlrunbook.errors import NoLearningSignalError
-from rlrunbook.rl import data_parallel as dp
-from rlrunbook.rl.paradigms import RolloutBatch
-from rlrunbook.rl.rollouts import Rollout
-
-
-@dataclass
-class DataCursor:
-    """Where a run is in its problem order: the index of the next problem to draw (cycling over the
-    order) and how many steps in a row were skipped. What a checkpoint stores as its data cursor."""
-
-    next_problem: int = 0
-    skipped_in_a_row: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return {"next_problem": self.next_problem, "skipped_in_a_row": self.skipped_in_a_row}
-
-    @classmethod
-    def from_checkpoint(cls, stored: dict[str, Any] | None, step: int, num_groups: int) -> DataCursor:
-        """The cursor a checkpoint saved; checkpoints made before dynamic sampling drew exactly
-        ``num_groups`` problems per step, so theirs is ``step * num_groups``."""
-        stored = stored or {}
-        return cls(int(stored.get("next_problem", step * num_groups)), int(stored.get("skipped_in_a_row", 0)))
+from rlrunbook.rl.rollout.paradigms import RolloutBatch
+from rlrunbook.rl.rollout.rollouts import Rollout
+from rlrunbook.rl.setup.data_order import DataCursor
+from rlrunbook.rl.training import data_parallel as dp
 
 
 @dataclass

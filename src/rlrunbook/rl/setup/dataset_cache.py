@@ -37,10 +37,10 @@ from typing import Any
 
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.models.cache import default_cache_dir
-from rlrunbook.rl.config import DataSettings
 from rlrunbook.rl.data import DatasetError, QARecord, SummaryRecord, fingerprint_records
 from rlrunbook.rl.data.jsonl import Schema, check_row, read_jsonl_lines
-from rlrunbook.rl.tasks import Problem, Task
+from rlrunbook.rl.rollout.tasks import Problem, Task
+from rlrunbook.rl.setup.config import DataSettings
 from rlrunbook.run.jsonio import atomic_write_text
 
 CACHE_FORMAT = 1

@@ -5,7 +5,8 @@ Held out means never trained on. With ``validation.every > 0`` the run reserves 
 ``seed`` gives) and trains on the others, in the same order, cycling over them as before. So the
 training sequence is the unvalidated run's sequence with the reserved problems taken out, and
 the held-out set depends only on the data set and the seed. The split needs no second file and
-works for every task; ``prepare`` refuses a data set too small to leave a training problem.
+works for every task (:mod:`rlrunbook.rl.setup.data_order`); ``prepare`` refuses a data set too
+small to leave a training problem.
 
 Schedule (``run.schema.validation_schedule``): a row's ``step`` is the number of optimizer steps
 applied before it: 0 (initial weights), every multiple of ``every``, and the last step's
@@ -25,12 +26,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlrunbook.engines.noise import mix_seed
-from rlrunbook.errors import ConfigError
-from rlrunbook.rl.config import TrainConfig, ValidationSettings
-from rlrunbook.rl.evaluate import rewards_per_problem
-from rlrunbook.rl.paradigms import RolloutContext
-from rlrunbook.rl.passk import EvalSummary, summarize_eval
-from rlrunbook.rl.tasks import Problem, Task
+from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
+from rlrunbook.rl.evaluation.passk import EvalSummary, summarize_eval
+from rlrunbook.rl.rollout.paradigms import RolloutContext, RolloutSettings
+from rlrunbook.rl.rollout.tasks import Problem, Task
+from rlrunbook.rl.setup.config import ValidationSettings
 from rlrunbook.run.schema import validation_ks, validation_schedule
 
 _SALT = 0x76616C  # "val": validation draws its own seed stream, apart from the training steps'
@@ -39,31 +39,6 @@ _SALT = 0x76616C  # "val": validation draws its own seed stream, apart from the 
 def validation_seed(seed: int) -> int:
     """The sampling and bootstrap seed of every validation of a run seeded ``seed``."""
     return mix_seed(seed, _SALT)
-
-
-def check_held_out(settings: ValidationSettings, num_problems: int) -> None:
-    """Refuse (before any model loads) a held-out set that would leave nothing to train on."""
-    if settings.every > 0 and settings.num_problems >= num_problems:
-        raise ConfigError(
-            f"validation.num_problems {settings.num_problems} held-out problems leave none of the data set's "
-            f"{num_problems} to train on. Lower validation.num_problems (below {num_problems}) or use a "
-            "larger data set.")
-
-
-def split_held_out(problems: Sequence[Problem], order: Sequence[int],
-                   settings: ValidationSettings) -> tuple[list[Problem], list[int], list[Problem]]:
-    """``(training problems, their order, held-out problems)``; with validation off, nothing is held out.
-
-    The held-out problems are ``order[-num_problems:]``. Training problems are listed in the
-    seeded order already, so their order is the identity: step ``s`` group ``g`` then trains on
-    ``problems[order[(s * G + g) % (N - P)]]``, the unvalidated choice whenever that index < N - P.
-    """
-    if settings.every <= 0:
-        return list(problems), list(order), []
-    check_held_out(settings, len(problems))
-    cut = len(order) - settings.num_problems
-    training = [problems[i] for i in order[:cut]]
-    return training, list(range(len(training))), [problems[i] for i in order[cut:]]
 
 
 def measure(ctx: RolloutContext, problems: Sequence[Problem], settings: ValidationSettings,
@@ -81,29 +56,29 @@ class Validator:
     unconditionally. Rows go to ``writer.log_validation`` (``validation.jsonl``).
     """
 
-    def __init__(self, config: TrainConfig, task: Task, held_out: Sequence[Problem], writer: Any,
-                 log: Callable[[str], None] = print):
-        self.config, self.task, self.held_out, self.writer, self.log = config, task, list(held_out), writer, log
-        self.settings = config.validation
-        self.seed = validation_seed(config.seed)
-        self.due = set(validation_schedule(config.steps, self.settings.every)) if self.held_out else set()
+    def __init__(self, task: Task, held_out: Sequence[Problem], settings: ValidationSettings,
+                 rollout: RolloutSettings, seed: int, steps: int):
+        self.task, self.held_out, self.settings, self.rollout = task, list(held_out), settings, rollout
+        self.seed = validation_seed(seed)
+        self.due = set(validation_schedule(steps, settings.every)) if self.held_out else set()
 
-    def __call__(self, steps_done: int, training: Any, tokenizer: Any) -> dict | None:
+    def __call__(self, steps_done: int, training: Any, tokenizer: Any, writer: Any,
+                 log: Callable[[str], None] = print) -> dict | None:
         """Validate the current weights of ``training`` if ``steps_done`` is scheduled; return the row written."""
         if steps_done not in self.due:
             return None
         started = time.perf_counter()
-        ctx = RolloutContext(training.save_weights_and_get_sampling_client(), tokenizer, self.task, self.config,
+        ctx = RolloutContext(training.save_weights_and_get_sampling_client(), tokenizer, self.task, self.rollout,
                              [tokenizer.eos_token_id])
         summary, _ = measure(ctx, self.held_out, self.settings, self.seed)
         elapsed = time.perf_counter() - started
         row = {"step": steps_done, **summary.to_dict(), "seed": self.seed,
                "problem_ids": [p.id for p in self.held_out], "time/validation_s": elapsed}
-        self.writer.log_validation(row)
+        writer.log_validation(row)
         passes = ", ".join(f"pass@{k} {v:.4f} [{summary.pass_ci[k][0]:.4f}, {summary.pass_ci[k][1]:.4f}]"
                            for k, v in summary.pass_at.items())
-        self.log(f"[val] step {steps_done}: mean reward {summary.mean_reward:.4f} "
-                 f"[{summary.mean_ci[0]:.4f}, {summary.mean_ci[1]:.4f}], {passes} "
-                 f"({summary.num_problems} held-out problems x {summary.samples_per_problem} samples, "
-                 f"{elapsed:.1f}s)")
+        log(f"[val] step {steps_done}: mean reward {summary.mean_reward:.4f} "
+            f"[{summary.mean_ci[0]:.4f}, {summary.mean_ci[1]:.4f}], {passes} "
+            f"({summary.num_problems} held-out problems x {summary.samples_per_problem} samples, "
+            f"{elapsed:.1f}s)")
         return row

@@ -1,6 +1,6 @@
 """Checkpoints of a training run and exact resume (``--checkpoint-every N``, ``--resume-from PATH``).
 
-The loop calls :func:`save_if_due` after each step and, for a resumed run, :func:`plan_resume`
+The loop calls :meth:`CheckpointSchedule.save_if_due` after each step and, for a resumed run, :func:`plan_resume`
 before anything loads, :meth:`Resume.check_dataset` once the data set is loaded,
 :meth:`Resume.begin` once the new run directory exists and :meth:`Resume.restore` once the
 training client exists. The file format is in
@@ -9,7 +9,7 @@ training client exists. The file format is in
 Why a resumed run repeats the straight run exactly: the adapter and AdamW state are restored bit
 for bit; problems are drawn from ``order`` (a pure function of the seed) at the data cursor, which
 the checkpoint stores (dynamic sampling may draw more than ``num_groups`` problems in a step, see
-:mod:`rlrunbook.rl.dynamic_sampling`); every sampling request is seeded with
+:mod:`rlrunbook.rl.training.dynamic_sampling`); every sampling request is seeded with
 ``mix_seed(seed, step, group)`` and the sampler's noise is counter-based, so the same weights draw
 the same tokens; the global RNGs (not used by the single-turn loop today, but by plug-ins perhaps)
 are restored too.
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.rl.config import TrainConfig, validate
-from rlrunbook.rl.config_sources import flatten, leaf_keys
-from rlrunbook.rl.dynamic_sampling import DataCursor
+from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config_sources import flatten, leaf_keys
+from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.run.checkpoints import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
@@ -60,12 +60,6 @@ from rlrunbook.run.schema import METADATA_FILE, rollout_kind
 RESUMABLE_FIELDS = ("steps", "name", "log_root")  # what a resumed run may change
 
 
-def checkpoint_due(config: TrainConfig, completed: int) -> bool:
-    """Whether a checkpoint is taken after ``completed`` steps: every ``checkpoint.every``, and after the last."""
-    every = config.checkpoint.every
-    return every > 0 and (completed % every == 0 or completed == config.steps)
-
-
 def _exporter(training):
     export = getattr(type(training), "export_training_state", None)
     if export is None:
@@ -74,21 +68,36 @@ def _exporter(training):
     return training
 
 
-def save_if_due(config: TrainConfig, training, run_dir: Path, completed: int, log=print,
-                cursor: DataCursor | None = None) -> Path | None:
-    """Save ``<run_dir>/checkpoints/step_<completed>`` when :func:`checkpoint_due`; the saved folder or None.
+@dataclass(frozen=True)
+class CheckpointSchedule:
+    """When a run saves checkpoints (``checkpoint.every``, and after the last of ``steps``) and the
+    config each one records."""
 
-    ``cursor``: where the data order stands after ``completed`` steps (default: no refill ever happened)."""
-    if not checkpoint_due(config, completed):
-        return None
-    cursor = cursor if cursor is not None else DataCursor(completed * config.num_groups)
-    state = _exporter(training).export_training_state()
-    folder = save_checkpoint(run_dir, Checkpoint(step=completed, config=config.to_dict(), adapter=state.adapter,
-                                                 optimizer=state.optimizer, rng=capture_rng(),
-                                                 weights_version=state.weights_version,
-                                                 data_cursor=cursor.to_dict()))
-    log(f"[checkpoint] {folder}")
-    return folder
+    every: int
+    steps: int
+    config_record: dict[str, Any]
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> CheckpointSchedule:
+        return cls(config.checkpoint.every, config.steps, config.to_dict())
+
+    def due(self, completed: int) -> bool:
+        """Whether a checkpoint is taken after ``completed`` steps: every ``every``, and after the last."""
+        return self.every > 0 and (completed % self.every == 0 or completed == self.steps)
+
+    def save_if_due(self, training, run_dir: Path, completed: int, cursor: DataCursor, log=print) -> Path | None:
+        """Save ``<run_dir>/checkpoints/step_<completed>`` when :meth:`due`; the saved folder or None.
+
+        ``cursor``: where the data order stands after ``completed`` steps."""
+        if not self.due(completed):
+            return None
+        state = _exporter(training).export_training_state()
+        folder = save_checkpoint(run_dir, Checkpoint(step=completed, config=self.config_record, adapter=state.adapter,
+                                                     optimizer=state.optimizer, rng=capture_rng(),
+                                                     weights_version=state.weights_version,
+                                                     data_cursor=cursor.to_dict()))
+        log(f"[checkpoint] {folder}")
+        return folder
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -6,8 +6,8 @@ import statistics
 from collections.abc import Sequence
 
 from rlrunbook.engines.noise import mix_seed
-from rlrunbook.rl.paradigms import RolloutContext
-from rlrunbook.rl.tasks import Problem
+from rlrunbook.rl.rollout.paradigms import RolloutContext
+from rlrunbook.rl.rollout.tasks import Problem
 
 
 def rewards_per_problem(ctx: RolloutContext, problems: Sequence[Problem], samples_per_problem: int,

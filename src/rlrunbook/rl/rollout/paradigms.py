@@ -19,12 +19,11 @@ from tinker import types
 
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.rl.config import TrainConfig
-from rlrunbook.rl.guards import Blocklist, PromptLimit, StepTally, checked_reward
-from rlrunbook.rl.judges import DebateOutcome, Judge
-from rlrunbook.rl.prompts import TurnSplicer
-from rlrunbook.rl.rollouts import Rollout
-from rlrunbook.rl.tasks import Problem, Task
+from rlrunbook.rl.rollout.guards import Blocklist, PromptLimit, StepTally, checked_reward
+from rlrunbook.rl.rollout.judges import DebateOutcome, Judge
+from rlrunbook.rl.rollout.prompts import TurnSplicer
+from rlrunbook.rl.rollout.rollouts import Rollout
+from rlrunbook.rl.rollout.tasks import Problem, Task
 
 ROUNDS = 3
 
@@ -40,18 +39,35 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a rollout needs of a run's config: sampling, group size, seed and the rollout guards.
+
+    Built once from the config (``TrainConfig.rollout_settings``), so paradigms, validation and
+    evaluation see these values and nothing else of the run.
+    """
+
+    group_size: int = 1  # rollouts per question group (debate: two debaters per debate)
+    seed: int = 0  # mixed with the step and the group into every sampling seed
+    max_tokens: int = 64  # per completion (per debate turn)
+    temperature: float = 1.0
+    min_p: float = 0.0  # 0: off (not sent)
+    prompt_limit: PromptLimit = field(default_factory=PromptLimit)
+    blocklist: Blocklist = field(default_factory=Blocklist)
+
+
 @dataclass
 class RolloutContext:
-    """What a paradigm may use: the sampler of the current weights, the tokenizer, task and config.
+    """What a paradigm may use: the sampler of the current weights, the tokenizer, task and rollout settings.
 
-    ``score`` and ``prompt`` apply the run's guards (blocklist, prompt limit; see ``rlrunbook.rl.guards``)
+    ``score`` and ``prompt`` apply the run's guards (blocklist, prompt limit; see ``rlrunbook.rl.rollout.guards``)
     and count what they did in ``tally``; ``step_metrics`` hands the counts to the step log.
     """
 
     sampler: Any
     tokenizer: Any
     task: Task
-    config: TrainConfig
+    settings: RolloutSettings
     eos_ids: list[int]
     judge: Judge | None = None
     log: Any = print
@@ -88,19 +104,19 @@ class RolloutContext:
 
     @property
     def blocklist(self) -> Blocklist:
-        return Blocklist.from_settings(self.config.reward)
+        return self.settings.blocklist
 
     def step_metrics(self) -> dict[str, float]:
         """Scoring time and the guards' counts: ``blocklist/hits``, ``prompts/truncated``, ``reward_signal/*``."""
         return {"time/score_s": self.score_seconds, **self.tally.metrics()}
 
     def params(self, seed: int) -> types.SamplingParams:
-        return types.SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature,
+        return types.SamplingParams(max_tokens=self.settings.max_tokens, temperature=self.settings.temperature,
                                     seed=seed, stop=self.eos_ids)
 
     def sample(self, prompt: list[int], num_samples: int, seed: int):
         """Submit one sampling request (returns a future); ``min_p`` only where it was asked for."""
-        extra = {"min_p": self.config.min_p} if self.config.min_p > 0 else {}
+        extra = {"min_p": self.settings.min_p} if self.settings.min_p > 0 else {}
         return self.sampler.sample(types.ModelInput.from_ints(prompt), num_samples, self.params(seed), **extra)
 
     def batch(self):
@@ -114,8 +130,7 @@ class RolloutContext:
 
     def prompt(self, problem: Problem, suffix: str = "") -> list[int]:
         """The prompt tokens of ``problem`` (user message + ``suffix``), within ``data.max_prompt_tokens``."""
-        limit = PromptLimit.from_settings(self.config.data)
-        tokens, truncated = limit.fit(self.tokenizer, problem.id, self.task.user_message(problem),
+        tokens, truncated = self.settings.prompt_limit.fit(self.tokenizer, problem.id, self.task.user_message(problem),
                                       self.task.system_message(), suffix)
         self.tally.truncated += truncated
         return tokens
@@ -150,10 +165,10 @@ class SingleTurn(Paradigm):
     name = "single_turn"
 
     def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
-        size = ctx.config.group_size
+        size = ctx.settings.group_size
         prompts = [ctx.prompt(p) for p in problems]
         with ctx.batch():
-            futures = [ctx.sample(prompt, size, mix_seed(ctx.config.seed, step, ctx.group_index(g)))
+            futures = [ctx.sample(prompt, size, mix_seed(ctx.settings.seed, step, ctx.group_index(g)))
                        for g, prompt in enumerate(prompts)]
         rollouts, records, sampled = [], [], 0
         for local, (problem, prompt, future) in enumerate(zip(problems, prompts, futures, strict=True)):
@@ -192,7 +207,7 @@ class Debate(Paradigm):
         splicer = TurnSplicer.from_tokenizer(tok)
         intro = tok.encode(OPPONENT_INTRO, add_special_tokens=False)
         outro = tok.encode(OPPONENT_OUTRO, add_special_tokens=False)
-        debates = [(g, d) for g in range(len(problems)) for d in range(ctx.config.group_size // 2)]
+        debates = [(g, d) for g in range(len(problems)) for d in range(ctx.settings.group_size // 2)]
         # Per debater: the round-1 prompt, the completion so far, its logprobs and its own-token mask.
         state = {}
         for g, d in debates:
@@ -214,7 +229,7 @@ class Debate(Paradigm):
             keys = [(g, d, side) for g, d in debates for side in ("a", "b")]
             with ctx.batch():
                 futures = [ctx.sample(state[k]["prompt"] + state[k]["tokens"], 1,
-                                      mix_seed(ctx.config.seed, step, round_index, ctx.group_index(k[0]), k[1],
+                                      mix_seed(ctx.settings.seed, step, round_index, ctx.group_index(k[0]), k[1],
                                                ord(k[2]))) for k in keys]
             for key, future in zip(keys, futures, strict=True):
                 sequence = future.result().sequences[0]

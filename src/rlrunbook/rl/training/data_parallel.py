@@ -18,8 +18,8 @@ from typing import Any
 from rlrunbook import distributed
 from rlrunbook.errors import ConfigError
 from rlrunbook.metrics import merge_reduced
-from rlrunbook.rl.paradigms import RolloutBatch
-from rlrunbook.rl.rollouts import Rollout
+from rlrunbook.rl.rollout.paradigms import RolloutBatch
+from rlrunbook.rl.rollout.rollouts import Rollout
 
 
 def check_divisible(num_groups: int, world: int) -> None:
