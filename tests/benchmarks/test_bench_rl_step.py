@@ -19,8 +19,8 @@ from bench_support import bench_device, describe, median_seconds
 from rlrunbook.backend import LocalServiceClient, LocalSettings
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import DataCursor
-from rlrunbook.rl.training.step import one_step
 from rlrunbook.rl.training.plan import plan_run
+from rlrunbook.rl.training.step import one_step
 from rlrunbook.run import RunWriter, new_run_dir
 
 pytestmark = pytest.mark.benchmark(group="rl_step")
@@ -52,11 +52,11 @@ def test_rl_step(benchmark, tmp_path, model, shape):
     lines: list[str] = []
     steps = iter(range(100))
 
-    def one_step():
+    def timed_step():
         one_step(plan, next(steps), training, tokenizer, judge, writer, lines.append, cursor)
 
     batches_before = service._worker.batches_run
-    benchmark.pedantic(one_step, rounds=3, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(timed_step, rounds=3, iterations=1, warmup_rounds=1)
     if config.mode == "debate":  # 3 rounds per step, one batched call each
         assert service._worker.batches_run - batches_before == 3 * 4
     rows = writer.read_train_log()

@@ -51,7 +51,7 @@ class Task(ABC):
     reward_fns: ClassVar[tuple[str, ...]]  # the first is the default
     rollout_kind: ClassVar[str] = "baseline"  # which rollout file single-turn runs write: baseline | summary
     default_dataset: ClassVar[str]
-    cache_info: dict | None = None  # set by rl.dataset_cache when the problems came through --cache-dataset
+    cache_info: dict | None = None  # set by rl.setup.dataset_cache when the problems came through --cache-dataset
     # Set by load() when it serves generated problems in place of a data set it could not reach: the
     # dataset cache must not pin them, and run_metadata.json names them under dataset.source.
     embedded_source: str | None = None
