@@ -117,8 +117,8 @@ def _train_cli_values(args: argparse.Namespace) -> dict[str, object]:
 
 def _resolve_runs(args: argparse.Namespace):
     """One resolved config per sweep point (one when there is no sweep), all validated up front."""
-    from rlrunbook.rl.config import validate
-    from rlrunbook.rl.config_sources import build_config, sweep_grid, sweep_name
+    from rlrunbook.rl.setup.config import validate
+    from rlrunbook.rl.setup.config_sources import build_config, sweep_grid, sweep_name
 
     layers = dict(file=args.config_file, overrides=args.overrides, cli=_train_cli_values(args),
                   strict=args.strict_config)
@@ -137,12 +137,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from rlrunbook import distributed
-    from rlrunbook.rl.loop import run_training
+    from rlrunbook.rl.training.loop import run_training
     from rlrunbook.run import check_run, format_results, rubric_passed
 
     runs = _resolve_runs(args)
     if getattr(args, "resume_from", None) is None:
-        from rlrunbook.rl.preflight import check_run_location
+        from rlrunbook.rl.setup.preflight import check_run_location
 
         for resolved in runs:  # every sweep point's run directory, before the first run starts
             check_run_location(resolved.config)
@@ -222,7 +222,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     from rlrunbook.run.tools import format_table, summarize_runs, write_table
 
     if args.out:
-        from rlrunbook.rl.preflight import check_output_file
+        from rlrunbook.rl.setup.preflight import check_output_file
 
         check_output_file(args.out)
     rows = summarize_runs([Path(d) for d in args.run_dirs])
@@ -252,12 +252,12 @@ def cmd_package(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.backend import create_service_client
-    from rlrunbook.rl.config import TrainConfig
-    from rlrunbook.rl.evaluate import rewards_per_problem
-    from rlrunbook.rl.loop import prepare
-    from rlrunbook.rl.paradigms import RolloutContext
-    from rlrunbook.rl.passk import pass_at_k, summarize_eval
-    from rlrunbook.rl.preflight import check_output_file, preflight
+    from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
+    from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
+    from rlrunbook.rl.rollout.paradigms import RolloutContext
+    from rlrunbook.rl.setup.config import TrainConfig
+    from rlrunbook.rl.setup.preflight import check_output_file, preflight
+    from rlrunbook.rl.setup.prepare import prepare
     from rlrunbook.run.jsonio import atomic_write_json
     from rlrunbook.run.redaction import redact_config
 
@@ -276,7 +276,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     sampler = (service.create_sampling_client(model_path=args.weights) if args.weights
                else service.create_sampling_client(base_model=config.model))
     tokenizer = sampler.get_tokenizer()
-    ctx = RolloutContext(sampler, tokenizer, task, config, [tokenizer.eos_token_id])
+    ctx = RolloutContext(sampler, tokenizer, task, config.rollout_settings(), [tokenizer.eos_token_id])
     print(f"[eval] {len(problems)} problems x {args.samples} samples of {args.weights or config.model}", flush=True)
     rewards = rewards_per_problem(ctx, problems, args.samples, seed=config.seed)
     summary = summarize_eval(rewards, ks=args.ks, threshold=args.threshold, confidence=args.confidence,
@@ -295,11 +295,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_checkpoints(args: argparse.Namespace) -> int:
-    from rlrunbook.rl.checkpoint_eval import EvalOptions, evaluate_checkpoints, table_columns
+    from rlrunbook.rl.evaluation.checkpoint_eval import EvalOptions, evaluate_checkpoints, table_columns
     from rlrunbook.run.tools import format_table, write_table
 
     if args.out:
-        from rlrunbook.rl.preflight import check_output_file
+        from rlrunbook.rl.setup.preflight import check_output_file
 
         check_output_file(args.out)
     options = EvalOptions(samples=args.samples, num_problems=args.num_problems, ks=tuple(args.ks),

@@ -65,7 +65,7 @@ class RlrunbookPeer:
 
     def __init__(self, device: str, dtype: torch.dtype, storage):
         from rlrunbook.backend import LocalServiceClient, LocalSettings
-        from rlrunbook.rl.prompts import render_prompt
+        from rlrunbook.rl.rollout.prompts import render_prompt
 
         self.service = LocalServiceClient(LocalSettings(device=device, dtype=dtype, lora_alpha=ALPHA,
                                                         storage_dir=storage))

@@ -10,16 +10,17 @@ smollm2-135m only, the shape the README quotes).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 from bench_support import bench_device, describe, median_seconds
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings
-from rlrunbook.rl.config import TrainConfig
-from rlrunbook.rl.judges import MockJudge
-from rlrunbook.rl.loop import _one_step, prepare
-from rlrunbook.rl.rollouts import advantage_mode
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.data_order import DataCursor
+from rlrunbook.rl.training.plan import plan_run
+from rlrunbook.rl.training.step import one_step
 from rlrunbook.run import RunWriter, new_run_dir
 
 pytestmark = pytest.mark.benchmark(group="rl_step")
@@ -37,23 +38,25 @@ SHAPES = {
 def test_rl_step(benchmark, tmp_path, model, shape):
     import torch
 
-    config, paradigm, task, problems = prepare(TrainConfig(model=model, steps=1, seed=0, **SHAPES[shape]))
+    plan = plan_run(TrainConfig(model=model, steps=1, seed=0, log_root=str(tmp_path), **SHAPES[shape]))
+    plan = dataclasses.replace(plan, training_problems=plan.problems, order=list(range(len(plan.problems))))
+    config = plan.config
     device = bench_device()
     service = LocalServiceClient(LocalSettings(device=device, storage_dir=tmp_path / "tinker"))
     training = service.create_lora_training_client(model, rank=config.lora_rank, seed=0)
     tokenizer = training.get_tokenizer()
     writer = RunWriter(new_run_dir(tmp_path, config.run_mode, config.env, "bench"))
     writer.write_metadata(config.to_dict(), {}, [], {})
-    judge = MockJudge() if config.mode == "debate" else None
+    judge = plan.judge.build(service, tokenizer)
+    cursor = DataCursor()
     lines: list[str] = []
     steps = iter(range(100))
 
-    def one_step():
-        _one_step(config, next(steps), paradigm, task, problems, list(range(len(problems))), training, tokenizer,
-                  judge, advantage_mode(config.run_mode), writer, lines.append)
+    def timed_step():
+        one_step(plan, next(steps), training, tokenizer, judge, writer, lines.append, cursor)
 
     batches_before = service._worker.batches_run
-    benchmark.pedantic(one_step, rounds=3, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(timed_step, rounds=3, iterations=1, warmup_rounds=1)
     if config.mode == "debate":  # 3 rounds per step, one batched call each
         assert service._worker.batches_run - batches_before == 3 * 4
     rows = writer.read_train_log()

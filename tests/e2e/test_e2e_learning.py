@@ -21,12 +21,13 @@ import json
 
 import pytest
 
-from rlrunbook.rl.config import TrainConfig
 from rlrunbook.rl.data import arithmetic_problems
-from rlrunbook.rl.evaluate import mean_task_reward
-from rlrunbook.rl.loop import prepare, run_training
-from rlrunbook.rl.paradigms import RolloutContext
-from rlrunbook.rl.tasks import Problem
+from rlrunbook.rl.evaluation.evaluate import mean_task_reward
+from rlrunbook.rl.rollout.paradigms import RolloutContext
+from rlrunbook.rl.rollout.tasks import Problem
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.prepare import prepare
+from rlrunbook.rl.training.loop import run_training
 from rlrunbook.run import check_run, format_results, rubric_passed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -42,7 +43,7 @@ def test_held_out_reward_rises_on_smollm2(tmp_path):
     scores: dict[str, float] = {}
 
     def evaluate(label, training, tokenizer):
-        ctx = RolloutContext(training.save_weights_and_get_sampling_client(), tokenizer, task, validated,
+        ctx = RolloutContext(training.save_weights_and_get_sampling_client(), tokenizer, task, validated.rollout_settings(),
                              [tokenizer.eos_token_id])
         scores[label] = mean_task_reward(ctx, held_out, samples_per_problem=8, seed=99)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlrunbook import cli
-from rlrunbook.rl.config_sources import PRESET_DIR
+from rlrunbook.rl.setup.config_sources import PRESET_DIR
 from rlrunbook.run import check_run, format_results, rubric_passed
 
 pytestmark = pytest.mark.e2e

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from rlrunbook import cli
-from rlrunbook.rl.config import TrainConfig
-from rlrunbook.rl.loop import run_training
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.training.loop import run_training
 
 VOLATILE = ("time/", "throughput/", "memory/")
 
@@ -49,7 +49,7 @@ def test_expected_dataset_hash_refuses_drift(tmp_path, capsys, monkeypatch):
 
     data = tmp_path / "gsm.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "What is 2 + 2?", "answer": "#### 4"}\n')
-    from rlrunbook.rl.loop import prepare
+    from rlrunbook.rl.setup.prepare import prepare
 
     _, _, task, problems = prepare(TrainConfig(env="qa", dataset=str(data), num_rollouts=4))
     recorded = task.dataset_info(problems)["fingerprint"]

@@ -45,8 +45,8 @@ def test_server_without_processed_logprobs_is_refused_and_stopped(tmp_path):
 
 
 def test_restart_every_then_death_mid_run_keeps_the_runs_records(tmp_path, capsys):
-    from rlrunbook.rl.config import TrainConfig
-    from rlrunbook.rl.loop import run_training
+    from rlrunbook.rl.setup.config import TrainConfig
+    from rlrunbook.rl.training.loop import run_training
 
     before = vllm_pids()
     service = LocalServiceClient(_managed_settings(tmp_path, restart_every=2))

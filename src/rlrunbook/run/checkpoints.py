@@ -66,7 +66,7 @@ class Checkpoint:
     rng: dict[str, Any]
     weights_version: int = 0
     path: Path | None = None
-    # Where the data order stands (``rl.dynamic_sampling.DataCursor``): with dynamic sampling a step may
+    # Where the data order stands (``rl.setup.data_order.DataCursor``): with dynamic sampling a step may
     # draw more problems than it trains on, so the step index alone no longer says which problem is next.
     data_cursor: dict[str, int] | None = None
 

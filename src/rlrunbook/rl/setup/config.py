@@ -1,0 +1,306 @@
+"""The training run's configuration: one validated pydantic model, checked before any model loads.
+
+Flat fields keep the seeds' flag names (``-n`` → ``num_rollouts``, ``--debate-train`` → ``debate_train``);
+the options added for trustworthy runs live in sections (``loss.kl_coef``, ``checkpoint.every``, ...),
+addressable as dotted keys from a config file, ``key.sub=value`` overrides and the CLI alike (see
+:mod:`rlrunbook.rl.setup.config_sources` for how those layers are merged and recorded).
+
+Types are checked by pydantic (an unknown key or a wrong type is refused with its dotted name);
+the cross-field rules in :func:`validate` each name themselves and their fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlrunbook.errors import ConfigError
+from rlrunbook.models.registry import DEFAULT_MODEL
+from rlrunbook.rl.rollout.guards import Blocklist, PromptLimit
+from rlrunbook.rl.rollout.paradigms import RolloutSettings
+from rlrunbook.rl.rollout.tasks import get_task_class
+
+CONFIG_VERSION = 1  # bump when a field changes meaning; files stating another version are refused
+
+DebateTrain = Literal["rejection", "rs_grpo"]
+KlEstimator = Literal["k1", "k3", "low_var_kl"]
+
+
+class _Section(BaseModel):
+    # allow_inf_nan=False: an infinite or NaN number is refused by its dotted name (``--temperature inf``
+    # used to pass here and fail later, when the run wrote its metadata).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+
+class LossSettings(_Section):
+    """Regularisers of the policy-gradient loss (the offline GRPO trainer's knobs)."""
+
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference policy (base model, "
+                                                   "adapter disabled); 0 = off")
+    kl_estimator: KlEstimator = Field("low_var_kl", description="per-token KL estimator: k1 | k3 | low_var_kl "
+                                                                "(k3 clamped to [-10, 10])")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0 = off")
+    clip_low_threshold: float | None = Field(None, ge=0, description="ppo/cispo: lower bound of the importance "
+                                                                     "ratio (None: the loss's, ppo 0.8, cispo 0)")
+    clip_high_threshold: float | None = Field(None, gt=0, description="ppo/cispo: upper bound of the importance "
+                                                                      "ratio (None: the loss's, ppo 1.2, cispo 4)")
+    grad_clip_norm: float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+
+
+class MismatchSettings(_Section):
+    """The sampler-trainer mismatch: a gate (on by default) and a correction (off by default).
+
+    The mismatch is a step's mean |sampler - trainer| logprob over the trained tokens, like with like:
+    both under the sampled distribution (logits / T and the filters). Thresholds are stated at T = 1
+    and divided by T below 1 (a logit rounding error δ becomes δ / T). Defaults from measurements on
+    SmolLM2-135M in bf16 (16 x 128 tokens): transformers' own numerics 0.036-0.045 on this CPU and on an
+    H100, the default ``invariant`` numerics 0 on CPU; third-party vLLM-vs-trainer runs 0.003-0.011.
+    The correction needs the local backend (the hosted service does not know its keys).
+    """
+
+    warn: float = Field(0.01, gt=0, description="log a warning when a step's mean mismatch exceeds this")
+    max: float = Field(0.03, gt=0, description="stop the run, before the optimizer step, when it exceeds this")
+    correction: Literal["none", "truncate", "mask"] = Field(
+        "none", description="none | truncate: advantages x min(p/q, cap) (truncated importance sampling) | "
+                            "mask: drop tokens whose p/q lies outside [mask_low, mask_high]")
+    cap: float = Field(2.0, ge=1, description="truncate: the cap of the importance ratio")
+    mask_low: float = Field(0.125, gt=0, lt=1, description="mask: lowest ratio kept")
+    mask_high: float = Field(8.0, gt=1, description="mask: highest ratio kept")
+
+
+class CheckpointSettings(_Section):
+    """Periodic checkpoints of everything a resume needs."""
+
+    every: int = Field(0, ge=0, description="save a checkpoint every N steps (and after the last); 0 = off")
+
+
+class ValidationSettings(_Section):
+    """The in-training validation hook: pass@k / mean@k on held-out problems."""
+
+    every: int = Field(0, ge=0, description="validate every N steps (and before the first); 0 = off")
+    samples: int = Field(4, ge=1, description="completions per validation problem (k of pass@k)")
+    num_problems: int = Field(16, ge=1, description="held-out problems per validation")
+    threshold: float = Field(1.0, description="a sample passes at reward >= this")
+
+
+class DataSettings(_Section):
+    """How the data set is loaded and how prompts are bounded."""
+
+    cache: bool = Field(False, description="keep a normalised copy of the data set and train from it")
+    cache_dir: str | None = Field(None, description="where cached data sets live (default: datasets/ under "
+                                                          "the model cache, $RLRUNBOOK_CACHE_DIR)")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt allowed, in tokens; None = no limit")
+    truncate_prompts: bool = Field(False, description="cut over-long prompts to max_prompt_tokens instead of "
+                                                      "refusing the run")
+
+
+class RewardSettings(_Section):
+    """Reward shaping: the blocklist guard and the multi-signal weights."""
+
+    blocklist: tuple[str, ...] = Field((), description="substrings that must not appear in a completion")
+    reject_blocklisted: bool = Field(False, description="give reward 0 to completions containing a blocklisted "
+                                                        "substring (else they are only counted)")
+    verify_weight: float = Field(1.0, ge=0, description="multi_signal α: weight of the verified answer")
+    format_weight: float = Field(0.5, ge=0, description="multi_signal β: weight of the answer format")
+    reflect_weight: float = Field(0.5, ge=0, description="multi_signal γ: weight of the self-check")
+
+
+class DynamicSamplingSettings(_Section):
+    """Dynamic sampling (DAPO): tied groups are replaced by new ones (see ``rlrunbook.rl.training.dynamic_sampling``)."""
+
+    max_rounds: int = Field(4, ge=1, description="sampling rounds per step, each drawing the groups still missing "
+                                                 "after tied ones are dropped; 1 = no refill")
+    max_skipped_steps: int = Field(3, ge=1, description="stop the run (no learning signal) when this many steps in "
+                                                        "a row are skipped for lack of groups with reward spread")
+
+
+class BackendSettings(_Section):
+    """Local backend knobs a run states itself; unset ones come from the TINKER_LOCAL_* environment."""
+
+    device: str | None = Field(None, description="torch device (default: cuda if available, else cpu)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
+    load_in_4bit: bool = Field(False, description="load the frozen base model 4-bit (bitsandbytes, cuda only)")
+    grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch")
+    sampler: Literal["hf", "generate", "vllm"] | None = Field(
+        None, description="sampling engine: hf or generate (in process), vllm (a vLLM server); "
+                          "default TINKER_LOCAL_SAMPLER")
+
+
+class TrainConfig(BaseModel):
+    """One training run. Every field documents itself (``description``); sections group the newer knobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    version: int = Field(CONFIG_VERSION, description="config schema version")
+    mode: str = Field("single_turn", description="interaction protocol: single_turn or debate (3 rounds)")
+    env: str = Field("qa", description="task: qa, summary, math, or a registered plug-in")
+    dataset: str | None = Field(None, description='"test" (built-in arithmetic), a hub name or a JSONL path')
+    num_rollouts: int = Field(16, description="rollouts per step (-n); split evenly into question groups")
+    num_groups: int = Field(1, description="question groups per step; each group shares one question")
+    steps: int = Field(1, description="optimizer steps (-s)")
+    name: str = Field("run", description="run name, last part of the run directory's name")
+    seed: int = Field(0, description="seeds data order, LoRA init and sampling")
+    temperature: float = Field(1.0, description="sampling temperature of the policy")
+    max_tokens: int = Field(64, description="tokens per completion (per debate turn)")
+    min_p: float = Field(0.0, description="min-p filter (local backend only)")
+    reward_fn: str | None = Field(None, description="qa: numeric|text|multi_signal; summary: compression|rouge; "
+                                                    "math: math|multi_signal")
+    mock_judge: bool = Field(False, description="debate: deterministic judge (higher task reward wins)")
+    judge_model: str | None = Field(None, description="debate: model of the model judge (default: the base model)")
+    debate_train: DebateTrain | None = Field(None, description="debate: train on winners (rejection, the default "
+                                                               "in debate mode), or RS then GRPO (rs_grpo); "
+                                                               "null in single_turn mode")
+    debate_grpo_reward: Literal["task"] | None = Field(None, description="rs_grpo's reward: the winners' task reward")
+    model: str = Field(DEFAULT_MODEL, description="built-in name, local folder or hub id")
+    log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
+    learning_rate: float = Field(1e-4, description="AdamW learning rate")
+    lora_rank: int = Field(16, description="LoRA rank")
+    train_unembed: bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
+                                                  "Llama-family models, not for Qwen2 (set false there)")
+    loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with")
+    summary_max_words: int = Field(150, description="summary: the article is cut to this many words")
+    deterministic: bool = Field(False, description="seed Python/NumPy/torch, deterministic torch algorithms")
+    expected_dataset_hash: str | None = Field(None, description="refuse the run if the data set's fingerprint differs")
+    extra: dict[str, Any] = Field(default_factory=dict, description="task plug-in options")
+    loss: LossSettings = Field(default_factory=LossSettings)
+    mismatch: MismatchSettings = Field(default_factory=MismatchSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    dynamic_sampling: DynamicSamplingSettings = Field(default_factory=DynamicSamplingSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_rollouts // self.num_groups
+
+    @property
+    def run_mode(self) -> str:
+        """Name used in the run directory: grpo, rejection or rs_grpo."""
+        return "grpo" if self.mode == "single_turn" else (self.debate_train or "rejection")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able values, sections as nested dicts (the form config files use)."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_stored(cls, stored: dict[str, Any]) -> TrainConfig:
+        """A config recorded by a run or a checkpoint. Records made before ``debate_train`` became null
+        outside debate mode hold its old default, ``rejection``, for single-turn runs: read as null."""
+        stored = dict(stored)
+        if stored.get("mode", "single_turn") != "debate" and stored.get("debate_train") == "rejection":
+            stored["debate_train"] = None
+        return cls.model_validate(stored)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A validated copy with top-level fields changed."""
+        return TrainConfig.model_validate({**self.model_dump(), **changes})
+
+    def rollout_settings(self) -> RolloutSettings:
+        """What rollouts need of this run: sampling, group size, seed, prompt limit and blocklist."""
+        return RolloutSettings(
+            group_size=self.group_size, seed=self.seed, max_tokens=self.max_tokens, temperature=self.temperature,
+            min_p=self.min_p, prompt_limit=PromptLimit(self.data.max_prompt_tokens, self.data.truncate_prompts),
+            blocklist=Blocklist(tuple(self.reward.blocklist), self.reward.reject_blocklisted))
+
+    def loss_fn_config(self, local: bool = False) -> dict[str, float | str]:
+        """The ``loss_fn_config`` sent with forward_backward: clip bounds for ppo/cispo, regularisers if on.
+
+        ``local`` (the local backend): also the sampler's transform, so the mismatch the trainer
+        reports compares like with like, and the mismatch correction when one is asked for.
+        """
+        config = self._tinker_loss_config()
+        if local:
+            config.update(sampling_temperature=self.temperature, sampling_min_p=self.min_p)
+            if self.mismatch.correction != "none":
+                config.update(is_correction=self.mismatch.correction, is_cap=self.mismatch.cap,
+                              is_mask_low=self.mismatch.mask_low, is_mask_high=self.mismatch.mask_high)
+        return config
+
+    def _tinker_loss_config(self) -> dict[str, float | str]:
+        settings = self.loss
+        config: dict[str, float | str] = {}
+        if self.loss_fn in ("ppo", "cispo"):
+            for key in ("clip_low_threshold", "clip_high_threshold"):
+                if getattr(settings, key) is not None:
+                    config[key] = getattr(settings, key)
+        if settings.kl_coef > 0:
+            config.update(kl_coef=settings.kl_coef, kl_estimator=settings.kl_estimator)
+        if settings.entropy_coef > 0:
+            config["entropy_coef"] = settings.entropy_coef
+        return config
+
+
+def validate(config: TrainConfig) -> TrainConfig:
+    """Return ``config`` with defaults filled (reward_fn; debate_train in debate mode), or raise ``ConfigError``
+    naming rule and fix."""
+    def fail(rule: str, fix: str) -> None:
+        raise ConfigError(f"{rule}. {fix}")
+
+    if config.version != CONFIG_VERSION:
+        fail(f"config version {config.version} is not supported (this rlrunbook reads version {CONFIG_VERSION})",
+             "Update the file to the current schema and set version: 1.")
+    if config.num_rollouts < 1 or config.num_groups < 1 or config.steps < 1:
+        fail(f"-n {config.num_rollouts}, --num-groups {config.num_groups}, -s {config.steps} must all be >= 1",
+             "Pass positive counts.")
+    if config.num_rollouts % config.num_groups:
+        fail(f"-n {config.num_rollouts} is not divisible by --num-groups {config.num_groups}",
+             f"Every group needs the same size: use -n {config.num_groups * max(1, config.num_rollouts // config.num_groups)}.")
+    if config.mode == "single_turn" and config.group_size < 2:
+        fail(f"a group of {config.group_size} rollout has no spread to centre (GRPO needs >= 2 per group)",
+             "Raise -n or lower --num-groups.")
+    if config.mode == "debate":
+        if config.group_size % 2:
+            fail(f"debate group size {config.group_size} (= n / num_groups) is odd; two rollouts make one debate",
+                 "Choose -n and --num-groups so that n / num_groups is even.")
+        if config.debate_train == "rs_grpo":
+            if config.debate_grpo_reward != "task":
+                fail("--debate-train rs_grpo needs a task reward to centre across winners",
+                     "Add --debate-grpo-reward task.")
+            if config.group_size < 4:
+                fail(f"rs_grpo with group size {config.group_size} keeps one winner per group: nothing to centre",
+                     "Use n / num_groups >= 4.")
+        elif config.debate_grpo_reward is not None:
+            fail("--debate-grpo-reward applies to --debate-train rs_grpo only", "Drop it or use rs_grpo.")
+        config = config.replace(debate_train=config.debate_train or "rejection")
+    elif config.debate_train is not None:
+        fail(f"--debate-train {config.debate_train} applies to --mode debate only, but the mode is {config.mode!r}",
+             "Drop --debate-train (debate_train: null in a config file), or add --mode debate.")
+    elif config.debate_grpo_reward is not None or config.mock_judge:
+        fail("--mock-judge and --debate-grpo-reward apply to --mode debate only", "Drop them or use --mode debate.")
+    task_class = get_task_class(config.env)  # ConfigError naming the registered tasks
+    reward = config.reward_fn or task_class.reward_fns[0]
+    if reward not in task_class.reward_fns:
+        fail(f"--reward-fn {reward!r} does not apply to --env {config.env}",
+             f"Use one of {list(task_class.reward_fns)}.")
+    if not config.temperature > 0:
+        fail(f"--temperature {config.temperature} must be > 0 for RL (a greedy policy has no spread)",
+             "Use 0.7 to 1.0.")
+    if config.max_tokens < 1:
+        fail(f"--max-tokens {config.max_tokens} must be >= 1", "Pass a positive count.")
+    if not 0 <= config.min_p < 1:
+        fail(f"--min-p {config.min_p} must be in [0, 1)", "Use 0 to disable it.")
+    if not config.learning_rate > 0:
+        fail(f"--learning-rate {config.learning_rate} must be > 0", "Use e.g. 1e-4.")
+    if config.lora_rank < 1:
+        fail(f"--lora-rank {config.lora_rank} must be >= 1", "Use e.g. 16.")
+    if not config.name or any(c in config.name for c in "/\\") or config.name in (".", ".."):
+        fail(f"--name {config.name!r} must be a plain name", "Use letters, digits, '-' and '_'.")
+    low, high = config.loss.clip_low_threshold, config.loss.clip_high_threshold
+    if low is not None and high is not None and low >= high:
+        fail(f"loss.clip_low_threshold {config.loss.clip_low_threshold} must be below loss.clip_high_threshold "
+             f"{config.loss.clip_high_threshold}", "Use e.g. 0.8 and 1.2.")
+    if config.data.truncate_prompts and config.data.max_prompt_tokens is None:
+        fail("--truncate-prompts needs --max-prompt-tokens", "State the limit the prompts are cut to.")
+    if any(not word.strip() for word in config.reward.blocklist):
+        fail(f"reward.blocklist {list(config.reward.blocklist)} holds an empty entry, which every completion contains",
+             "Drop the empty --blocklist value.")
+    if config.reward.reject_blocklisted and not config.reward.blocklist:
+        fail("--reject-blocklisted with an empty blocklist rejects nothing", "Add --blocklist WORD (repeatable).")
+    if config.backend.load_in_4bit and config.backend.device is not None and not config.backend.device.startswith("cuda"):
+        fail(f"backend.load_in_4bit needs a cuda device, not {config.backend.device!r}",
+             "Drop load_in_4bit on CPU or run on a GPU.")
+    return config.replace(reward_fn=reward)

@@ -1,0 +1,69 @@
+"""The service a run trains through: the local backend's settings, the default service client, the device.
+
+Which backend runs is chosen by ``TINKER_BACKEND`` (see :func:`rlrunbook.backend.backend_name`); for the
+local backend, the ``TINKER_LOCAL_*`` environment gives the settings and the run's ``backend`` section
+overrides them. Everything here reads only that section of the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from rlrunbook.rl.setup.config import BackendSettings
+
+
+def local_settings(stated: BackendSettings):
+    """The local backend's settings: the TINKER_LOCAL_* environment, with the run's ``backend`` section on top."""
+    import torch
+
+    from rlrunbook.backend.settings import LocalSettings
+
+    settings = LocalSettings.from_env()
+    changes: dict[str, object] = {"load_in_4bit": stated.load_in_4bit}
+    if stated.device is not None:
+        changes["device"] = stated.device
+    if stated.dtype is not None:
+        changes["dtype"] = getattr(torch, stated.dtype)
+    if stated.grad_accum_steps is not None:
+        changes["grad_accum_chunks"] = stated.grad_accum_steps
+    if stated.sampler is not None:
+        changes["sampler"] = stated.sampler
+    return dataclasses.replace(settings, **changes)
+
+
+def training_device(stated: BackendSettings) -> str | None:
+    """The device the local backend will train on (torchrun ranks join a group on it); None: the default."""
+    from rlrunbook.backend import backend_name
+
+    return local_settings(stated).device if backend_name() == "local" else None
+
+
+def default_service(stated: BackendSettings):
+    """A service client of the selected backend (the local one with :func:`local_settings`)."""
+    from rlrunbook.backend import backend_name, create_service_client
+
+    if backend_name() == "local":
+        return create_service_client(settings=local_settings(stated))
+    return create_service_client()
+
+
+def is_local(training) -> bool:
+    """Whether ``training`` is this project's local backend (which takes the local loss_fn_config keys)."""
+    from rlrunbook.backend.training_client import LocalTrainingClient
+
+    return isinstance(training, LocalTrainingClient)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed Python, NumPy and torch; with ``deterministic``, make torch refuse nondeterministic kernels."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        if torch.cuda.is_available():
+            torch.backends.cudnn.benchmark = False

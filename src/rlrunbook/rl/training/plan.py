@@ -1,0 +1,97 @@
+"""A run resolved once, before any model loads: the :class:`RunPlan` that the training loop consumes.
+
+:func:`plan_run` reads the run's config in one place: the resume point (a checkpoint's config replaces
+the one given), the validated options, the task, paradigm and data set, the checks of the run's
+surroundings (log root, backend, device, model folders), the data-parallel layout, the problem order and
+held-out split, and what each stage below receives of the config: the rollout settings, the judge, the
+validator and the checkpoint schedule. The loop reads the plan; the modules it calls get those parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlrunbook import distributed
+from rlrunbook.rl.evaluation.validation import Validator
+from rlrunbook.rl.rollout.judges import JudgeChoice
+from rlrunbook.rl.rollout.paradigms import Paradigm, RolloutSettings
+from rlrunbook.rl.rollout.rollouts import Rollout, advantage_mode
+from rlrunbook.rl.rollout.tasks import Problem, Task
+from rlrunbook.rl.setup.checkpointing import CheckpointSchedule, Resume, plan_resume
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.data_order import problem_order, split_held_out
+from rlrunbook.rl.setup.preflight import preflight
+from rlrunbook.rl.setup.prepare import dataset_record, prepare
+from rlrunbook.rl.setup.service import training_device
+from rlrunbook.rl.training import data_parallel as dp
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a training run is, resolved before any model loads or any run directory exists."""
+
+    config: TrainConfig  # validated; a resumed run's is its checkpoint's (with steps, name, log_root as given)
+    sources: dict[str, str]  # where each config value came from (run_metadata.json)
+    resume: Resume | None  # the checkpoint a resumed run continues from
+    task: Task
+    paradigm: Paradigm
+    problems: list[Problem]  # the whole data set, as loaded (every prompt is measured against the limit)
+    dataset: dict  # what run_metadata.json records of the data set
+    data_warnings: list[str]  # lines to log about the data set
+    training_problems: list[Problem]  # those trained on (validation holds the others out) ...
+    order: list[int]  # ... and the seeded order in which they are drawn
+    rollout: RolloutSettings  # what paradigms and validation read of the config
+    judge: JudgeChoice
+    validator: Validator
+    checkpoints: CheckpointSchedule
+    advantages_of: Callable[[Sequence[Rollout]], list[float]]  # the training mode's advantages
+    layout: distributed.Layout = field(default_factory=distributed.Layout)  # the torchrun launch
+    device: str | None = None  # the local backend's training device (None: the default, or another backend)
+
+    def new_run_dir(self) -> Path:
+        """Create this run's directory: ``<log root>/<timestamp>_<mode>_<env>_<name>``."""
+        from rlrunbook.run import log_root, new_run_dir
+
+        config = self.config
+        return new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name)
+
+
+def judge_choice(config: TrainConfig) -> JudgeChoice:
+    """The judge of a debate run (mock, or a model judge of ``judge_model``, default the policy's base model)."""
+    if config.mode != "debate":
+        return JudgeChoice("none")
+    if config.mock_judge:
+        return JudgeChoice("mock")
+    return JudgeChoice("model", config.judge_model or config.model, own_tokenizer=bool(config.judge_model))
+
+
+def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
+             sources: dict[str, str] | None = None) -> RunPlan:
+    """Resolve ``config`` (and, with ``resume_from``, the checkpoint it continues) into a :class:`RunPlan`.
+
+    Every mistake in the options, the data, the surroundings or the checkpoint is raised here, before any
+    model loads and before a run directory exists.
+    """
+    resume = None if resume_from is None else plan_resume(resume_from, config, sources)
+    if resume is not None:
+        config, sources = resume.config, resume.sources
+    config, paradigm, task, problems = prepare(config)
+    if resume is not None:
+        resume.check_dataset(task.dataset_info(problems))
+    preflight(config)  # log root, name, backend, device, model folders: before any model and any run directory
+    dataset, data_warnings = dataset_record(task, problems)
+    layout = distributed.launch_layout()
+    dp.check_divisible(config.num_groups, layout.world_size)
+    # With validation on, the last validation.num_problems of the seeded order are held out of training.
+    training_problems, order, held_out = split_held_out(problems, problem_order(problems, config.seed),
+                                                        config.validation)
+    rollout = config.rollout_settings()
+    return RunPlan(
+        config=config, sources=dict(sources or {}), resume=resume, task=task, paradigm=paradigm, problems=problems,
+        dataset=dataset, data_warnings=data_warnings, training_problems=training_problems, order=order,
+        rollout=rollout, judge=judge_choice(config),
+        validator=Validator(task, held_out, config.validation, rollout, config.seed, config.steps),
+        checkpoints=CheckpointSchedule.of(config), advantages_of=advantage_mode(config.run_mode),
+        layout=layout, device=training_device(config.backend))
