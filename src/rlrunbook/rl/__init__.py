@@ -12,6 +12,6 @@
 * ``training/``: the loop on top. The run plan it consumes, dynamic sampling, data parallelism and
   the guards of each update.
 
-``tasks``, ``paradigms`` and ``config`` hand on the names users import from there (``register_task``,
-``register_paradigm``, ``TrainConfig``).
+``tasks``, ``paradigms``, ``config`` and ``loop`` hand on the names users import from there (``register_task``,
+``register_paradigm``, ``TrainConfig``, ``run_training``).
 """

@@ -16,6 +16,7 @@ PUBLIC = [
     ("rlrunbook.rl.config", "TrainConfig", "rlrunbook.rl.setup.config"),
     ("rlrunbook.rl.rewards.math", "math_reward", "rlrunbook.rl.rewards.math"),
     ("rlrunbook.rl.rewards", "qa_numeric_reward", "rlrunbook.rl.rewards.qa"),
+    ("rlrunbook.rl.loop", "run_training", "rlrunbook.rl.training.loop"),
     ("rlrunbook.cli", "main", "rlrunbook.cli"),
 ]
 
