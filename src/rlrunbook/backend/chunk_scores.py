@@ -17,6 +17,7 @@ import torch
 
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
+from rlrunbook.engines.layouts import take_rows
 from rlrunbook.engines.scoring import gather_logprobs
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 from rlrunbook.regularizers import token_entropy
@@ -80,9 +81,9 @@ class SharedPrefixScoring:
         if with_reference:
             with torch.no_grad(), self.scorer.decoder.model.disable_adapter():
                 base = self.scorer.run([item.input_tokens for item in chunk])
-                reference = self.scorer.score(base.hidden, rows, targets).logprobs[seen_index]
-        return ChunkScores(per_datum, scores.logprobs[seen_index], scores.sampling_logprobs[seen_index],
-                           None if scores.entropy is None else scores.entropy[seen_index], reference,
+                reference = take_rows(self.scorer.score(base.hidden, rows, targets).logprobs, seen_index)
+        return ChunkScores(per_datum, take_rows(scores.logprobs, seen_index), take_rows(scores.sampling_logprobs, seen_index),
+                           None if scores.entropy is None else take_rows(scores.entropy, seen_index), reference,
                            run.hidden.sum() * 0.0 if run.hidden.requires_grad else run.hidden.new_zeros(()))
 
     def _fill_others(self, run, chunk, per_datum) -> None:

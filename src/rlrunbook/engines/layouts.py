@@ -25,6 +25,16 @@ from rlrunbook.prefix_tree import Row
 _MAX_SCORE_ELEMENTS = 1 << 24
 
 
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for an integer ``index`` of any shape, with a deterministic backward.
+
+    Indexing with a tensor accumulates the gradient of repeated indices (a shared prefix read by many
+    rows) in an order that depends on thread scheduling on CPU, so two identical runs could differ
+    in the last bit; ``index_select`` adds them in a fixed order.
+    """
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
+
 class SlotStore:
     """Keys and values of every layer, one slot per trie node, kept across calls (no gradient)."""
 
@@ -115,8 +125,8 @@ class TreeLayout:
             keys, values = k, v
         out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
         for batch in self.batches:
-            rows_out = attend(q[batch.query_index], keys[batch.key_index], values[batch.key_index],
-                              batch.allowed, scale, exact)  # [R, T, H*D]
+            rows_out = attend(take_rows(q, batch.query_index), take_rows(keys, batch.key_index),
+                              take_rows(values, batch.key_index), batch.allowed, scale, exact)  # [R, T, H*D]
             out = out.index_copy(0, batch.query_flat, rows_out[batch.query_valid])
         return out
 

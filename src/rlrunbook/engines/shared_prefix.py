@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
-from rlrunbook.engines.layouts import TreeLayout
+from rlrunbook.engines.layouts import TreeLayout, take_rows
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
 from rlrunbook.regularizers import token_entropy
 
@@ -81,7 +81,7 @@ class SharedPrefixScorer:
         chunk = max(2, _HEAD_CHUNK_ELEMENTS // self.decoder.vocab_size)
         parts: list[tuple[torch.Tensor, ...]] = []
         for start in range(0, rows.numel(), chunk):
-            h = hidden[rows[start:start + chunk]]
+            h = take_rows(hidden, rows[start:start + chunk])
             t = targets[start:start + chunk]
             if torch.is_grad_enabled() and h.requires_grad:
                 parts.append(checkpoint(self._head, h, t, filters, with_entropy, use_reentrant=False))
