@@ -70,7 +70,10 @@ def test_restart_every_then_death_mid_run_keeps_the_runs_records(tmp_path, capsy
     def progress(steps):
         for step in steps:
             if step == 3:  # the server dies between steps 2 and 3: SIGKILL to its whole process group
-                kill_and_wait(vllm_pids() - before)
+                (engine,) = service._vllm._engines.values()
+                process = engine.server._process
+                kill_and_wait({process.pid} | (vllm_pids() - before))
+                process.wait(timeout=30)  # reaped: the server's own check now sees an exit code
             yield step
 
     with pytest.raises(VllmServerError, match=r"(?s)was killed \(SIGKILL.*mid-run.*--resume-from"):
