@@ -19,22 +19,22 @@ TIMINGS = ("time/", "throughput/", "memory/")
 
 def test_take_rows_is_indexing_with_a_deterministic_backward():
     torch.manual_seed(0)
-    x = torch.randn(300, 64, requires_grad=True)
+    x = torch.randn(300, 576, requires_grad=True)
     index = torch.randint(0, 300, (50, 100))  # many repeats, as a shared prefix read by every row
-    upstream = torch.randn(50, 100, 64)
+    upstream = torch.randn(50, 100, 576)
     assert torch.equal(take_rows(x, index), x[index])
     grads = []
     with_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for _ in range(5):
+        for _ in range(10):
             x.grad = None
             take_rows(x, index).backward(upstream)
             grads.append(x.grad.clone())
     finally:
         torch.set_num_threads(with_threads)
     assert all(torch.equal(grads[0], g) for g in grads[1:])
-    expected = torch.zeros_like(x, dtype=torch.float64).index_add_(0, index.flatten(), upstream.reshape(-1, 64).double())
+    expected = torch.zeros_like(x, dtype=torch.float64).index_add_(0, index.flatten(), upstream.reshape(-1, 576).double())
     assert torch.allclose(grads[0].double(), expected, atol=1e-5)
 
 
