@@ -29,8 +29,7 @@ How it departs from a plain ``generate(do_sample=True)`` call, and why:
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import (
@@ -44,9 +43,11 @@ from transformers import (
 from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
 from rlrunbook.engines.draw import draw_tokens
 from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.noise import mix_seed
-from rlrunbook.errors import ConfigError, GenerationLeakError, InputError
-from rlrunbook.tokens import check_token_ids, find_stop, pad_batch
+from rlrunbook.engines.stops import DecodeBatch
+from rlrunbook.errors import GenerationLeakError, InputError
+from rlrunbook.tokens import find_stop, pad_batch
 
 # Every GenerationConfig field that adds a logits processor or changes decoding, at its neutral value.
 _NEUTRAL_GENERATION_FIELDS = dict(
@@ -136,9 +137,6 @@ class _StopSequences(StoppingCriteria):
         return done
 
 
-DecodeBatch = Callable[[list[list[int]]], list[str]]  # token-id rows -> their text
-
-
 class _StopStrings(StoppingCriteria):
     """Marks a row finished once the text of its generated tokens contains any stop string.
 
@@ -168,7 +166,7 @@ class _StopStrings(StoppingCriteria):
         return torch.tensor([end is not None for end in self.ends], dtype=torch.bool, device=input_ids.device)
 
 
-class GenerateEngine:
+class GenerateEngine(InProcessEngine):
     """Batched sampling from a (possibly LoRA-wrapped) causal LM with transformers' ``generate``.
 
     ``model`` is used as it is at call time, so a caller that changes adapter weights between
@@ -181,38 +179,14 @@ class GenerateEngine:
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int,
                  max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
                  decode_batch: DecodeBatch | None = None):
+        super().__init__(pad_token_id=pad_token_id, vocab_size=vocab_size, max_context=max_context,
+                         max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.model = model
-        self.pad_token_id = pad_token_id
-        self.vocab_size = vocab_size
-        self.max_context = max_context
-        self.max_batch_rows = max_batch_rows
-        self.decode_batch = decode_batch  # needed for stop strings only
-        self._seed = seed
-        self._unseeded_calls = 0
-        self._seed_lock = threading.Lock()  # callers on several threads may draw seeds
         self._base_model().generation_config = neutral_generation_config(pad_token_id=pad_token_id)
 
     def _base_model(self) -> torch.nn.Module:
         get_base = getattr(self.model, "get_base_model", None)
         return get_base() if callable(get_base) else self.model
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def validate(self, prompt: Sequence[int], request: GenerationRequest, what: str = "prompt") -> None:
-        """Raise ``InputError`` for an empty prompt, an id outside the vocabulary, or no room in the context."""
-        check_token_ids(prompt, self.vocab_size, what)
-        if request.stop_strings and self.decode_batch is None:
-            raise ConfigError(
-                f"stop strings {request.stop_strings!r} need a decoder, and this engine was built without one; "
-                "pass decode_batch= (the tokenizer's batch_decode) or stop on token ids instead."
-            )
-        if self.max_context is not None and len(prompt) + request.max_tokens > self.max_context:
-            raise InputError(
-                f"{what} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds the "
-                f"model's context of {self.max_context}. Shorten the prompt or lower max_tokens."
-            )
 
     def sample(self, prompts: Sequence[Sequence[int]], num_samples: int,
                request: GenerationRequest) -> list[list[Completion]]:
@@ -225,13 +199,6 @@ class GenerateEngine:
                 for i, p in enumerate(prompts)]
         return self.sample_jobs(jobs)
 
-    def next_seed(self) -> int:
-        """The next seed of the engine's own counter, for an unseeded request (drawn at submission, so results
-        follow the order of calls, not their timing)."""
-        with self._seed_lock:
-            self._unseeded_calls += 1
-            calls = self._unseeded_calls
-        return mix_seed(self._seed, calls)
 
     def sample_jobs(self, jobs: Sequence[SampleJob], weights_key: object = None) -> list[list[Completion]]:
         """Sample several callers' jobs in as few generate calls as possible.

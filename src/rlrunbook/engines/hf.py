@@ -23,7 +23,6 @@ What it does that ``generate`` does not, and why:
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Hashable, Sequence
 
@@ -33,12 +32,12 @@ from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
 from rlrunbook.engines.decoder import Decoder, Numerics
 from rlrunbook.engines.draw import draw_tokens
 from rlrunbook.engines.filters import apply_filters
+from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.stops import DecodeBatch, StopTracker
-from rlrunbook.errors import ConfigError, GenerationLeakError, InputError
+from rlrunbook.errors import GenerationLeakError, InputError
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
-from rlrunbook.tokens import check_token_ids
 
 _PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row: bounds padding between long and short rows
 _WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
@@ -80,7 +79,7 @@ class _PrefixPool:
             self.store.values[layer][slot] = cache.values[layer][row_index, position]
 
 
-class HFSamplingEngine:
+class HFSamplingEngine(InProcessEngine):
     """Batched sampling from a (possibly LoRA-wrapped) transformers causal LM of a supported family.
 
     ``model`` is read at call time, so a caller that changes adapter weights between calls samples
@@ -94,16 +93,10 @@ class HFSamplingEngine:
                  max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
                  decode_batch: DecodeBatch | None = None, numerics: Numerics | str = "invariant",
                  prefix_cache_tokens: int = 65536, cuda_graphs: bool | None = None):
+        super().__init__(pad_token_id=pad_token_id, vocab_size=vocab_size, max_context=max_context,
+                         max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.decoder = Decoder(model, numerics)
-        self.pad_token_id = pad_token_id
-        self.vocab_size = vocab_size
-        self.max_context = max_context
-        self.max_batch_rows = max_batch_rows
-        self.decode_batch = decode_batch  # needed for stop strings only
         self.prefix_cache_tokens = prefix_cache_tokens
-        self._seed = seed
-        self._unseeded_calls = 0
-        self._seed_lock = threading.Lock()  # callers on several threads may draw seeds
         self._pool: _PrefixPool | None = None
         self._caches: dict[tuple[int, int], RowCache] = {}
         self._graphs = None
@@ -124,32 +117,6 @@ class HFSamplingEngine:
         self._pool = None
         self._caches = {}
         self._graphs = None
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def validate(self, prompt: Sequence[int], request: GenerationRequest, what: str = "prompt") -> None:
-        """Raise ``InputError`` for an empty prompt, an id outside the vocabulary, or no room in the context."""
-        check_token_ids(prompt, self.vocab_size, what)
-        if request.stop_strings and self.decode_batch is None:
-            raise ConfigError(
-                f"stop strings {request.stop_strings!r} need a decoder, and this engine was built without one; "
-                "pass decode_batch= (the tokenizer's batch_decode) or stop on token ids instead."
-            )
-        if self.max_context is not None and len(prompt) + request.max_tokens > self.max_context:
-            raise InputError(
-                f"{what} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds the "
-                f"model's context of {self.max_context}. Shorten the prompt or lower max_tokens."
-            )
-
-    def next_seed(self) -> int:
-        """The next seed of the engine's own counter, for an unseeded request (drawn at submission, so results
-        follow the order of calls, not their timing)."""
-        with self._seed_lock:
-            self._unseeded_calls += 1
-            calls = self._unseeded_calls
-        return mix_seed(self._seed, calls)
 
     def sample(self, prompts: Sequence[Sequence[int]], num_samples: int,
                request: GenerationRequest) -> list[list[Completion]]:
