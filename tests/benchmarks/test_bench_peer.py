@@ -6,7 +6,9 @@ rlrunbook / TRL, rlrunbook's phase split (sample / score / forward_backward / op
 steps, TRL's seconds inside ``generate``, and both warm-ups (first step). The regression gate compares
 the ratio with the one stored for this device and model (``baselines.json``): more than 15% worse
 fails. Also reported: rlrunbook's steps timed before TRL first runs in the process
-(``rlrunbook_alone_s_per_step``), because rlrunbook runs slower in a process where TRL has trained. Never absolute times: they swing 2x on shared cores, the ratio measured in one run does not.
+(``rlrunbook_alone_s_per_step``), a check that TRL's presence costs rlrunbook nothing (it used to: see
+rlrunbook/backend/openmp.py). Never absolute times: they swing 2x on shared cores, the ratio measured in
+one run does not.
 
     pytest -m benchmark tests/benchmarks/test_bench_peer.py --benchmark-enable --benchmark-json=peer.json
     RLRUNBOOK_UPDATE_BENCH_BASELINE=1 pytest -m benchmark ... # store this run's ratio as the baseline
@@ -49,9 +51,8 @@ def test_rl_step_against_trl(benchmark, tmp_path):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     steps = int(os.environ.get("RLRUNBOOK_PEER_STEPS", "4"))
     ours = RlrunbookPeer(device, dtype, tmp_path / "tinker")
-    # rlrunbook's steps before TRL has run in this process: after TRL has trained, rlrunbook's decode steps
-    # are ~40% slower in the same process (not the allocator, not TRL's live objects, not the thread count;
-    # measured 2026-11-23), so the interleaved ratio carries that penalty. Reported, not gated.
+    # rlrunbook's steps before TRL has run in this process. They once ran ~40% faster than the interleaved
+    # ones: TRL's OpenMP thread pool on this thread throttled the backend's (fixed in backend/openmp.py).
     for _ in range(WARMUP + ALONE):
         ours.step()
     alone = ours.timings

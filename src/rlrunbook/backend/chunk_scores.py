@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from rlrunbook.engines.decoder import Decoder
+from rlrunbook.engines.decoder import Decoder, Numerics
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
 from rlrunbook.engines.layouts import take_rows
 from rlrunbook.engines.scoring import gather_logprobs
@@ -53,7 +53,7 @@ class ChunkScoring(Protocol):
 class SharedPrefixScoring:
     """Scores through the shared-prefix decoder pass (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, numerics: str):
+    def __init__(self, model: torch.nn.Module, numerics: Numerics | str):
         self.scorer = SharedPrefixScorer(Decoder(model, numerics))
 
     def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:

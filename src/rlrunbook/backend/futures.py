@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
+from rlrunbook.backend.openmp import release_openmp_threads
+
 T = TypeVar("T")
 
 
@@ -71,6 +73,8 @@ class OrderedWorker:
         self._thread.start()
 
     def _enqueue(self, task: _Task) -> AwaitableConcurrentFuture:
+        if threading.current_thread() is not self._thread:
+            release_openmp_threads()  # the caller's pool would throttle the worker's (see backend/openmp.py)
         with self._cv:
             if self._closed:
                 raise RuntimeError("this ServiceClient was closed; create a new one.")
@@ -139,20 +143,27 @@ class OrderedWorker:
                 self.batches_run += 1
                 self._resolve(batch, lambda: task.batch_fn([t.item for t in batch]))
 
-    @staticmethod
-    def _resolve(tasks: list[_Task], compute: Callable[[], list[Any]]) -> None:
+    def _resolve(self, tasks: list[_Task], compute: Callable[[], list[Any]]) -> None:
         live = [t for t in tasks if t.future.set_running_or_notify_cancel()]
         if not live:
             return
         try:
             results = compute()
         except BaseException as error:  # noqa: BLE001 - every waiter must hear about the failure
+            self._release_if_idle()
             for t in live:
                 t.future.set_exception(error)
             return
+        self._release_if_idle()
         for t, result in zip(tasks, results, strict=True):
             if t in live:
                 t.future.set_result(result)
+
+    def _release_if_idle(self) -> None:
+        """Nothing queued: free this thread's OpenMP pool before the waiter resumes its own work
+        (see :mod:`rlrunbook.backend.openmp`)."""
+        if not self._queue:
+            release_openmp_threads()
 
     def shutdown(self, cancel_pending: bool = False, timeout: float | None = None) -> bool:
         """Stop the worker: after the queued calls, or (``cancel_pending``) cancelling them, so only the

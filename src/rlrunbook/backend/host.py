@@ -62,7 +62,7 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
     if settings.sampler == "generate":
         engine: SamplingEngine = GenerateEngine(model, **common)
     else:
-        engine = HFSamplingEngine(model, numerics=settings.numerics, cuda_graphs=settings.cuda_graphs,
+        engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(), cuda_graphs=settings.cuda_graphs,
                                   prefix_cache_tokens=settings.prefix_cache_tokens, **common)
     return ModelHost(base_model, folder, tokenizer, model, engine)
 

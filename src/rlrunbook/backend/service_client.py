@@ -94,7 +94,7 @@ class LocalServiceClient:
             trainer = LoraTrainer(host.model, pad_token_id=host.pad_token_id,
                                   vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
                                   accept_zero_advantages=settings.zero_advantage_batches == "accept",
-                                  numerics=settings.numerics)
+                                  numerics=settings.decoder_numerics())
             self._store.write_run(record)
             return LocalTrainingClient(host, trainer, self._worker, model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from rlrunbook.backend.vllm_settings import VllmSettings
-from rlrunbook.engines.decoder import NUMERICS
+from rlrunbook.engines.decoder import NUMERICS, Numerics
+from rlrunbook.engines.products import CPU_PRODUCTS
 from rlrunbook.errors import ConfigError
 
 SAMPLERS = ("hf", "generate", "vllm")
@@ -84,6 +85,10 @@ class LocalSettings:
             float64 attention core, bitwise sampler-trainer agreement on CPU), ``exact`` (also float64
             matrix products: agreement on any device, slower) or ``native`` (the model's dtype throughout,
             as transformers computes; for comparison). See rlrunbook.engines.decoder.
+        cpu_products: which library computes float32 products with the frozen base weights on CPU under
+            ``invariant`` numerics, in sampler and trainer alike (``TINKER_LOCAL_CPU_PRODUCTS``):
+            ``onednn`` (default; faster on the project's CPU, see rlrunbook.engines.products) or ``mkl``
+            (``F.linear``).
         cuda_graphs: capture the decode step as CUDA graphs on a CUDA device (``TINKER_LOCAL_CUDA_GRAPHS``:
             1 | 0; default 1).
         prefix_cache_tokens: most tokens whose keys/values the engine keeps for reuse by later calls under
@@ -109,6 +114,7 @@ class LocalSettings:
     lora_alpha: int = 32
     sampler: str = "hf"
     numerics: str = "invariant"
+    cpu_products: str = "onednn"
     cuda_graphs: bool = True
     prefix_cache_tokens: int = 65536
     storage_dir: Path | None = None
@@ -123,8 +129,15 @@ class LocalSettings:
             raise ConfigError(f"sampler {self.sampler!r} must be one of {SAMPLERS} (TINKER_LOCAL_SAMPLER).")
         if self.numerics not in NUMERICS:
             raise ConfigError(f"numerics {self.numerics!r} must be one of {NUMERICS} (TINKER_LOCAL_NUMERICS).")
+        if self.cpu_products not in CPU_PRODUCTS:
+            raise ConfigError(f"cpu_products {self.cpu_products!r} must be one of {CPU_PRODUCTS} "
+                              "(TINKER_LOCAL_CPU_PRODUCTS).")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
+
+    def decoder_numerics(self) -> Numerics:
+        """How the in-process engine and the trainer round (both get the same)."""
+        return Numerics(self.numerics, self.cpu_products)
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:
@@ -160,6 +173,8 @@ class LocalSettings:
         kwargs["zero_advantage_batches"] = zero
         if env.get("TINKER_LOCAL_NUMERICS"):
             kwargs["numerics"] = env["TINKER_LOCAL_NUMERICS"].strip().lower()
+        if env.get("TINKER_LOCAL_CPU_PRODUCTS"):
+            kwargs["cpu_products"] = env["TINKER_LOCAL_CPU_PRODUCTS"].strip().lower()
         graphs = env.get("TINKER_LOCAL_CUDA_GRAPHS", "").strip()
         if graphs:
             if graphs not in ("0", "1"):

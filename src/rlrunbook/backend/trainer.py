@@ -25,7 +25,7 @@ from rlrunbook import distributed
 from rlrunbook.backend.chunk_scores import ChunkScores, ChunkScoring, PaddedScoring, SharedPrefixScoring
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
-from rlrunbook.engines.decoder import unsupported_reason
+from rlrunbook.engines.decoder import Numerics, unsupported_reason
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
 from rlrunbook.metrics import merge_reduced
@@ -201,7 +201,7 @@ class LoraTrainer:
     """Owns a LoRA-wrapped model and its optimizer; every method runs on the backend's worker thread."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1,
-                 accept_zero_advantages: bool = False, numerics: str = "invariant"):
+                 accept_zero_advantages: bool = False, numerics: Numerics | str = "invariant"):
         self.model = model
         # The sampler's own forward (shared prefixes, logits only where needed) where it covers the model;
         # otherwise transformers' forward over padded datums.

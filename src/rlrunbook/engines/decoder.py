@@ -23,6 +23,10 @@ Numerics (``Numerics``):
 - ``native``: the model's dtype and PyTorch's SDPA, as transformers computes (the reference the
   other two are measured against).
 
+Under ``invariant`` numerics a float32 model on CPU computes its products with frozen (base)
+weights through oneDNN (:mod:`rlrunbook.engines.products`; ``Numerics.cpu_products``), in the
+sampler and the trainer alike.
+
 Supported: the Llama, Qwen2, Qwen3 and Mistral families (RMSNorm, rotary positions with a static
 frequency table, grouped-query attention, gated MLP), plain or with peft LoRA adapters.
 """
@@ -36,6 +40,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_usable
 from rlrunbook.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -74,14 +79,22 @@ class KeyValueLayout(Protocol):
 
 @dataclass(frozen=True)
 class Numerics:
-    """How a forward pass rounds; see the module docstring."""
+    """How a forward pass rounds; see the module docstring.
+
+    ``cpu_products``: the library for float32 products with frozen weights on CPU under ``invariant``
+    numerics, ``onednn`` (default, where the torch build has it) or ``mkl`` (``F.linear``).
+    """
 
     name: str = "invariant"
+    cpu_products: str = "onednn"
 
     def __post_init__(self) -> None:
         if self.name not in NUMERICS:
             raise ConfigError(f"numerics {self.name!r} must be one of {NUMERICS} "
                               "(TINKER_LOCAL_NUMERICS; 'invariant' is the default).")
+        if self.cpu_products not in CPU_PRODUCTS:
+            raise ConfigError(f"cpu_products {self.cpu_products!r} must be one of {CPU_PRODUCTS} "
+                              "(TINKER_LOCAL_CPU_PRODUCTS; 'onednn' is the default).")
 
     @property
     def float64_matmuls(self) -> bool:
@@ -122,6 +135,10 @@ class Decoder:
         self._float64_weights: dict[int, torch.Tensor] = {}
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.exact_attention = self.numerics.name == "exact" or (self.numerics.name == "invariant" and half)
+        weight = self.lm.model.embed_tokens.weight
+        self.onednn_products = (self.numerics.name == "invariant" and self.numerics.cpu_products == "onednn"
+                                and weight.device.type == "cpu" and weight.dtype == torch.float32
+                                and onednn_usable())
 
     @property
     def lm(self) -> torch.nn.Module:
@@ -143,6 +160,9 @@ class Decoder:
         return cached
 
     def _plain_linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_products and x.dim() == 2 and not (torch.is_grad_enabled() and (
+                module.weight.requires_grad or (module.bias is not None and module.bias.requires_grad))):
+            return frozen_linear(x, module.weight, module.bias)
         if not self.numerics.float64_matmuls:
             return F.linear(x, module.weight, module.bias)
         weight = self._frozen_float64(module.weight) if not module.weight.requires_grad else module.weight.double()

@@ -37,7 +37,7 @@ def draw_tokens(logits: torch.Tensor, filters: SamplingFilters, row_seeds: torch
         sampled = policy
     else:
         processed = apply_filters(logits, filters)  # logits / T, filtered tokens -inf
-        sampled = torch.log_softmax(processed, dim=-1)
+        sampled = policy if processed is logits else torch.log_softmax(processed, dim=-1)
         noise = gumbel_noise(row_seeds, step, logits.shape[-1])
         token = (processed + noise).argmax(dim=-1)  # an exact draw from softmax(processed)
     picked = token[:, None]

@@ -165,6 +165,7 @@ class RowCache:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.row_index = torch.arange(rows, device=device)
         self.window = capacity
+        self._allowed: torch.Tensor | None = None  # this step's mask, made by layer 0 and read by the others
 
     @property
     def rows(self) -> int:
@@ -180,9 +181,10 @@ class RowCache:
         keys[self.row_index, self.lengths] = k
         values[self.row_index, self.lengths] = v
         window = self.window
-        columns = torch.arange(window, device=q.device)
-        allowed = (columns[None, :] <= self.lengths[:, None])[:, None, :]  # [R, 1, S]
-        out = attend(q[:, None], keys[:, :window], values[:, :window], allowed, scale, exact)
+        if layer == 0 or self._allowed is None or self._allowed.shape[-1] != window:  # one mask per step
+            columns = torch.arange(window, device=q.device)
+            self._allowed = (columns[None, :] <= self.lengths[:, None])[:, None, :]  # [R, 1, S]
+        out = attend(q[:, None], keys[:, :window], values[:, :window], self._allowed, scale, exact)
         return out[:, 0]
 
     def reset(self) -> None:
