@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.decoder import Decoder, Numerics
