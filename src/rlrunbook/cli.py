@@ -68,12 +68,12 @@ def _products_note(settings) -> str:
     """Which library computes the frozen-weight products, where the choice applies (fp32 on CPU, invariant)."""
     import torch
 
-    from rlrunbook.engines.products import onednn_usable
+    from rlrunbook.engines.products import onednn_applies
 
     if settings.device != "cpu" or settings.resolved_dtype() != torch.float32 or settings.numerics != "invariant":
         return ""
-    products = "onednn" if settings.cpu_products == "onednn" and onednn_usable() else "mkl"
-    return f"  cpu products: {products}"
+    applies = onednn_applies(settings.numerics, settings.cpu_products, settings.device, settings.resolved_dtype())
+    return f"  cpu products: {'onednn' if applies else 'mkl'}"
 
 
 def cmd_check_logprobs(args: argparse.Namespace) -> int:

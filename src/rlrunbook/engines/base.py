@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.errors import ConfigError
+from rlrunbook.errors import ConfigError, InputError
+from rlrunbook.tokens import check_token_ids
 
 StopReason = Literal["stop", "length"]
 
@@ -68,6 +69,23 @@ class SampleJob:
     prompt: list[int]
     num_samples: int
     request: GenerationRequest
+
+
+def check_request(prompt: Sequence[int], request: GenerationRequest, *, vocab_size: int, has_decoder: bool,
+                  max_context: int | None, what: str, context: str = "the model's context", fix: str = "") -> None:
+    """What every engine refuses before sampling: ids outside the vocabulary, stop strings without a decoder,
+    and a prompt plus ``max_tokens`` beyond ``max_context`` (named ``context``; ``fix`` ends that message)."""
+    check_token_ids(prompt, vocab_size, what)
+    if request.stop_strings and not has_decoder:
+        raise ConfigError(
+            f"stop strings {request.stop_strings!r} need a decoder, and this engine was built without one; "
+            "pass decode_batch= (the tokenizer's batch_decode) or stop on token ids instead."
+        )
+    if max_context is not None and len(prompt) + request.max_tokens > max_context:
+        raise InputError(
+            f"{what} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds {context} "
+            f"of {max_context}. Shorten the prompt or lower max_tokens{fix}."
+        )
 
 
 class SamplingEngine(Protocol):

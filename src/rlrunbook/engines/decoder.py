@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_usable
+from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_applies
 from rlrunbook.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -136,9 +136,8 @@ class Decoder:
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.exact_attention = self.numerics.name == "exact" or (self.numerics.name == "invariant" and half)
         weight = self.lm.model.embed_tokens.weight
-        self.onednn_products = (self.numerics.name == "invariant" and self.numerics.cpu_products == "onednn"
-                                and weight.device.type == "cpu" and weight.dtype == torch.float32
-                                and onednn_usable())
+        self.onednn_products = onednn_applies(self.numerics.name, self.numerics.cpu_products, weight.device,
+                                              weight.dtype)
 
     @property
     def lm(self) -> torch.nn.Module:

@@ -10,11 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from rlrunbook.engines.base import GenerationRequest
+from rlrunbook.engines.base import GenerationRequest, check_request
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.stops import DecodeBatch
-from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.tokens import check_token_ids
 
 
 class InProcessEngine:
@@ -43,17 +41,8 @@ class InProcessEngine:
 
     def validate(self, prompt: Sequence[int], request: GenerationRequest, what: str = "prompt") -> None:
         """Raise ``InputError`` for an empty prompt, an id outside the vocabulary, or no room in the context."""
-        check_token_ids(prompt, self.vocab_size, what)
-        if request.stop_strings and self.decode_batch is None:
-            raise ConfigError(
-                f"stop strings {request.stop_strings!r} need a decoder, and this engine was built without one; "
-                "pass decode_batch= (the tokenizer's batch_decode) or stop on token ids instead."
-            )
-        if self.max_context is not None and len(prompt) + request.max_tokens > self.max_context:
-            raise InputError(
-                f"{what} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds the "
-                f"model's context of {self.max_context}. Shorten the prompt or lower max_tokens."
-            )
+        check_request(prompt, request, vocab_size=self.vocab_size, has_decoder=self.decode_batch is not None,
+                      max_context=self.max_context, what=what)
 
     def next_seed(self) -> int:
         """The next seed of the engine's own counter, for an unseeded request (drawn at submission, so results

@@ -50,6 +50,13 @@ def onednn_usable() -> bool:
             and torch.allclose(result, F.linear(x, weight), rtol=1e-5, atol=1e-4))
 
 
+def onednn_applies(numerics: str, cpu_products: str, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a forward pass with these settings computes its frozen-weight products through oneDNN:
+    ``invariant`` numerics, ``cpu_products="onednn"``, a float32 model on CPU, and a usable kernel."""
+    return (numerics == "invariant" and cpu_products == "onednn" and torch.device(device).type == "cpu"
+            and dtype == torch.float32 and onednn_usable())
+
+
 class _FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

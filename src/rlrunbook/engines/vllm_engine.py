@@ -28,13 +28,12 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
+from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, check_request
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.stops import StopTracker
 from rlrunbook.engines.vllm_adapters import Adapter, AdapterSlots
 from rlrunbook.engines.vllm_client import RawChoice, VllmServerError, check_vllm_filters, completion_payload
-from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.tokens import check_token_ids
+from rlrunbook.errors import InputError
 
 DecodeBatch = Callable[[list[list[int]]], list[str]]
 _PARALLEL_REQUESTS = 32  # enough in flight for the server to batch a step's rows
@@ -83,19 +82,10 @@ class VllmSamplingEngine:
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt: Sequence[int], request: GenerationRequest, what: str = "prompt") -> None:
         """``InputError`` / ``ConfigError`` for what the server would refuse or sample differently."""
-        check_token_ids(prompt, self.vocab_size, what)
         check_vllm_filters(request.filters)
-        if request.stop_strings and self.decode_batch is None:
-            raise ConfigError(
-                f"stop strings {request.stop_strings!r} need a decoder; pass decode_batch= "
-                "(the tokenizer's batch_decode) or stop on token ids."
-            )
-        if self.max_context is not None and len(prompt) + request.max_tokens > self.max_context:
-            raise InputError(
-                f"{what} has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds the vLLM "
-                f"server's max_model_len of {self.max_context}. Shorten the prompt, lower max_tokens, or raise "
-                "TINKER_LOCAL_VLLM_MAX_MODEL_LEN."
-            )
+        check_request(prompt, request, vocab_size=self.vocab_size, has_decoder=self.decode_batch is not None,
+                      max_context=self.max_context, what=what, context="the vLLM server's max_model_len",
+                      fix=", or raise TINKER_LOCAL_VLLM_MAX_MODEL_LEN")
 
     def sample(
         self,
