@@ -237,6 +237,11 @@ class HFSamplingEngine(InProcessEngine):
     @torch.no_grad()
     def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest,
                      weights_key: Hashable | None) -> list[Completion]:
+        with self.decoder.weights_fixed():  # the weights cannot change during one sampling call
+            return self._sample_rows_fixed(rows, request, weights_key)
+
+    def _sample_rows_fixed(self, rows: list[tuple[list[int], int]], request: GenerationRequest,
+                           weights_key: Hashable | None) -> list[Completion]:
         device = self.device
         prompts = [prompt for prompt, _ in rows]
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
