@@ -46,7 +46,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from rlrunbook.engines.lora_groups import GroupFactors, add_group_updates, group_factors
+from rlrunbook.engines.lora_groups import GroupFactors, active_adapter_names, add_group_updates, group_factors
 from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_applies
 from rlrunbook.engines.stacking import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
@@ -185,9 +185,6 @@ class Decoder:
             self._float64_weights[key] = cached
         return cached
 
-    def _plain_linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, module.weight, module.bias)
-
     def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` as these numerics compute it."""
         if self.onednn_products and x.dim() == 2 and not (torch.is_grad_enabled() and (
@@ -206,7 +203,7 @@ class Decoder:
             if not isinstance(module, torch.nn.Linear):
                 raise ConfigError(f"{type(module).__name__} is not a linear layer this engine can run "
                                   "(quantised base weights need TINKER_LOCAL_SAMPLER=generate).")
-            return self._plain_linear(module, x)
+            return self._product(x, module.weight, module.bias)
         return self._with_adapters(module, self.linear(base, x), x)
 
     def linears(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
@@ -264,12 +261,8 @@ class Decoder:
 
     def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A peft LoRA module's output from its base layer's ``result`` on input ``x``."""
-        if module.disable_adapters or module.merged:
-            return result
         result_dtype = result.dtype
-        for name in module.active_adapters:
-            if name not in module.lora_A:
-                continue
+        for name in active_adapter_names(module):
             if name in getattr(module, "lora_variant", {}):
                 raise ConfigError(f"LoRA variant {type(module.lora_variant[name]).__name__} (DoRA, ...) "
                                   "is not supported by this engine; use plain LoRA.")

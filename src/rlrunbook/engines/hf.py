@@ -151,8 +151,9 @@ class HFSamplingEngine(InProcessEngine):
             rows += [(list(job.prompt), mix_seed(seed, j)) for j in range(job.num_samples)]
         request = jobs[0].request
         completions: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch_rows):
-            completions += self._sample_rows(rows[start:start + self.max_batch_rows], request, weights_key)
+        with self.decoder.weights_fixed():  # the weights cannot change during one sampling call
+            for start in range(0, len(rows), self.max_batch_rows):
+                completions += self._sample_rows(rows[start:start + self.max_batch_rows], request, weights_key)
         results, cursor = [], 0
         for job in jobs:
             results.append(completions[cursor:cursor + job.num_samples])
@@ -237,11 +238,6 @@ class HFSamplingEngine(InProcessEngine):
     @torch.no_grad()
     def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest,
                      weights_key: Hashable | None) -> list[Completion]:
-        with self.decoder.weights_fixed():  # the weights cannot change during one sampling call
-            return self._sample_rows_fixed(rows, request, weights_key)
-
-    def _sample_rows_fixed(self, rows: list[tuple[list[int], int]], request: GenerationRequest,
-                           weights_key: Hashable | None) -> list[Completion]:
         device = self.device
         prompts = [prompt for prompt, _ in rows]
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))

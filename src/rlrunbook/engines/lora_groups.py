@@ -36,11 +36,18 @@ class GroupFactors:
     ranks: tuple[int, ...]
 
 
+def active_adapter_names(module: torch.nn.Module) -> list[str]:
+    """The adapters a peft LoRA layer adds to its base output now (none when disabled or merged)."""
+    if module.disable_adapters or module.merged:
+        return []
+    return [name for name in module.active_adapters if name in module.lora_A]
+
+
 def _single_adapter(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """``(A, B, scaling)`` of a peft LoRA layer computing exactly one plain adapter, else ``None``."""
-    if getattr(module, "base_layer", None) is None or module.disable_adapters or module.merged:
+    if getattr(module, "base_layer", None) is None:
         return None
-    active = [name for name in module.active_adapters if name in module.lora_A]
+    active = active_adapter_names(module)
     if len(active) != 1:
         return None
     name = active[0]
