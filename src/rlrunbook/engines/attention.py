@@ -1,20 +1,36 @@
-"""Attention whose result for a query does not depend on how the keys were batched.
+"""Attention whose result for a query does not depend on how the keys were batched, in linear memory.
 
-Why this exists: in bf16 a one-token cached decode step and a full-sequence pass run different
-attention kernels (one query row against the cache, or blocks of queries against blocks of keys).
-Their fp32 partial sums are added in different orders, a handful of outputs round to a different
-bf16 value, and every later layer amplifies those one-ulp differences: on SmolLM2-135M the sampler
-and the trainer then disagree by 0.034 nats per token on average (measured on this project's CPU,
-the same size as on an H100), as much as bf16 itself is away from fp32.
+Why the float64 core exists: in bf16 a one-token cached decode step and a full-sequence pass run
+different attention kernels (one query row against the cache, or blocks of queries against blocks of
+keys). Their fp32 partial sums are added in different orders, a handful of outputs round to a
+different bf16 value, and every later layer amplifies those one-ulp differences: on SmolLM2-135M the
+sampler and the trainer then disagree by 0.034 nats per token on average (measured on this project's
+CPU, the same size as on an H100), as much as bf16 itself is away from fp32.
 
-The remedy here is to make the attention core exact enough that the order no longer matters:
-scores, softmax and the weighted sum of values are computed in float64 and rounded once to the
-model's dtype. A product of two bf16 (or fp32) numbers is exact in float64, the sum of a head's
-``D`` products nearly always is, and what is left (the exp and the normalising sum) is off by
-~1e-16, far below the 2^-9 rounding step of bf16: a query gets the same bf16 output whether it
-attends from a 1-row decode step or from a 512-row training pass, whatever the padding and however
-its keys are laid out. ``native`` numerics skip this and use PyTorch's SDPA in the model's dtype (what
+The remedy is to make the attention core exact enough that the order no longer matters: scores,
+softmax and the weighted sum of values are computed in float64 and rounded once to the model's dtype.
+A product of two bf16 (or fp32) numbers is exact in float64, the sum of a head's ``D`` products nearly
+always is, and what is left (the exp, the normalising sum, the sum over key blocks) is off by ~1e-16,
+far below the 2^-9 rounding step of bf16. So whichever order the partial sums come in (a 1-row decode
+step or a 512-row training pass, any padding, any layout of the keys, any split into blocks) a query
+gets the same bf16 output except when its exact value lies within ~1e-16 of a rounding boundary.
+``native`` numerics skip this and use PyTorch's fused SDPA kernel in the model's dtype (what
 transformers does); it is there to measure what the float64 core buys.
+
+Memory grows linearly with the tokens. Nothing of size queries x keys outlives one block:
+
+- the mask is never stored: it is computed block by block from the positions (``[R, T]`` queries,
+  ``[R, S]`` keys), a query reading every valid key at the same or an earlier position;
+- keys and values are converted to float64 a block of at most ``KEY_ELEMENTS`` elements at a time (a
+  decode step of many long rows never holds a float64 copy of its whole KV window);
+- queries go in chunks of at most ``SCORE_ELEMENTS`` score elements (``rows x heads x chunk x keys``),
+  and when gradients are recorded over more than ``RECOMPUTE_FROM_KEYS`` keys each chunk is recomputed
+  in the backward pass instead of keeping its scores (activation checkpointing), so what a layer keeps
+  for backward is ``q``, ``k``, ``v`` and the output: O(T) per row. (SDPA keeps only its mask, so it
+  is recomputed only past ``RECOMPUTE_FROM_KEYS[False]`` keys.)
+
+At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is ~16 MB held after
+the forward instead of 1.3 GB; the cost is one more forward of the attention core in the backward pass.
 
 Shapes: ``R`` rows, ``T`` queries per row, ``S`` keys per row, ``H`` query heads in ``Hkv`` groups of
 ``G`` (grouped-query attention: query head ``h`` reads key/value head ``h // G``), head size ``D``.
@@ -24,45 +40,94 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+SCORE_ELEMENTS = 1 << 20  # score elements per query chunk: 8 MB of float64
+KEY_ELEMENTS = 1 << 22  # key (or value) elements converted to float64 at a time: 32 MB
+_MIN_KEY_BLOCK = 64
+# With gradients over more keys than this, query chunks are recomputed in backward instead of keeping
+# what the core saves for it: float64 scores and weights (16 bytes x heads x keys per query, 49 KB at 12 heads
+# and 256 keys, ~7x the query's own q, k, v and output), or SDPA's mask (1 byte per key).
+RECOMPUTE_FROM_KEYS = {True: 256, False: 4096}  # by ``exact``
+_MASKED = -1e300  # the score of a key a query may not read (see _float64_core)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-           exact: bool = True) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
+           key_positions: torch.Tensor, key_valid: torch.Tensor, scale: float, exact: bool = True,
+           recompute: bool | None = None) -> torch.Tensor:
     """Masked softmax attention of each row's queries over that row's keys.
 
-    ``q``: ``[R, T, H, D]``; ``k``, ``v``: ``[R, S, Hkv, D]``; ``allowed``: ``[R, T, S]`` bool, whether
-    query ``t`` may read key ``s``. Returns ``[R, T, H * D]`` in ``q``'s dtype. A query with no allowed
-    key (padding) gets zeros. ``exact`` selects the float64 core (see the module docstring); otherwise
-    SDPA in the input dtype.
+    ``q``: ``[R, T, H, D]``; ``k``, ``v``: ``[R, S, Hkv, D]``. ``query_positions``: ``[R, T]``, a query's
+    position in its own sequence (``-1``: a padding query); ``key_positions``, ``key_valid``: ``[R, S]``
+    (or ``[1, S]``, shared by every row). A query reads the valid keys at its own or an earlier position
+    (the causal mask of any layout: keys gathered from a shared prefix, a per-row cache, padding).
+    Returns ``[R, T, H * D]`` in ``q``'s dtype; a query with no key to read (padding) gets zeros.
+    ``exact`` selects the float64 core (see the module docstring); otherwise SDPA in the input dtype.
+    ``recompute``: whether query chunks are recomputed in backward; ``None`` decides by the key count
+    (see the module docstring); ``False`` for a caller that recomputes a larger unit itself.
     """
-    rows, queries, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    groups = heads // kv_heads
-    if not exact:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None],
-            scale=scale, enable_gqa=groups > 1)  # [R, H, T, D]
-        out = out.transpose(1, 2)
-    else:
-        q64 = q.double().view(rows, queries, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)  # [R, Hkv, G, T, D]
-        k64 = k.double().permute(0, 2, 1, 3).unsqueeze(2)  # [R, Hkv, 1, S, D]
-        v64 = v.double().permute(0, 2, 1, 3).unsqueeze(2)  # [R, Hkv, 1, S, D]
-        scores = (q64 @ k64.transpose(-1, -2)) * scale  # [R, Hkv, G, T, S]
-        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
-        out = (weights @ v64).permute(0, 3, 1, 2, 4).to(q.dtype)  # [R, T, Hkv, G, D]
-    out = out.reshape(rows, queries, heads * dim)
-    if not exact:  # SDPA gives NaN for a query with no allowed key
-        out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-    return out
+    rows, queries, heads, _ = q.shape
+    keys = k.shape[1]
+    core = _float64_core if exact else _sdpa_core
+    chunk = max(1, SCORE_ELEMENTS // max(1, rows * heads * keys))
+    if recompute is None:
+        recompute = recompute_pays(keys, exact, q, k, v)
+    if chunk >= queries and not recompute:
+        return core(q, k, v, query_positions, key_positions, key_valid, scale)
+    parts = []
+    for start in range(0, queries, chunk):
+        args = (q[:, start:start + chunk], k, v, query_positions[:, start:start + chunk], key_positions,
+                key_valid, scale)
+        parts.append(checkpoint(core, *args, use_reentrant=False) if recompute else core(*args))
+    return torch.cat(parts, dim=1)
 
 
-def causal_allowed(query_positions: torch.Tensor, key_positions: torch.Tensor,
-                   key_valid: torch.Tensor) -> torch.Tensor:
-    """``[R, T, S]``: a query may read a valid key at the same or an earlier position.
+def recompute_pays(keys: int, exact: bool, *inputs: torch.Tensor) -> bool:
+    """Whether attention over ``keys`` keys, recording gradients for ``inputs``, should be recomputed in
+    backward rather than keep its scores (see ``RECOMPUTE_FROM_KEYS``)."""
+    return keys > RECOMPUTE_FROM_KEYS[exact] and torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
 
-    Positions are those of the tokens in their own sequence, so this is the causal mask whatever
-    the layout: keys gathered from a shared prefix, a per-row cache, or padding.
-    ``query_positions``: ``[R, T]``; ``key_positions``, ``key_valid``: ``[R, S]``.
-    """
+
+def _allowed(query_positions: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """``[R, T, S]``: query ``t`` may read key ``s`` (valid, at the same or an earlier position)."""
     return key_valid[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
+
+
+def _float64_core(q, k, v, query_positions, key_positions, key_valid, scale) -> torch.Tensor:
+    rows, queries, heads, dim = q.shape
+    keys, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    # [R, Hkv, G*T, D]: the G query heads of a key/value head side by side, so one product serves them all
+    q64 = q.double().view(rows, queries, kv_heads, groups, dim).permute(0, 2, 3, 1, 4).reshape(
+        rows, kv_heads, groups * queries, dim)
+    width = max(_MIN_KEY_BLOCK, KEY_ELEMENTS // (rows * kv_heads * dim))
+    blocks = [(start, min(keys, start + width)) for start in range(0, keys, width)]
+
+    def block64(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # [R, Hkv, hi - lo, D], converted on its own
+        return x[:, lo:hi].double().transpose(1, 2)
+
+    parts = [q64 @ block64(k, lo, hi).transpose(-1, -2) for lo, hi in blocks]
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [R, Hkv, G*T, S]
+    del parts
+    allowed = _allowed(query_positions, key_positions, key_valid)  # [R, T, S]
+    # A finite fill: exp() of it is exactly 0 beside any allowed key, as -inf's is, and a query with no
+    # allowed key (padding) gets finite weights (zeroed below) instead of NaNs that backward would spread.
+    scores.mul_(scale).view(rows, kv_heads, groups, queries, keys).masked_fill_(~allowed[:, None, None], _MASKED)
+    weights = torch.softmax(scores, dim=-1)
+    if len(blocks) == 1:
+        out = weights @ block64(v, 0, keys)  # [R, Hkv, G*T, D]
+    else:  # the weighted sum of values, block by block in a fixed order
+        out = sum(weights[..., lo:hi] @ block64(v, lo, hi) for lo, hi in blocks)
+    out = out.view(rows, kv_heads, groups, queries, dim).permute(0, 3, 1, 2, 4)  # [R, T, Hkv, G, D]
+    out = out.to(q.dtype).reshape(rows, queries, heads * dim)
+    return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+
+
+def _sdpa_core(q, k, v, query_positions, key_positions, key_valid, scale) -> torch.Tensor:
+    rows, queries, heads, dim = q.shape
+    allowed = _allowed(query_positions, key_positions, key_valid)  # [R, T, S]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None], scale=scale,
+        enable_gqa=heads > k.shape[2])  # [R, H, T, D]
+    out = out.transpose(1, 2).reshape(rows, queries, heads * dim)
+    return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # SDPA gives NaN for a query with no key

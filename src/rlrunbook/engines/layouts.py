@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from rlrunbook.engines.attention import attend, causal_allowed
+from rlrunbook.engines.attention import attend, recompute_pays
 from rlrunbook.prefix_tree import Row
 
 # Most attention-score elements (rows x heads x queries x keys) computed at once: 2^24 float64
@@ -70,7 +71,9 @@ class _Batch:
 
     query_index: torch.Tensor
     key_index: torch.Tensor
-    allowed: torch.Tensor  # [R, T, S]
+    query_positions: torch.Tensor  # [R, T], -1 for padding
+    key_positions: torch.Tensor  # [R, S]
+    key_valid: torch.Tensor  # [R, S]
     query_flat: torch.Tensor  # flat indices of the real queries, row-major
     query_valid: torch.Tensor  # [R, T]
 
@@ -97,6 +100,12 @@ class TreeLayout:
 
         self.batches = [self._batch(group, flat_of, key_ref, positions_of, device)
                         for group in _group_rows(rows)]
+        self.longest_row = max((len(row.keys) for row in rows), default=0)
+        # Batches give their queries' outputs in batch order; ``order`` puts them back in flat order
+        # (every flat token is a query of exactly one row).
+        computed = torch.cat([batch.query_flat for batch in self.batches]) if self.batches else self.new_slots
+        self.order = torch.empty_like(computed)
+        self.order[computed] = torch.arange(computed.numel(), device=computed.device)
 
     @staticmethod
     def _batch(rows: list[Row], flat_of, key_ref, positions_of, device) -> _Batch:
@@ -112,9 +121,9 @@ class TreeLayout:
             key_index[i, : len(row.keys)] = torch.tensor([key_ref(n) for n in row.keys])
             key_pos[i, : len(row.keys)] = torch.tensor([positions_of[n] for n in row.keys])
         query_valid = query_index >= 0
-        allowed = causal_allowed(query_pos, key_pos, key_index >= 0) & query_valid[:, :, None]
-        return _Batch(query_index.clamp(min=0).to(device), key_index.clamp(min=0).to(device), allowed.to(device),
-                      query_index[query_valid].to(device), query_valid.to(device))
+        return _Batch(query_index.clamp(min=0).to(device), key_index.clamp(min=0).to(device), query_pos.to(device),
+                      key_pos.to(device), (key_index >= 0).to(device), query_index[query_valid].to(device),
+                      query_valid.to(device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                exact: bool) -> torch.Tensor:
@@ -123,12 +132,19 @@ class TreeLayout:
             keys, values = self.store.keys[layer], self.store.values[layer]
         else:
             keys, values = k, v
-        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-        for batch in self.batches:
-            rows_out = attend(take_rows(q, batch.query_index), take_rows(keys, batch.key_index),
-                              take_rows(values, batch.key_index), batch.allowed, scale, exact)  # [R, T, H*D]
-            out = out.index_copy(0, batch.query_flat, rows_out[batch.query_valid])
-        return out
+        # Recomputing a batch in backward (gathers included) keeps only the flat q, k, v for it: O(tokens).
+        recompute = recompute_pays(self.longest_row, exact, q, keys, values)
+        parts = [checkpoint(_attend_batch, batch, q, keys, values, scale, exact, use_reentrant=False) if recompute
+                 else _attend_batch(batch, q, keys, values, scale, exact) for batch in self.batches]
+        return take_rows(torch.cat(parts), self.order)  # each flat token's output, in flat order
+
+
+def _attend_batch(batch: _Batch, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                  exact: bool) -> torch.Tensor:
+    """The outputs ``[n, H*D]`` of one batch's real queries, row-major."""
+    out = attend(take_rows(q, batch.query_index), take_rows(keys, batch.key_index), take_rows(values, batch.key_index),
+                 batch.query_positions, batch.key_positions, batch.key_valid, scale, exact, recompute=False)
+    return out[batch.query_valid]
 
 
 def _group_rows(rows: Sequence[Row]) -> list[list[Row]]:
@@ -165,7 +181,8 @@ class RowCache:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.row_index = torch.arange(rows, device=device)
         self.window = capacity
-        self._allowed: torch.Tensor | None = None  # this step's mask, made by layer 0 and read by the others
+        self._columns = torch.arange(capacity, device=device)[None]  # [1, capacity]: a key's position
+        self._all_valid = torch.ones(1, capacity, dtype=torch.bool, device=device)
 
     @property
     def rows(self) -> int:
@@ -181,10 +198,8 @@ class RowCache:
         keys[self.row_index, self.lengths] = k
         values[self.row_index, self.lengths] = v
         window = self.window
-        if layer == 0 or self._allowed is None or self._allowed.shape[-1] != window:  # one mask per step
-            columns = torch.arange(window, device=q.device)
-            self._allowed = (columns[None, :] <= self.lengths[:, None])[:, None, :]  # [R, 1, S]
-        out = attend(q[:, None], keys[:, :window], values[:, :window], self._allowed, scale, exact)
+        out = attend(q[:, None], keys[:, :window], values[:, :window], self.lengths[:, None],
+                     self._columns[:, :window], self._all_valid[:, :window], scale, exact)
         return out[:, 0]
 
     def reset(self) -> None:
