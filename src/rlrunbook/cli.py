@@ -7,6 +7,7 @@
     rlrunbook train ... --checkpoint-every 2; rlrunbook train --resume-from logs/<run> -s 8
     rlrunbook eval-checkpoints logs/<run> --samples 8 --ks 1 4 8 --out table.csv
     rlrunbook resolve-model smollm2-135m
+    rlrunbook bench-history --png trend.png
 """
 
 from __future__ import annotations
@@ -333,6 +334,21 @@ def cmd_cookbook(args: argparse.Namespace) -> int:
     return cookbook_main(args.recipe_args)
 
 
+def cmd_bench_history(args: argparse.Namespace) -> int:
+    from rlrunbook.bench_history import compare, format_comparison, load_runs, plot_trend
+
+    if args.png:
+        from rlrunbook.rl.setup.preflight import check_output_file
+
+        check_output_file(args.png, "--png")
+    runs = load_runs(Path(args.storage), args.machine)
+    rows = compare(runs, args.threshold)
+    print(format_comparison(runs, rows))
+    if args.png:
+        print(f"trend: {plot_trend(runs, Path(args.png))}")
+    return 1 if any(row.regression for row in rows) else 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -411,6 +427,16 @@ def add_run_tool_commands(commands) -> None:
                                                     "<recipe module> [recipe args]")
     cookbook.add_argument("recipe_args", nargs=argparse.REMAINDER)
     cookbook.set_defaults(func=cmd_cookbook)
+
+    history = commands.add_parser("bench-history", help="compare the last saved benchmark run "
+                                  "(pytest-benchmark --benchmark-autosave) with the earlier ones; "
+                                  "exit 1 on a regression; --png draws the trend")
+    history.add_argument("--storage", default=".benchmarks", help="pytest-benchmark's storage (.benchmarks)")
+    history.add_argument("--machine", help="machine folder in the storage (default: the newest run's)")
+    history.add_argument("--png", help="also draw the trend into this PNG")
+    history.add_argument("--threshold", type=_positive_float, default=0.15,
+                         help="more than this fraction above the earlier runs' median is a regression (0.15)")
+    history.set_defaults(func=cmd_bench_history)
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
