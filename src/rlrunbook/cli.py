@@ -189,12 +189,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def check_logprobs_arguments(config) -> list[str]:
+    """The ``check-logprobs`` arguments that check what a train run of ``config`` samples and trains: its model,
+    LoRA rank, temperature and min-p, and the backend's device, dtype and sampler where the run states them
+    (otherwise both commands take them from the same ``TINKER_LOCAL_*`` environment)."""
+    arguments = ["--model", config.model, "--lora-rank", str(config.lora_rank),
+                 "--temperature", repr(config.temperature), "--min-p", repr(config.min_p)]
+    for name in ("device", "dtype", "sampler"):
+        value = getattr(config.backend, name)
+        if value is not None:
+            arguments += [f"--{name}", str(value)]
+    return arguments
+
+
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
     from rlrunbook.run.redaction import redact_config
 
-    for resolved in _resolve_runs(args):
+    runs = _resolve_runs(args)
+    if args.check_logprobs_args:
+        if len(runs) != 1:
+            raise ConfigError(f"--check-logprobs-args needs one run, but the sweep makes {len(runs)}: drop --sweep.")
+        print("\n".join(check_logprobs_arguments(runs[0].config)))
+        return 0
+    for resolved in runs:
         print(f"# config{f' from {resolved.file}' if resolved.file else ''}; value sources:")
         for key, origin in resolved.sources.items():
             if origin != "default":
@@ -282,6 +301,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
                                                        if getattr(args, f) is not None}))
     preflight(config, writes_run_dir=False)
+    print(f"[data] {task.announcement(problems)}", flush=True)
     for notice in task.notices:
         print(f"[data] notice: {notice}", flush=True)
     problems = problems[: args.num_problems]
@@ -539,6 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-config", help="print the resolved config of a train command (file, overrides, "
                                                    "flags, sweep points) and where each value came from")
     _add_train_arguments(show)
+    show.add_argument("--check-logprobs-args", action="store_true",
+                      help="print, one per line, the check-logprobs arguments that check what this train command "
+                           "runs (model, LoRA rank, temperature, min-p; backend device, dtype, sampler); "
+                           "scripts/run.sh uses it")
     show.set_defaults(func=cmd_show_config)
 
     check_run = commands.add_parser("check-run", help="apply the runbook's rubrics to a run directory; "

@@ -23,14 +23,15 @@ Memory grows linearly with the tokens. Nothing of size queries x keys outlives o
   ``[R, S]`` keys), a query reading every valid key at the same or an earlier position;
 - keys and values are converted to float64 a block of at most ``KEY_ELEMENTS`` elements at a time (a
   decode step of many long rows never holds a float64 copy of its whole KV window);
-- queries go in chunks of at most ``SCORE_ELEMENTS`` score elements (``rows x heads x chunk x keys``),
+- queries go in chunks of at most ``SCORE_ELEMENTS`` score elements (``rows x heads x chunk x keys``; per device),
   and when gradients are recorded over more than ``RECOMPUTE_FROM_KEYS`` keys each chunk is recomputed
   in the backward pass instead of keeping its scores (activation checkpointing), so what a layer keeps
   for backward is ``q``, ``k``, ``v`` and the output: O(T) per row. (SDPA keeps only its mask, so it
   is recomputed only past ``RECOMPUTE_FROM_KEYS[False]`` keys.)
 
-At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is ~16 MB held after
-the forward instead of 1.3 GB; the cost is one more forward of the attention core in the backward pass.
+At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is 6 MB held after the
+forward (what backward keeps besides the inputs, and the output) instead of 1.3 GB, and a peak of ~150 MB
+instead of 1.7 GB; the cost is one more forward of the attention core in the backward pass.
 
 Shapes: ``R`` rows, ``T`` queries per row, ``S`` keys per row, ``H`` query heads in ``Hkv`` groups of
 ``G`` (grouped-query attention: query head ``h`` reads key/value head ``h // G``), head size ``D``.
@@ -38,11 +39,19 @@ Shapes: ``R`` rows, ``T`` queries per row, ``S`` keys per row, ``H`` query heads
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-SCORE_ELEMENTS = 1 << 20  # score elements per query chunk: 8 MB of float64
+# Score elements per query chunk, by device: 32 MB of float64 scores on a CPU, where they are computed a core at
+# a time anyway; 512 MB on a GPU, where every chunk costs ~15 kernel launches and fewer, larger ones pay.
+SCORE_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+# The device a pass on the meta device (a memory plan) stands for; see :func:`planning_for`.
+_PLANNED_DEVICE: ContextVar[str] = ContextVar("planned_device", default="cpu")
 KEY_ELEMENTS = 1 << 22  # key (or value) elements converted to float64 at a time: 32 MB
 _MIN_KEY_BLOCK = 64
 # With gradients over more keys than this, query chunks are recomputed in backward instead of keeping
@@ -69,7 +78,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     rows, queries, heads, _ = q.shape
     keys = k.shape[1]
     core = _float64_core if exact else _sdpa_core
-    chunk = max(1, SCORE_ELEMENTS // max(1, rows * heads * keys))
+    chunk = max(1, score_elements(q.device) // max(1, rows * heads * keys))
     if recompute is None:
         recompute = recompute_pays(keys, exact, q, k, v)
     if chunk >= queries and not recompute:
@@ -80,6 +89,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
                 key_valid, scale)
         parts.append(checkpoint(core, *args, use_reentrant=False) if recompute else core(*args))
     return torch.cat(parts, dim=1)
+
+
+def score_elements(device: torch.device) -> int:
+    """Score elements one query chunk may hold on ``device`` (a meta tensor stands for :func:`planning_for`'s)."""
+    kind = _PLANNED_DEVICE.get() if device.type == "meta" else device.type
+    return SCORE_ELEMENTS.get(kind, SCORE_ELEMENTS["cuda"] if kind != "cpu" else SCORE_ELEMENTS["cpu"])
+
+
+@contextmanager
+def planning_for(device_type: str) -> Iterator[None]:
+    """Inside the block, passes on the meta device chunk their attention as on ``device_type`` would."""
+    token = _PLANNED_DEVICE.set(device_type)
+    try:
+        yield
+    finally:
+        _PLANNED_DEVICE.reset(token)
 
 
 def recompute_pays(keys: int, exact: bool, *inputs: torch.Tensor) -> bool:

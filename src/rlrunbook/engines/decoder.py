@@ -45,6 +45,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.lora_groups import GroupFactors, active_adapter_names, add_group_updates, group_factors
 from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_applies
@@ -304,17 +305,31 @@ class Decoder:
         return self.linears((mlp.down_proj,), mlp.act_fn(gate) * up)[0]
 
     # -- the whole pass ---------------------------------------------------------------------------
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, layout: KeyValueLayout) -> torch.Tensor:
-        """Final-norm hidden states ``[N, E]`` of flat tokens ``ids`` (``[N]``) at ``positions`` (``[N]``)."""
+    def _layer(self, index: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               layout: KeyValueLayout) -> torch.Tensor:
+        h = h + self._attention(index, layer, self._norm(layer.input_layernorm, h), cos, sin, layout)
+        return h + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, h))
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, layout: KeyValueLayout,
+               recompute_layers: bool = False) -> torch.Tensor:
+        """Final-norm hidden states ``[N, E]`` of flat tokens ``ids`` (``[N]``) at ``positions`` (``[N]``).
+
+        ``recompute_layers`` (when recording gradients): each decoder layer keeps only its input for the
+        backward pass and recomputes the rest there (activation checkpointing): the pass then holds
+        ``layers x N x E`` values instead of every layer's activations, for one more forward in backward.
+        """
         if ids.shape[0] == 1:  # one token: compute it as two identical rows (see _at_least_two_rows)
-            return self.hidden(ids.repeat(2), positions.repeat(2), _FirstOfTwo(layout))[:1]
+            return self.hidden(ids.repeat(2), positions.repeat(2), _FirstOfTwo(layout), recompute_layers)[:1]
         body = self.lm.model
         h = body.embed_tokens(ids)  # [N, E]
         cos, sin = body.rotary_emb(h, positions[None])  # [1, N, D] each, in h's dtype
         cos, sin = cos[0], sin[0]
+        recompute = recompute_layers and torch.is_grad_enabled()
         for index, layer in enumerate(body.layers):
-            h = h + self._attention(index, layer, self._norm(layer.input_layernorm, h), cos, sin, layout)
-            h = h + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, h))
+            if recompute:
+                h = checkpoint(self._layer, index, layer, h, cos, sin, layout, use_reentrant=False)
+            else:
+                h = self._layer(index, layer, h, cos, sin, layout)
         return self._norm(body.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlrunbook.engines.attention import attend, recompute_pays
+from rlrunbook.engines.attention import attend, recompute_pays, score_elements
 from rlrunbook.prefix_tree import Row
 
-# Most attention-score elements (rows x heads x queries x keys) computed at once: 2^24 float64
-# scores are 128 MB. Rows are batched up to this, sorted by key length so little is padding.
-_MAX_SCORE_ELEMENTS = 1 << 24
+# Rows are batched (sorted by key length, so little is padding) while rows x queries x keys stays within the
+# attention core's chunk budget over this many heads; the core splits a batch's queries into chunks itself.
+_HEADS_PER_BATCH = 8
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ class _Batch:
     key_positions: torch.Tensor  # [R, S]
     key_valid: torch.Tensor  # [R, S]
     query_flat: torch.Tensor  # flat indices of the real queries, row-major
-    query_valid: torch.Tensor  # [R, T]
+    query_rows: torch.Tensor  # where the real queries sit in the batch's [R * T] outputs, row-major
 
 
 class TreeLayout:
@@ -98,8 +98,9 @@ class TreeLayout:
         def key_ref(node: int) -> int:
             return node - 1 if store is not None else flat_of[node]
 
+        bound = score_elements(torch.device(device)) // _HEADS_PER_BATCH
         self.batches = [self._batch(group, flat_of, key_ref, positions_of, device)
-                        for group in _group_rows(rows)]
+                        for group in _group_rows(rows, bound)]
         self.longest_row = max((len(row.keys) for row in rows), default=0)
         # Batches give their queries' outputs in batch order; ``order`` puts them back in flat order
         # (every flat token is a query of exactly one row).
@@ -123,7 +124,7 @@ class TreeLayout:
         query_valid = query_index >= 0
         return _Batch(query_index.clamp(min=0).to(device), key_index.clamp(min=0).to(device), query_pos.to(device),
                       key_pos.to(device), (key_index >= 0).to(device), query_index[query_valid].to(device),
-                      query_valid.to(device))
+                      query_valid.flatten().nonzero().flatten().to(device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                exact: bool) -> torch.Tensor:
@@ -144,18 +145,19 @@ def _attend_batch(batch: _Batch, q: torch.Tensor, keys: torch.Tensor, values: to
     """The outputs ``[n, H*D]`` of one batch's real queries, row-major."""
     out = attend(take_rows(q, batch.query_index), take_rows(keys, batch.key_index), take_rows(values, batch.key_index),
                  batch.query_positions, batch.key_positions, batch.key_valid, scale, exact, recompute=False)
-    return out[batch.query_valid]
+    return take_rows(out.flatten(0, 1), batch.query_rows)
 
 
-def _group_rows(rows: Sequence[Row]) -> list[list[Row]]:
-    """Rows sorted by key length and cut into batches of bounded padded size."""
+def _group_rows(rows: Sequence[Row], bound: int) -> list[list[Row]]:
+    """Rows sorted by key length and cut into batches of at most ``bound`` padded rows x queries x keys
+    (a single row beyond it is a batch of its own)."""
     ordered = sorted(rows, key=lambda r: (len(r.keys), len(r.queries)))
     groups: list[list[Row]] = []
     current: list[Row] = []
     for row in ordered:
         candidate = current + [row]
         size = len(candidate) * max(len(r.queries) for r in candidate) * max(len(r.keys) for r in candidate)
-        if current and size * 64 > _MAX_SCORE_ELEMENTS:  # 64: a generous bound on the query heads
+        if current and size > bound:
             groups.append(current)
             candidate = [row]
         current = candidate

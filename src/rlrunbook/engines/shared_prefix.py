@@ -58,8 +58,9 @@ class SharedPrefixScorer:
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
 
-    def run(self, sequences: Sequence[Sequence[int]]) -> SharedPass:
-        """One forward over ``sequences`` (differentiable unless called under ``torch.no_grad``)."""
+    def run(self, sequences: Sequence[Sequence[int]], recompute_layers: bool = False) -> SharedPass:
+        """One forward over ``sequences`` (differentiable unless called under ``torch.no_grad``);
+        ``recompute_layers``: activation checkpointing per decoder layer (see :meth:`Decoder.hidden`)."""
         device = next(self.decoder.model.parameters()).device
         trie = TokenTrie()
         plan = plan_forward(trie, sequences, max_queries=_QUERY_BLOCK)
@@ -67,7 +68,7 @@ class SharedPrefixScorer:
         ids = torch.tensor([trie.tokens[n] for n in plan.nodes], device=device)
         positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
         layout = TreeLayout(plan.rows, flat_of, trie.positions, device)
-        hidden = self.decoder.hidden(ids, positions, layout)
+        hidden = self.decoder.hidden(ids, positions, layout, recompute_layers)
         return SharedPass(hidden, [[flat_of[node] for node in path] for path in plan.paths])
 
     def score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,

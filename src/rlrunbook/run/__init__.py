@@ -24,7 +24,7 @@ Artifact schema (version 1)
      "git": {"commit": str, "dirty": bool} | null, "hardware": {...}, "seeds": {dotted key: value},
      "environment": {TINKER_*, RLRUNBOOK_*, CUDA_*, PYTORCH_*, HF_*, TRANSFORMERS_*, OMP_*, MALLOC_*,
                      PYTHON*: value, secret-named ones "<redacted>"},
-     "dataset": {"name", "rows", "fingerprint", "source" (an embedded stand-in only), "warnings": [str],
+     "dataset": {"name", "rows", "fingerprint", "source" (file:PATH | hub:NAME | generated:... | embedded:...), "warnings": [str],
                  "cache": {"path", "status": "written" | "loaded",
                  "source_key", "source_fingerprint", "cached_fingerprint"} (with --cache-dataset)},
      "refused_step": {"step": int, "quantity": "loss:sum" | "grad_norm", "value": str | null,

@@ -30,6 +30,17 @@ def _has(rows: Sequence[Mapping[str, Any]], key: str) -> bool:
     return any(key in row for row in rows)
 
 
+def _plot_debate_rewards(ax, steps: list, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Debate: the verdict win rate (what ``reward`` holds: 0.5 by construction, one winner per debate) beside
+    the task reward of the winners (what rejection and rs_grpo train on) and of every debater."""
+    ax.plot(steps, _series(rows, "verdict/win_rate"), marker="o", linestyle=":",
+            label="verdict win rate (0.5 by construction)")
+    if _has(rows, "task_reward/winners_mean"):
+        ax.plot(steps, _series(rows, "task_reward/winners_mean"), marker="s", label="task reward, winners (trained)")
+    ax.plot(steps, _series(rows, "task_reward/mean"), marker="^", label="task reward, all debaters")
+    ax.legend(loc="best", fontsize="small")
+
+
 def _plot_validation(ax, rows: Sequence[Mapping[str, Any]]) -> None:
     """Held-out mean reward and pass@k per validation, each with its bootstrap interval as error bars."""
     rows = sorted(rows, key=lambda row: row.get("step", 0))
@@ -94,12 +105,16 @@ def plot_report(
         axes[-1].set_xlabel("optimizer steps applied")
         axes[-1].grid(True, alpha=0.3)
         axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    debate = _has(rows, "verdict/win_rate")
     for ax, (key, label) in zip(axes[:len(panels)], panels, strict=True):
-        ax.plot(steps, _series(rows, key), marker="o", label=key)
-        if key == "reward/mean" and _has(rows, "task_reward/mean"):
-            # Debate trains on the verdict (mean 0.5 by construction); the task reward shows learning.
+        if key == "reward/mean" and debate:
+            _plot_debate_rewards(ax, steps, rows)
+            label = "debate: verdict and task reward"
+        else:
+            ax.plot(steps, _series(rows, key), marker="o", label=key)
+        if key == "reward/mean" and not debate and _has(rows, "task_reward/mean"):
             ax.plot(steps, _series(rows, "task_reward/mean"), marker="s", label="task_reward/mean")
-        if key == "reward/mean" and _has(rows, "reward/min") and _has(rows, "reward/max"):
+        if key == "reward/mean" and not debate and _has(rows, "reward/min") and _has(rows, "reward/max"):
             low, high = _series(rows, "reward/min"), _series(rows, "reward/max")
             if len(steps) > 1:
                 ax.fill_between(steps, low, high, alpha=0.25, label="min-max")

@@ -110,6 +110,7 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
     if options.dataset is not None:
         config = config.replace(dataset=options.dataset)
     config, _, task, problems = prepare(config)
+    log(f"[data] {task.announcement(problems)}")
     for notice in task.notices:
         log(f"[data] notice: {notice}")
     if service_factory is None:

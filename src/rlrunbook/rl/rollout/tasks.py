@@ -26,7 +26,7 @@ from rlrunbook.rl.data import (
     load_gsm8k,
     load_nq_open,
 )
-from rlrunbook.rl.data.sources import hub_unreachable
+from rlrunbook.rl.data.sources import HUB_SPECS, hub_unreachable, resolve_local
 from rlrunbook.rl.data.synthetic_news import synthetic_news, synthetic_news_name
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rewards.math import math_reward
@@ -55,6 +55,8 @@ class Task(ABC):
     # Set by load() when it serves generated problems in place of a data set it could not reach: the
     # dataset cache must not pin them, and run_metadata.json names them under dataset.source.
     embedded_source: str | None = None
+    # Set by load(): where the problems came from (``file:<path>``, ``hub:<name>``, ``generated:<what>``).
+    loaded_from: str | None = None
 
     def __init__(self, dataset: str | None, reward_fn: str | None, seed: int, options: dict | None = None):
         self.dataset = dataset or self.default_dataset
@@ -94,9 +96,28 @@ class Task(ABC):
         """Name, row count and fingerprint of the data set (and, when cached, where the copy is)."""
         info = {"name": self.dataset, "rows": len(problems),
                 "fingerprint": fingerprint_records([p.record for p in problems])}
-        if self.embedded_source is not None:
-            info["source"] = self.embedded_source
+        source = self.embedded_source or self.loaded_from
+        if source is not None:
+            info["source"] = source
         return info if self.cache_info is None else {**info, "cache": dict(self.cache_info)}
+
+    def announcement(self, problems: list[Problem]) -> str:
+        """One line naming the data a run uses: its source, row count and fingerprint."""
+        info = self.dataset_info(problems)
+        where = info.get("source", "unknown source")
+        if self.cache_info is not None:
+            where = f"{self.cache_info['status']} cache {self.cache_info['path']} of {where}"
+        return f"{self.name} data {self.dataset!r}: {where}, {info['rows']} rows, fingerprint {info['fingerprint']}"
+
+    def _from(self, source: str | Path) -> str | Path:
+        """Record where ``source`` (a path or a hub name handed to a loader) is read from; return it."""
+        local = resolve_local(source)
+        if local is not None:
+            self.loaded_from = f"file:{local}"
+        else:
+            spec = next((s for s in HUB_SPECS.values() if source in (s.name, *s.aliases)), None)
+            self.loaded_from = f"hub:{source}" if spec is None else f"hub:{spec.name} ({spec.config or 'default'}, {spec.split})"
+        return source
 
 
 TASKS: dict[str, type[Task]] = {}
@@ -162,10 +183,12 @@ class QATask(Task):
 
     def load(self) -> list[Problem]:
         if self.dataset == "test":
-            records = arithmetic_problems(int(self.options.get("test_size", 256)), seed=self.seed)
+            size = int(self.options.get("test_size", 256))
+            records = arithmetic_problems(size, seed=self.seed)
+            self.loaded_from = f"generated:single-digit arithmetic ({size} problems, seed {self.seed})"
         else:
             kind = "nq_open" if "nq" in self.dataset.lower() else "gsm8k"
-            source = _local_or_name(self.dataset, kind)
+            source = self._from(_local_or_name(self.dataset, kind))
             records = _qa_loader(str(source))(source)
         if self.reward_fn == "multi_signal":
             _require_numeric_answers(records, self.dataset)
@@ -220,7 +243,7 @@ class MathTask(Task):
                               f"a symbolic answer comparison may take; default {DEFAULT_TIMEOUT_S}).")
 
     def load(self) -> list[Problem]:
-        source = _local_or_name(self.dataset, "gsm8k")
+        source = self._from(_local_or_name(self.dataset, "gsm8k"))
         return [Problem(r.id, r) for r in load_gsm8k(source)]
 
     def system_message(self) -> str | None:
@@ -262,18 +285,18 @@ class SummaryTask(Task):
         if self.dataset == "cnn_dailymail":  # the kind's name: wherever it can be had (see below)
             records = self._cnn_dailymail_anywhere()
         else:  # a file or a hub id the user named: that one, or an error; never a replacement
-            records = load_cnn_dailymail(self.dataset)
+            records = load_cnn_dailymail(self._from(self.dataset))
         return [Problem(r.id, r) for r in records]
 
     def _cnn_dailymail_anywhere(self) -> list[SummaryRecord]:
         """The project's local copy, else the hub, else the embedded synthetic set with a one-line notice."""
         local = default_local_path("cnn_dailymail")
         if local is not None:
-            return load_cnn_dailymail(local)
+            return load_cnn_dailymail(self._from(local))
         why = hub_unreachable()
         if why is None:
             try:
-                return load_cnn_dailymail("cnn_dailymail")
+                return load_cnn_dailymail(self._from("cnn_dailymail"))
             except DatasetError as error:
                 why = str(error).split(". Without network", 1)[0]
         size = int(self.options.get("synthetic_size", 200))

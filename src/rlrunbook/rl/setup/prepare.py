@@ -58,12 +58,13 @@ def prepare(config: TrainConfig) -> Prepared:
 
 def dataset_record(task: Task, problems: list[Problem]) -> tuple[dict, list[str]]:
     """What ``run_metadata.json`` records of the data set (with ``warnings`` when there are any), and the
-    lines to log: the task's notices (a fallback data set), then duplicate rows, shared ids and empty
-    prompts (see :mod:`rlrunbook.rl.data.quality`)."""
+    lines to log: the data set's source, rows and fingerprint, the task's notices (a fallback data set), then
+    duplicate rows, shared ids and empty prompts (see :mod:`rlrunbook.rl.data.quality`)."""
     from rlrunbook.rl.data.quality import data_warnings
 
     warnings = [*task.notices, *data_warnings(task.dataset, problems, task.user_message,
                                               duplicates_expected=task.repeats_by_design())]
     info = task.dataset_info(problems)
-    lines = [*(f"notice: {n}" for n in task.notices), *(f"warning: {w}" for w in warnings[len(task.notices):])]
+    lines = [task.announcement(problems), *(f"notice: {n}" for n in task.notices),
+             *(f"warning: {w}" for w in warnings[len(task.notices):])]
     return ({**info, "warnings": warnings} if warnings else info), lines

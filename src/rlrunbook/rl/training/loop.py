@@ -63,10 +63,8 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
                           resumed_from=None if resume is None else resume.record(),
                           world_size=plan.layout.world_size)
     log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
-    for line in plan.data_warnings:
+    for line in plan.data_lines:  # the first names the data: source (or cache file), rows, fingerprint
         log(f"[data] {line}")
-    if task.cache_info is not None:
-        log(f"[data] {task.cache_info['status']} the cached data set {task.cache_info['path']}")
     seed_everything(config.seed, config.deterministic)
     owned = None  # a service made here is closed here (a vLLM sampler's server stops with it)
     try:

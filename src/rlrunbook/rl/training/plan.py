@@ -39,7 +39,7 @@ class RunPlan:
     paradigm: Paradigm
     problems: list[Problem]  # the whole data set, as loaded (every prompt is measured against the limit)
     dataset: dict  # what run_metadata.json records of the data set
-    data_warnings: list[str]  # lines to log about the data set
+    data_lines: list[str]  # lines to log about the data set: what it is, then notices and warnings
     training_problems: list[Problem]  # those trained on (validation holds the others out) ...
     order: list[int]  # ... and the seeded order in which they are drawn
     rollout: RolloutSettings  # what paradigms and validation read of the config
@@ -81,7 +81,7 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
     if resume is not None:
         resume.check_dataset(task.dataset_info(problems))
     preflight(config)  # log root, name, backend, device, model folders: before any model and any run directory
-    dataset, data_warnings = dataset_record(task, problems)
+    dataset, data_lines = dataset_record(task, problems)
     layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
     # With validation on, the last validation.num_problems of the seeded order are held out of training.
@@ -90,7 +90,7 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
     rollout = config.rollout_settings()
     return RunPlan(
         config=config, sources=dict(sources or {}), resume=resume, task=task, paradigm=paradigm, problems=problems,
-        dataset=dataset, data_warnings=data_warnings, training_problems=training_problems, order=order,
+        dataset=dataset, data_lines=data_lines, training_problems=training_problems, order=order,
         rollout=rollout, judge=judge_choice(config),
         validator=Validator(task, held_out, config.validation, rollout, config.seed, config.steps),
         checkpoints=CheckpointSchedule.of(config), advantages_of=advantage_mode(config.run_mode),

@@ -41,6 +41,32 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
 
 
+def verdict_stats(rollouts) -> dict[str, float]:
+    """Debate: the verdicts apart from the task reward. ``reward`` is the verdict (1 won, 0 lost), whose mean
+    is 0.5 by construction when each debate has one winner; what the winners' training (rejection, rs_grpo)
+    optimises is the task reward of the winning side, shown beside that of the losers. Empty outside debate."""
+    judged = [r for r in rollouts if r.won is not None]
+    if not judged:
+        return {}
+    winners = [r.task_reward for r in judged if r.won]
+    losers = [r.task_reward for r in judged if not r.won]
+    stats = {"verdict/win_rate": len(winners) / len(judged)}
+    if winners:
+        stats["task_reward/winners_mean"] = statistics.fmean(winners)
+    if losers:
+        stats["task_reward/losers_mean"] = statistics.fmean(losers)
+    return stats
+
+
+def _reward_line(step: int, rollouts, rewards: dict[str, float], task_rewards: dict[str, float]) -> str:
+    verdicts = verdict_stats(rollouts)
+    if not verdicts:
+        return f"Step {step}: reward {rewards['mean']:.4f} (task {task_rewards['mean']:.4f})"
+    winners = verdicts.get("task_reward/winners_mean", float("nan"))
+    return (f"Step {step}: verdict win rate {verdicts['verdict/win_rate']:.4f} (one winner per debate), "
+            f"task reward of the winners (trained) {winners:.4f}, of all debaters {task_rewards['mean']:.4f}")
+
+
 def _memory_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
     return round(peak, 1)
@@ -72,7 +98,7 @@ def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, 
         "step": step, "skipped": True, "skip_reason": reason,
         **{f"reward/{k}": v for k, v in _stats([r.reward for r in batch.rollouts]).items()},
         **{f"task_reward/{k}": v for k, v in _stats([r.task_reward for r in batch.rollouts]).items()},
-        **sampled.metrics(), "num_datums": 0, "num_trained_tokens": 0,
+        **verdict_stats(batch.rollouts), **sampled.metrics(), "num_datums": 0, "num_trained_tokens": 0,
         "completion_length/mean": statistics.fmean(r.own_token_count for r in batch.rollouts),
         "time/sample_s": done - started - batch.metrics.get("time/score_s", 0.0),
         "time/score_s": batch.metrics.get("time/score_s", 0.0), "time/step_s": done - started,
@@ -135,6 +161,7 @@ def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None,
         "step": step,
         **{f"reward/{k}": v for k, v in rewards.items()},
         **{f"task_reward/{k}": v for k, v in task_rewards.items()},
+        **verdict_stats(batch.rollouts),
         "advantage/nonzero_count": len(nonzero),
         "advantage/nonzero_fraction": len(nonzero) / len(advantages),
         "advantage/min": min(advantages), "advantage/max": max(advantages),
@@ -152,6 +179,6 @@ def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None,
         **sampled.metrics(),
     }
     writer.log_step({k: v for k, v in row.items() if v == v})  # drop NaN (no grad_norm reported)
-    log(f"Step {step}: reward {rewards['mean']:.4f} (task {task_rewards['mean']:.4f}), "
+    log(f"{_reward_line(step, batch.rollouts, rewards, task_rewards)}, "
         f"Advantage stats (nonzero): count {len(nonzero)}, min {min(nonzero):.4f}, max {max(nonzero):.4f}")
     log(f"Loss: {loss:.4f}  Tokens: {trained}  step {done - started:.1f}s")
