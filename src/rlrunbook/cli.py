@@ -191,6 +191,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
+    from rlrunbook.rl.setup.placement import placement
     from rlrunbook.run.redaction import redact_config
 
     for resolved in _resolve_runs(args):
@@ -198,6 +199,9 @@ def cmd_show_config(args: argparse.Namespace) -> int:
         for key, origin in resolved.sources.items():
             if origin != "default":
                 print(f"#   {key}: {origin}")
+        print("# what runs where:")
+        for line in placement(resolved.config.backend, os.environ):
+            print(f"#   {line}")
         print(yaml.safe_dump(redact_config(resolved.config.to_dict()), sort_keys=False), end="")
         print("---")
     return 0

@@ -54,6 +54,22 @@ from rlrunbook.errors import ConfigError
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NUMERICS = ("invariant", "exact", "native")
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def quantised_weights(model: torch.nn.Module) -> str | None:
+    """The first linear layer of ``model`` whose weight is not in a dtype ``F.linear`` computes with, described
+    (``None``: there is none).
+
+    Quantised layers (bitsandbytes' ``Linear4bit`` with packed uint8 weights, ``Linear8bitLt`` with int8, float8
+    weights) subclass ``nn.Linear`` but hold weights that only their own ``forward`` can use.
+    """
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        quantised = isinstance(weight, torch.Tensor) and weight.dtype not in _COMPUTE_DTYPES
+        if isinstance(module, torch.nn.Linear) and quantised:
+            return f"{name} ({type(module).__name__}, {str(weight.dtype).removeprefix('torch.')} weight)"
+    return None
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -69,6 +85,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in _STATIC_ROPE_TYPES:
         return f"rope_type {rope!r} changes its frequencies with the sequence length"
+    quantised = quantised_weights(model)
+    if quantised is not None:
+        return (f"its base weights are quantised (first: {quantised}), and this engine computes with floating-point "
+                "weights (transformers generate samples on the same quantised weights; the trainer scores them "
+                "with transformers' forward)")
     return None
 
 
@@ -143,7 +164,7 @@ class Decoder:
         reason = unsupported_reason(_causal_lm(model))
         if reason is not None:
             raise ConfigError(f"the in-process engine cannot run this model: {reason}. "
-                              "Use TINKER_LOCAL_SAMPLER=generate (transformers generate) instead.")
+                              "Use TINKER_LOCAL_SAMPLER=generate (transformers generate, any causal LM) or vllm.")
         self.model = model
         self.numerics = numerics if isinstance(numerics, Numerics) else Numerics(numerics)
         config = _causal_lm(model).config
@@ -201,8 +222,8 @@ class Decoder:
         base = getattr(module, "base_layer", None)
         if base is None:
             if not isinstance(module, torch.nn.Linear):
-                raise ConfigError(f"{type(module).__name__} is not a linear layer this engine can run "
-                                  "(quantised base weights need TINKER_LOCAL_SAMPLER=generate).")
+                raise ConfigError(f"{type(module).__name__} is not a linear layer this engine can run; "
+                                  "use TINKER_LOCAL_SAMPLER=generate or vllm.")
             return self._product(x, module.weight, module.bias)
         return self._with_adapters(module, self.linear(base, x), x)
 
