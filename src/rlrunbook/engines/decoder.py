@@ -46,6 +46,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from rlrunbook.engines.float64_weights import float64_weights
 from rlrunbook.engines.lora_groups import GroupFactors, active_adapter_names, add_group_updates, group_factors
 from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_applies
 from rlrunbook.engines.stacking import stackable, stacked_weights
@@ -172,7 +173,7 @@ class Decoder:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.vocab_size = config.vocab_size
-        self._float64_weights: dict[int, torch.Tensor] = {}
+        self._float64 = float64_weights(model)  # one cache per model: the sampler's and the trainer's decoders share it
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.exact_attention = self.numerics.name == "exact" or (self.numerics.name == "invariant" and half)
         weight = self.lm.model.embed_tokens.weight
@@ -198,13 +199,8 @@ class Decoder:
 
     # -- matrix products -------------------------------------------------------------------------
     def _frozen_float64(self, weight: torch.Tensor) -> torch.Tensor:
-        """A float64 copy of a frozen base weight (made once: base weights never change)."""
-        key = id(weight)
-        cached = self._float64_weights.get(key)
-        if cached is None or cached.shape != weight.shape:
-            cached = weight.detach().double()
-            self._float64_weights[key] = cached
-        return cached
+        """The float64 copy of a frozen base weight, made once per model (:mod:`rlrunbook.engines.float64_weights`)."""
+        return self._float64.of(weight)
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` as these numerics compute it."""
