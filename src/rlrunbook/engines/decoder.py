@@ -18,8 +18,9 @@ Numerics (``Numerics``):
   the training pass (measured on SmolLM2-135M in bf16; see README "Numerics"). An fp32 model needs
   no float64 core: its two passes differ by ~1e-6 whatever the kernels, far inside the 1e-4 gate,
   because fp32 rounding steps are too small to cascade the way bf16's do.
-- ``exact``: also every matrix product accumulated in float64 and rounded once to the model's
-  dtype, so no kernel's summation order can matter on any device; slower (measured in the README).
+- ``exact``: also every matrix product and every RMSNorm's statistics accumulated in float64 and
+  rounded once to the model's dtype, so no kernel's summation order (which on CUDA follows the number
+  of rows and the shape) can matter on any device; slower (measured in the README).
 - ``native``: the model's dtype and PyTorch's SDPA, as transformers computes (the reference the
   other two are measured against).
 
@@ -295,8 +296,15 @@ class Decoder:
 
     # -- the pieces of a layer --------------------------------------------------------------------
     def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm: fp32 statistics (float64 for a float64 model), weight applied in the input dtype."""
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        """transformers' RMSNorm: fp32 statistics (float64 for a float64 model, and under ``exact`` numerics),
+        weight applied in the input dtype.
+
+        Under ``exact`` the mean of squares is a float64 sum rounded once, like the products: on CUDA the
+        reduction's thread layout follows the number of rows (a 2-row decode step and a 500-row training pass
+        add a row's squares in different orders), which in float32 can move the rounded result by an ulp.
+        """
+        stats_dtype = torch.float64 if self.numerics.float64_matmuls else torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(stats_dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
         return norm.weight * x32.to(x.dtype)
 
