@@ -150,6 +150,7 @@ def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None,
         "memory/rss_mb": _memory_mb(),
         **{k: v for k, v in batch.metrics.items() if k != "time/score_s"},
         **sampled.metrics(),
+        **(training.engine_metrics() if is_local(training) else {}),
     }
     writer.log_step({k: v for k, v in row.items() if v == v})  # drop NaN (no grad_norm reported)
     log(f"Step {step}: reward {rewards['mean']:.4f} (task {task_rewards['mean']:.4f}), "
