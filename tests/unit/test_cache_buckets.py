@@ -9,6 +9,7 @@ graph) on almost every call. Graphs cannot be captured on CPU; the capacity logi
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -59,7 +60,7 @@ def test_a_debate_rebuilds_the_caches_at_most_once_per_bucket(tiny_host):
     engine = _engine(tiny_host)
     needed = _debate(engine, steps=4, seed=0)
     rounded = [-(-n // 128) * 128 for n in needed]
-    changes = sum(a != b for a, b in zip(rounded, rounded[1:]))
+    changes = sum(a != b for a, b in itertools.pairwise(rounded))
     assert changes >= 6, f"the sequence must move between lengths as debates do: {needed}"  # what used to rebuild
     buckets = sorted({capacity_bucket(n, 2048) for n in needed})
     assert engine._capacity == buckets[-1] == max(capacity_bucket(n, 2048) for n in needed)

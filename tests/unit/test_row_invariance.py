@@ -20,8 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlrunbook.engines.decoder import Decoder
 
 # SmolLM2-135M's widths (hidden 576, MLP 1536), one layer, a smaller vocabulary: the shapes of a real model.
-CONFIG = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
-              num_key_value_heads=3, vocab_size=8192, initializer_range=0.2)
+CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 1, "num_attention_heads": 9,
+          "num_key_value_heads": 3, "vocab_size": 8192, "initializer_range": 0.2}
 DECODE_ROWS = (1, 2, 16)
 TRAINING_ROWS = (512, 520)
 
