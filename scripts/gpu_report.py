@@ -5,8 +5,8 @@
 
 ``section`` reads what one part left in its work folder (the gpu tier's JUnit XML and the properties its tests
 record, check-logprobs outputs, benchmark JSON, the mini debate's run directory, and ``steps.tsv`` with each
-step's exit status and seconds, its output in ``<step>.log``) and prints a self-contained section, headed by a marker line naming the part and when it
-ran. Anything missing is reported as missing, never invented. A part without a renderer below gets its steps'
+step's exit status and seconds, its output in ``<step>.log``) and prints a self-contained section, headed by a
+marker line naming the part and when it ran. Anything missing is reported as missing, never invented. A part without a renderer below gets its steps'
 table only: a new part (``scale``, ...) adds a function to ``RENDERERS`` for its own figures.
 
 ``merge`` appends the sections found in the folders brought back from the GPU machine (``*.md`` with a marker
@@ -52,6 +52,9 @@ def _machine() -> list[str]:
     return lines
 
 
+_OUTCOMES = {"0": "ok", "124": "TIMED OUT", "dry-run": "dry run (not run)", "skipped": "not run: out of time"}
+
+
 def _steps(work: Path) -> list[str]:
     """The table of the part's steps: exit status and seconds, from ``steps.tsv`` (name, status, seconds, gated)."""
     path = work / "steps.tsv"
@@ -60,8 +63,7 @@ def _steps(work: Path) -> list[str]:
     rows = ["| step | outcome | seconds |", "|---|---|---|"]
     for line in path.read_text().splitlines():
         name, status, seconds, gated = line.split("\t")
-        outcome = {"0": "ok", "124": "TIMED OUT", "dry-run": "dry run (not run)", "skipped": "not run: out of time"}.get(
-            status, f"exit {status}")
+        outcome = _OUTCOMES.get(status, f"exit {status}")
         if status not in ("0", "dry-run") and gated == "ungated":
             outcome += " (expected, not gated)"
         rows.append(f"| {name} | {outcome} | {seconds} |")

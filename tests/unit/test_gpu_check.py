@@ -123,7 +123,8 @@ def test_merge_folds_sections_in_part_order_once(tmp_path):
     assert result.returncode == 0 and "added tier, debate" in result.stdout, result.stdout + result.stderr
     merged = doc.read_text()
     assert merged.startswith("# GPU validation record\n\n## Runs\n")
-    assert re.search(r"^## Run of \d{4}-\d\d-\d\d \(`scripts/gpu-check.sh --part`: tier, debate\)$", merged, re.MULTILINE)
+    heading = r"^## Run of \d{4}-\d\d-\d\d \(`scripts/gpu-check.sh --part`: tier, debate\)$"
+    assert re.search(heading, merged, re.MULTILINE)
     assert merged.index("part=tier") < merged.index("part=debate")
     again = _bash("--merge", "--doc", str(doc), *folders)
     assert again.returncode == 0 and "nothing new" in again.stdout and doc.read_text() == merged

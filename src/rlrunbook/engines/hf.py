@@ -139,7 +139,8 @@ class HFSamplingEngine(InProcessEngine):
 
     def metrics(self) -> dict[str, float]:
         """Counters a training loop logs per step: graph captures and decode cache rebuilds since the engine began."""
-        return {"engine/graph_captures": float(self.graph_captures), "engine/cache_rebuilds": float(self.cache_rebuilds)}
+        return {"engine/graph_captures": float(self.graph_captures),
+                "engine/cache_rebuilds": float(self.cache_rebuilds)}
 
     def _drop_caches(self) -> None:
         self._dropped_captures = self.graph_captures

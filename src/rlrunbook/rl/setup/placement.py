@@ -41,8 +41,8 @@ def placement(stated: BackendSettings, env: Mapping[str, str]) -> list[str]:
              f"sampling: {_SAMPLERS.get(sampler, sampler)} ({source}: {sampler})"]
     if stated.load_in_4bit:
         if sampler == "vllm":
-            lines.append("sampling: the vLLM server loads the checkpoint's own (unquantised) weights, not the trainer's "
-                         "4-bit copy; the mismatch gate measures the gap between the two")
+            lines.append("sampling: the vLLM server loads the checkpoint's own (unquantised) weights, not the "
+                         "trainer's 4-bit copy; the mismatch gate measures the gap between the two")
         lines.append("training: transformers' forward over right-padded datums (the shared-prefix decoder pass "
                      "computes with floating-point base weights only)")
     else:
