@@ -1,4 +1,4 @@
-"""Shared pytest wiring: hypothesis profiles, tier markers, the GPU and vLLM requirements, session-scoped built-in
+"""Shared pytest wiring: hypothesis profiles, tier markers, the GPU, vLLM and TRL requirements, session-scoped built-in
 models.
 
 Loading transformers and a model costs seconds, so models are built once per session into a
@@ -23,6 +23,7 @@ import os
 import pytest
 from hypothesis import settings
 
+from rlrunbook.testing import trl as trl_requirement
 from rlrunbook.testing import vllm as vllm_requirement
 from rlrunbook.testing.gpu import REQUIRE_ENV, gpu_required, missing_gpu_reason
 
@@ -39,6 +40,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             if vllm_requirement.vllm_required():
                 pytest.fail(f"{vllm_requirement.REQUIRE_ENV}=1 but no vLLM server can be had: {missing}", pytrace=False)
             pytest.skip(f"needs a vLLM server ({missing}); set {vllm_requirement.REQUIRE_ENV}=1 to make this a failure")
+    if item.get_closest_marker("trl") is not None:
+        outcome = trl_requirement.trl_outcome(trl_requirement.missing_trl_reason(), trl_requirement.trl_required())
+        if outcome is not None:
+            action, reason = outcome
+            if action == "fail":
+                pytest.fail(reason, pytrace=False)
+            pytest.skip(reason)
     if item.get_closest_marker("gpu") is None:
         return
     reason = missing_gpu_reason()

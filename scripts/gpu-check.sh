@@ -1,51 +1,184 @@
 #!/usr/bin/env bash
-# One GPU validation command: the gpu tier, sampler-trainer parity in fp32 and bf16 at T=1 and T=0.7,
-# the decode and RL-step benchmarks, and the runbook's mini debate RS->GRPO at full shape; then a dated
-# section with every figure is appended to docs/gpu-validation.md.
+# The GPU validation runbook, in parts that each fit one command on a GPU machine that allows 10 minutes per
+# command and brings back at most 8 files, from a copy of the checkout that is thrown away afterwards.
 #
-#   bash scripts/gpu-check.sh            # on a CUDA machine, in the checkout (uses ${PYTHON:-python3})
+#   bash scripts/gpu-check.sh --list                     # the parts, their planned minutes, what they run
+#   bash scripts/gpu-check.sh --part NAME [--dry-run]    # on the GPU machine, in the checkout: one part
+#   bash scripts/gpu-check.sh --merge DIR [DIR ...]      # here: fold the returned sections into the record
+#   bash scripts/gpu-check.sh --all                      # a GPU machine of your own: every part, then --merge
+#
+# A part writes exactly two files to ${OUT:-gpu-check-out}/: NAME.md (its section of docs/gpu-validation.md,
+# written by scripts/gpu_report.py) and NAME.tar.gz (its artifacts: JUnit XML, check-logprobs outputs, benchmark
+# JSON, run directories, each step's log; at most 15 MiB, step records dropped first where it would be larger).
+# Every step runs under the part's time budget (GPU_CHECK_BUDGET_S, default 450 s: 7.5 minutes), so a slow step
+# is stopped and reported as timed out instead of losing the whole command. --dry-run lists each step instead of
+# running it (nothing measured; the two files are still written), for checking the mechanism without a GPU.
+# --merge DIR... appends the sections found in DIR/*.md to docs/gpu-validation.md (or --doc PATH), skipping any
+# already there.
+#
+# Adding a part: write a function part_NAME that runs its steps with `step`, writing into "$work"; add NAME to
+# PARTS with its planned minutes and a line about it; give scripts/gpu_report.py a renderer for its figures.
+# (Sourcing this file defines the functions without running anything: tests add a part that way.)
 #
 # Needs the project importable (pip install -e . or PYTHONPATH=src) and nothing from the network.
-# Artifacts go to ${OUT:-gpu-check-out}/ (JUnit XML of the tier, check-logprobs outputs, benchmark
-# JSON, the debate run directory). Exit status: 1 if any gated check failed, else 0.
+# Exit status: 1 if a gated step of the part failed or timed out, 2 for a usage error, else 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
-out="${OUT:-gpu-check-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 RLRUNBOOK_REQUIRE_GPU=1
-status=0
-step() { echo; echo "== $*"; }
 
-step "gpu tier (RLRUNBOOK_GPU_MODELS=${RLRUNBOOK_GPU_MODELS:-tiny,smollm2-135m})"
-"$py" -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -q --junitxml="$out/gpu-tier.xml" || status=1
+# name|planned minutes on one H100 (tiny and smollm2-135m)|what it runs
+PARTS=(
+  "tier|6|the gpu tier (tests/gpu) on RLRUNBOOK_GPU_MODELS (tiny, smollm2-135m), RLRUNBOOK_REQUIRE_GPU=1"
+  "parity|4|check-logprobs on smollm2-135m, 16 x 128: fp32 invariant, bf16 invariant/exact/native, T=1 and T=0.7"
+  "bench|6|the benchmarks: decode, sampling, batching, training, RL step, peer against TRL where installed"
+  "debate|3|the runbook's mini debate RS->GRPO at full shape (-n 64, 4 groups, 10 steps) and its rubric"
+)
+BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
+ARCHIVE_LIMIT_BYTES=$((15 * 1024 * 1024))
 
-step "check-logprobs: smollm2-135m, 16 samples x 128 tokens"
-for dtype in float32 bfloat16; do
-  for t in 1.0 0.7; do
-    for numerics in invariant exact native; do
-      [ "$dtype" = float32 ] && [ "$numerics" != invariant ] && continue
-      name="check-$dtype-T$t-$numerics"
-      "$py" -m rlrunbook check-logprobs --model smollm2-135m --dtype "$dtype" --temperature "$t" \
-        --numerics "$numerics" --max-tokens 128 --num-samples 16 > "$out/$name.txt" 2>&1
-      code=$?
-      echo "$name: exit $code, $(grep -E '^(max|mean)_abs_diff' "$out/$name.txt" | tr '\n' ' ')"
-      # native numerics are expected to fail: they are the configuration the gate exists to catch
-      if [ "$numerics" != native ] && [ $code -ne 0 ]; then status=1; fi
+usage() {
+  sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 2
+}
+
+part_field() {  # part_field NAME FIELD(1: name, 2: minutes, 3: what): empty when NAME is not a part
+  local entry
+  for entry in "${PARTS[@]}"; do
+    if [ "${entry%%|*}" = "$1" ]; then echo "$entry" | cut -d'|' -f"$2"; return; fi
+  done
+}
+
+list_parts() {
+  local entry
+  for entry in "${PARTS[@]}"; do
+    IFS='|' read -r name minutes what <<<"$entry"
+    printf '%-8s %3s min  %s\n' "$name" "$minutes" "$what"
+  done
+}
+
+# step NAME gated|ungated CMD...: run CMD (output to "$work/NAME.log", its tail echoed) within what is left of
+# the budget; record "NAME<TAB>status<TAB>seconds<TAB>gated" in "$work/steps.tsv".
+step() {
+  local name=$1 gated=$2; shift 2
+  local left=$((BUDGET_S - SECONDS)) started=$SECONDS code
+  echo "== $name"
+  if [ "$dry_run" = 1 ]; then
+    echo "   (dry run) $*"
+    printf '%s\tdry-run\t0\t%s\n' "$name" "$gated" >>"$work/steps.tsv"
+    return 0
+  fi
+  if [ "$left" -le 5 ]; then
+    echo "   not run: the part's ${BUDGET_S} s are spent"
+    printf '%s\tskipped\t0\t%s\n' "$name" "$gated" >>"$work/steps.tsv"
+    [ "$gated" = gated ] && status=1
+    return 0
+  fi
+  timeout -s INT -k 20 "$left" "$@" >"$work/$name.log" 2>&1
+  code=$?
+  [ "$code" = 137 ] && code=124  # killed after the interrupt: still a timeout
+  tail -n 15 "$work/$name.log"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$code" "$((SECONDS - started))" "$gated" >>"$work/steps.tsv"
+  if [ "$code" != 0 ] && [ "$gated" = gated ]; then status=1; fi
+  return 0
+}
+
+part_tier() {
+  step gpu-tier gated env RLRUNBOOK_REQUIRE_GPU=1 \
+    "$py" -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -q --junitxml="$work/gpu-tier.xml"
+}
+
+part_parity() {
+  local dtype t numerics
+  for dtype in float32 bfloat16; do
+    for t in 1.0 0.7; do
+      for numerics in invariant exact native; do
+        [ "$dtype" = float32 ] && [ "$numerics" != invariant ] && continue
+        # native numerics are expected to fail: they are the configuration the gate exists to catch
+        step "check-$dtype-T$t-$numerics" "$([ "$numerics" = native ] && echo ungated || echo gated)" \
+          "$py" -m rlrunbook check-logprobs --model smollm2-135m --dtype "$dtype" --temperature "$t" \
+          --numerics "$numerics" --max-tokens 128 --num-samples 16
+      done
     done
   done
-done
+}
 
-step "benchmarks: decode and RL step (rlrunbook vs TRL where TRL is installed)"
-"$py" -m pytest -m benchmark tests/benchmarks -p no:cacheprovider -q --benchmark-enable \
-  --benchmark-json="$out/bench-gpu.json" || status=1
+part_bench() {
+  step benchmarks gated "$py" -m pytest -m benchmark tests/benchmarks -p no:cacheprovider -q -rs \
+    --benchmark-enable --benchmark-json="$work/bench-gpu.json"
+}
 
-step "mini debate RS->GRPO at the runbook's full shape"
-"$py" -m rlrunbook train --mode debate --env summary --dataset cnn_dailymail --reward-fn compression \
-  -n 64 --num-groups 4 -s 10 --mock-judge --debate-train rs_grpo --debate-grpo-reward task \
-  --name mini_debate_rs_grpo_summary --log-root "$out/logs" > "$out/mini-debate.txt" 2>&1 || status=1
-tail -n 5 "$out/mini-debate.txt"
+part_debate() {
+  step mini-debate gated "$py" -m rlrunbook train --mode debate --env summary --dataset cnn_dailymail \
+    --reward-fn compression -n 64 --num-groups 4 -s 10 --mock-judge --debate-train rs_grpo \
+    --debate-grpo-reward task --name mini_debate_rs_grpo_summary --log-root "$work/logs"
+}
 
-step "writing docs/gpu-validation.md"
-"$py" scripts/gpu_report.py "$out" docs/gpu-validation.md --status "$status"
-exit $status
+# archive DEST: the part's work folder as DEST (.tar.gz), within ARCHIVE_LIMIT_BYTES; prints a note when it
+# had to leave step records out.
+archive() {
+  tar -czf "$1" -C "$work" .
+  if [ "$(stat -c %s "$1")" -gt "$ARCHIVE_LIMIT_BYTES" ]; then
+    tar -czf "$1" -C "$work" --exclude='training_step_*.json' --exclude='baseline_*.json' \
+      --exclude='summary_*.json' --exclude='debate_*.json' .
+    echo "- artifacts: per-step records left out to keep the archive under 15 MiB"
+  fi
+}
+
+run_part() {
+  local part=$1 planned out="${OUT:-gpu-check-out}"
+  planned=$(part_field "$part" 2)
+  if [ -z "$planned" ]; then
+    echo "unknown part '$part'; the parts are:" >&2
+    list_parts >&2
+    exit 2
+  fi
+  mkdir -p "$out"
+  work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-$part.XXXXXX")
+  status=0
+  SECONDS=0
+  export PYTHONUNBUFFERED=1
+  echo "# part $part (planned $planned min, budget ${BUDGET_S} s)$([ "$dry_run" = 1 ] && echo ', dry run')"
+  "part_$part"
+  local elapsed=$SECONDS note
+  note=$(archive "$out/$part.tar.gz")
+  "$py" scripts/gpu_report.py section "$part" "$work" --status "$status" --planned "$planned" \
+    --seconds "$elapsed" $([ "$dry_run" = 1 ] && echo --dry-run) >"$out/$part.md" || status=1
+  [ -n "$note" ] && echo "$note" >>"$out/$part.md"
+  cat "$out/$part.md"
+  rm -rf "$work"
+  return "$status"
+}
+
+main() {
+  cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+  dry_run=0
+  local doc=docs/gpu-validation.md part arg entry failed
+  case "${1:-}" in
+    --list) list_parts ;;
+    --part)
+      [ $# -ge 2 ] || usage
+      part=$2; shift 2
+      for arg in "$@"; do
+        if [ "$arg" = --dry-run ]; then dry_run=1; else usage; fi
+      done
+      run_part "$part" ;;
+    --merge)
+      shift
+      if [ "${1:-}" = --doc ]; then doc=$2; shift 2; fi
+      [ $# -ge 1 ] || usage
+      "$py" scripts/gpu_report.py merge "$doc" "$@" ;;
+    --all)
+      failed=0
+      for entry in "${PARTS[@]}"; do
+        (run_part "${entry%%|*}") || failed=1
+      done
+      "$py" scripts/gpu_report.py merge "$doc" "${OUT:-gpu-check-out}" || failed=1
+      return $failed ;;
+    *) usage ;;
+  esac
+}
+
+dry_run=0
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  main "$@"
+  exit $?
+fi

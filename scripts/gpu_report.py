@@ -1,10 +1,17 @@
-"""Append a dated section with the figures of one `scripts/gpu-check.sh` run to docs/gpu-validation.md.
+"""The markdown of `scripts/gpu-check.sh`: one section per part (on the GPU machine), folded into the record here.
 
-    python scripts/gpu_report.py OUT_DIR docs/gpu-validation.md --status 0
+    python scripts/gpu_report.py section PART WORK --status 0 --planned 6 --seconds 301 > "$OUT/PART.md"
+    python scripts/gpu_report.py merge docs/gpu-validation.md DIR [DIR ...]
 
-Reads what the check left in OUT_DIR: the gpu tier's JUnit XML (outcomes and the properties the
-parity tests record), the check-logprobs outputs, the benchmark JSON and the mini debate's run
-directory. Anything missing is reported as missing, never invented.
+``section`` reads what one part left in its work folder (the gpu tier's JUnit XML and the properties its tests
+record, check-logprobs outputs, benchmark JSON, the mini debate's run directory, and ``steps.tsv`` with each
+step's exit status and seconds, its output in ``<step>.log``) and prints a self-contained section, headed by a
+marker line naming the part and when it ran. Anything missing is reported as missing, never invented. A part without a renderer below gets its steps'
+table only: a new part (``scale``, ...) adds a function to ``RENDERERS`` for its own figures.
+
+``merge`` appends the sections found in the folders brought back from the GPU machine (``*.md`` with a marker
+line) to the record, grouped under a dated heading, in part order; a section already in the record is skipped,
+so merging the same folder twice changes nothing.
 """
 
 from __future__ import annotations
@@ -13,60 +20,92 @@ import argparse
 import datetime
 import json
 import re
+import socket
 import statistics
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
+
+PART_ORDER = ("tier", "parity", "bench", "debate")  # the order merge lists parts in; others follow by name
+MARKER = re.compile(r"^<!-- gpu-check part=(?P<part>[\w-]+) ran=(?P<ran>[0-9TZ:-]+) -->$", re.MULTILINE)
 
 
 def _machine() -> list[str]:
     import torch
     import transformers
 
-    lines = [f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"]
+    lines = []
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         lines.append(f"- device: {props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} GPU(s)")
+    else:
+        lines.append("- device: no CUDA device visible")
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30, check=False).stdout.strip()
     except OSError:
         driver = "nvidia-smi not found"
-    lines += [f"- driver: {driver or 'unknown'}", f"- torch {torch.__version__} (CUDA {torch.version.cuda}), "
-              f"transformers {transformers.__version__}"]
+    lines += [f"- driver: {driver or 'unknown'}",
+              f"- torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}"]
     return lines
 
 
-def _tier(out: Path) -> list[str]:
-    path = out / "gpu-tier.xml"
+_OUTCOMES = {"0": "ok", "124": "TIMED OUT", "dry-run": "dry run (not run)", "skipped": "not run: out of time"}
+
+
+def _steps(work: Path) -> list[str]:
+    """The table of the part's steps: exit status and seconds, from ``steps.tsv`` (name, status, seconds, gated)."""
+    path = work / "steps.tsv"
     if not path.exists():
-        return ["gpu tier: no JUnit XML (the tier did not run)"]
+        return ["no steps recorded"]
+    rows = ["| step | outcome | seconds |", "|---|---|---|"]
+    for line in path.read_text().splitlines():
+        name, status, seconds, gated = line.split("\t")
+        outcome = _OUTCOMES.get(status, f"exit {status}")
+        if status not in ("0", "dry-run") and gated == "ungated":
+            outcome += " (expected, not gated)"
+        rows.append(f"| {name} | {outcome} | {seconds} |")
+    return rows
+
+
+def _figure(props: dict, key: str) -> str:
+    return f"{float(props[key]):.3g}" if key in props else ""
+
+
+def _tier(work: Path) -> list[str]:
+    path = work / "gpu-tier.xml"
+    if not path.exists():
+        return ["gpu tier: no JUnit XML (the tier did not run or did not finish)"]
     rows = ["| test | outcome | max abs | mean abs | tokens |", "|---|---|---|---|---|"]
     for case in ET.parse(path).getroot().iter("testcase"):
         outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else (
             "skipped" if case.find("skipped") is not None else "passed")
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        fmt = lambda key: f"{float(props[key]):.3g}" if key in props else ""  # noqa: E731
-        rows.append(f"| {case.get('name')} | {outcome} | {fmt('max_abs_diff')} | {fmt('mean_abs_diff')} | "
-                    f"{props.get('num_tokens', '')} |")
+        rows.append(f"| {case.get('name')} | {outcome} | {_figure(props, 'max_abs_diff')} | "
+                    f"{_figure(props, 'mean_abs_diff')} | {props.get('num_tokens', '')} |")
     return rows
 
 
-def _checks(out: Path) -> list[str]:
+def _checks(work: Path) -> list[str]:
     rows = ["| check-logprobs (smollm2, 16 x 128) | max abs | mean abs | verdict |", "|---|---|---|---|"]
-    for path in sorted(out.glob("check-*.txt")):
+    paths = sorted(work.glob("check-*.log"))
+    if not paths:
+        return ["check-logprobs: no outputs (they did not run)"]
+    for path in paths:
         text = path.read_text(errors="replace")
-        found = {k: re.search(rf"^{k}: (\S+)", text, re.M) for k in ("max_abs_diff", "mean_abs_diff")}
+        found = {k: re.search(rf"^{k}: (\S+)", text, re.MULTILINE) for k in ("max_abs_diff", "mean_abs_diff")}
         verdict = "ok" if text.rstrip().endswith("ok") else "FAIL"
         rows.append(f"| {path.stem.removeprefix('check-')} | {found['max_abs_diff'].group(1) if found['max_abs_diff'] else '-'}"
                     f" | {found['mean_abs_diff'].group(1) if found['mean_abs_diff'] else '-'} | {verdict} |")
     return rows
 
 
-def _bench(out: Path) -> list[str]:
-    path = out / "bench-gpu.json"
+def _bench(work: Path) -> list[str]:
+    path = work / "bench-gpu.json"
     if not path.exists():
-        return ["benchmarks: no JSON (they did not run)"]
+        return ["benchmarks: no JSON (they did not run or did not finish)"]
     rows = ["| benchmark | median | extra |", "|---|---|---|"]
     for bench in json.loads(path.read_text())["benchmarks"]:
         extra = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
@@ -75,34 +114,102 @@ def _bench(out: Path) -> list[str]:
     return rows
 
 
-def _debate(out: Path) -> list[str]:
-    logs = sorted((out / "logs").glob("*/train_log.jsonl")) if (out / "logs").exists() else []
+def _debate(work: Path) -> list[str]:
+    logs = sorted((work / "logs").glob("*/train_log.jsonl")) if (work / "logs").exists() else []
     if not logs:
         return ["mini debate: no run directory"]
     steps = [json.loads(line) for line in logs[-1].read_text().splitlines() if line.strip()]
-    step_s = [s["time/step_s"] for s in steps]
+    if not steps:
+        return ["mini debate: the run logged no step"]
     mismatch = [s.get("mismatch/abs_logprob_diff", float("nan")) for s in steps]
-    tail = (out / "mini-debate.txt").read_text(errors="replace") if (out / "mini-debate.txt").exists() else ""
-    failed = tail.count("FAIL ")
-    return [f"mini debate RS->GRPO (-n 64 --num-groups 4 -s 10): {len(steps)} steps, median "
-            f"{statistics.median(step_s):.2f} s/step (sample {statistics.median(s['time/sample_s'] for s in steps):.2f} s), "
-            f"mismatch/abs_logprob_diff max {max(mismatch):.3g}, rubric failures {failed}"]
+    log = work / "mini-debate.log"
+    tail = log.read_text(errors="replace") if log.exists() else ""
+    counted = [s for s in steps if "engine/graph_captures" in s] or [{}]
+    line = (f"mini debate RS->GRPO (-n 64 --num-groups 4 -s 10): {len(steps)} steps, median "
+            f"{statistics.median(s['time/step_s'] for s in steps):.2f} s/step (sample "
+            f"{statistics.median(s['time/sample_s'] for s in steps):.2f} s), mismatch/abs_logprob_diff max "
+            f"{max(mismatch):.3g}, graph captures {counted[-1].get('engine/graph_captures', '-')}, cache rebuilds "
+            f"{counted[-1].get('engine/cache_rebuilds', '-')}, rubric failures {tail.count('FAIL ')}")
+    return [line]
 
 
-def main() -> None:
+RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _checks, "bench": _bench,
+                                                     "debate": _debate}
+
+
+def section(part: str, work: Path, status: int, planned: float, seconds: float, dry_run: bool,
+            now: datetime.datetime | None = None) -> str:
+    """The markdown section of one part's run (see the module docstring)."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    verdict = "dry run, nothing measured" if dry_run else (
+        "all gated checks passed" if status == 0 else "SOME GATED CHECKS FAILED")
+    lines = [f"<!-- gpu-check part={part} ran={now:%Y-%m-%dT%H:%MZ} -->",
+             f"### Part `{part}`, {now:%Y-%m-%d %H:%M} UTC: {verdict}", "",
+             f"- {seconds / 60:.1f} of {planned:g} planned minutes"]
+    lines += [f"- host: {socket.gethostname()} (dry run: no GPU used)"] if dry_run else _machine()
+    renderer = RENDERERS.get(part)
+    lines += ["", *_steps(work), ""]
+    if renderer is not None and not dry_run:
+        lines += [*renderer(work), ""]
+    return "\n".join(lines)
+
+
+def _sections(folder: Path) -> list[tuple[str, str, str]]:
+    """(part, ran, text) of every section in ``folder``'s markdown files."""
+    found = []
+    for path in sorted(folder.glob("*.md")):
+        text = path.read_text()
+        match = MARKER.search(text)
+        if match is not None:
+            found.append((match["part"], match["ran"], text.strip() + "\n"))
+    return found
+
+
+def merge(doc: Path, folders: list[Path]) -> list[str]:
+    """Append the new sections of ``folders`` to ``doc``; returns the parts added (see the module docstring)."""
+    record = doc.read_text() if doc.exists() else ""
+    present = {(m["part"], m["ran"]) for m in MARKER.finditer(record)}
+    new = []
+    for folder in folders:
+        sections = _sections(folder)
+        if not sections:
+            raise SystemExit(f"{folder}: no gpu-check section (*.md with a marker line); pass the folders the "
+                             "parts' files came back in")
+        new += [s for s in sections if (s[0], s[1]) not in present]
+    if not new:
+        return []
+    order = {name: i for i, name in enumerate(PART_ORDER)}
+    new = sorted(dict.fromkeys(new), key=lambda s: (s[1][:10], order.get(s[0], len(order)), s[0], s[1]))
+    blocks = []
+    for day in dict.fromkeys(s[1][:10] for s in new):
+        parts = [s for s in new if s[1][:10] == day]
+        heading = f"## Run of {day} (`scripts/gpu-check.sh --part`: {', '.join(s[0] for s in parts)})"
+        blocks.append(heading + "\n\n" + "\n".join(s[2] for s in parts))
+    doc.write_text(record.rstrip("\n") + "\n\n" + "\n".join(blocks))
+    return [s[0] for s in new]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("doc", type=Path)
-    parser.add_argument("--status", type=int, default=0)
-    args = parser.parse_args()
-    section = ["", f"## Run of {datetime.date.today().isoformat()} (`bash scripts/gpu-check.sh`, "
-               f"{'all gated checks passed' if args.status == 0 else 'SOME GATED CHECKS FAILED'})", "",
-               *_machine(), "", *_tier(args.out), "", *_checks(args.out), "", *_bench(args.out), "",
-               *_debate(args.out), ""]
-    with args.doc.open("a") as handle:
-        handle.write("\n".join(section))
-    print("\n".join(section))
+    commands = parser.add_subparsers(dest="command", required=True)
+    one = commands.add_parser("section", help="print one part's section")
+    one.add_argument("part")
+    one.add_argument("work", type=Path)
+    one.add_argument("--status", type=int, default=0)
+    one.add_argument("--planned", type=float, required=True)
+    one.add_argument("--seconds", type=float, required=True)
+    one.add_argument("--dry-run", action="store_true")
+    fold = commands.add_parser("merge", help="fold returned sections into the record")
+    fold.add_argument("doc", type=Path)
+    fold.add_argument("folders", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    if args.command == "section":
+        print(section(args.part, args.work, args.status, args.planned, args.seconds, args.dry_run))
+        return 0
+    added = merge(args.doc, args.folders)
+    print(f"{args.doc}: added {', '.join(added)}" if added else f"{args.doc}: nothing new (sections already there)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -205,6 +205,7 @@ def check_logprobs_arguments(config) -> list[str]:
 def cmd_show_config(args: argparse.Namespace) -> int:
     import yaml
 
+    from rlrunbook.rl.setup.placement import placement
     from rlrunbook.run.redaction import redact_config
 
     runs = _resolve_runs(args)
@@ -218,6 +219,9 @@ def cmd_show_config(args: argparse.Namespace) -> int:
         for key, origin in resolved.sources.items():
             if origin != "default":
                 print(f"#   {key}: {origin}")
+        print("# what runs where:")
+        for line in placement(resolved.config.backend, os.environ):
+            print(f"#   {line}")
         print(yaml.safe_dump(redact_config(resolved.config.to_dict()), sort_keys=False), end="")
         print("---")
     return 0

@@ -13,7 +13,9 @@ one run does not.
     pytest -m benchmark tests/benchmarks/test_bench_peer.py --benchmark-enable --benchmark-json=peer.json
     RLRUNBOOK_UPDATE_BENCH_BASELINE=1 pytest -m benchmark ... # store this run's ratio as the baseline
 
-Needs the ``bench`` extra (trl). ``RLRUNBOOK_PEER_STEPS`` (default 4) timed steps per side.
+Needs the ``bench`` extra (trl): without it the test skips with one reason line, and fails under
+``RLRUNBOOK_REQUIRE_TRL=1`` (the ``trl`` marker; rlrunbook/testing/trl.py). The decode, RL-step and training
+benchmarks need no TRL and run regardless. ``RLRUNBOOK_PEER_STEPS`` (default 4) timed steps per side.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from bench_support import bench_device, describe, synchronize
 from peer_workload import GenerateTimer, RlrunbookPeer, Timings, peer_model, trl_trainer
 
-pytestmark = pytest.mark.benchmark(group="peer")
+pytestmark = [pytest.mark.benchmark(group="peer"), pytest.mark.trl]
 
 BASELINES = Path(__file__).parent / "baselines.json"
 WARMUP = 1
@@ -42,11 +44,8 @@ def _baseline_key(device: str) -> str:
 
 
 def test_rl_step_against_trl(benchmark, tmp_path):
-    try:
-        import trl  # noqa: F401
-        from transformers import TrainerCallback
-    except ImportError as error:
-        pytest.fail(f"the peer benchmark needs TRL: pip install -e '.[bench]' ({error})")
+    from transformers import TrainerCallback  # TRL itself is checked by the ``trl`` marker (conftest.py)
+
     device = bench_device()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     steps = int(os.environ.get("RLRUNBOOK_PEER_STEPS", "4"))

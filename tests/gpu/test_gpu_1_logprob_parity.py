@@ -8,6 +8,20 @@ top-p 0.9. Gates: rlrunbook.diagnostics.parity_gates (fp32 max 1e-4; bf16 mean 0
 0.1 / T, derived there from measurements). bf16 runs with each numerics setting: ``invariant`` (the
 default) and ``exact``. ``native`` (transformers' own numerics) is measured against the default: it is
 the configuration the gates exist to catch (mean 0.04 on an H100 with smollm2, 2026-11-23).
+
+What each numerics setting guarantees on CUDA, and so what is asserted:
+
+- ``invariant``: within the gates, not bitwise. Its products run in the model's dtype through cuBLAS,
+  which picks kernels (split-K) by shape, and PyTorch's reductions lay out their threads by the number of
+  rows: the sampler's 16-row decode step and the trainer's 500-row pass may add one row's sums in different
+  orders. (On this project's CPU it is bitwise; that says nothing about CUDA.)
+- ``exact``: bitwise (max |Δ| = 0). Every product, every RMSNorm's statistics and the attention core are
+  float64 sums rounded once to bf16; the order of a float64 sum moves it by ~1e-16 relative, against a bf16
+  rounding step of 4e-3, so a value rounds differently only when it lies within ~1e-16 of a rounding boundary
+  (~1e-12 of values: about 1e-3 expected occurrences over the ~1e9 values this test rounds). What stays in
+  float32, log_softmax and the top-p cumsum over the vocabulary, runs one block per row with a layout chosen
+  by the vocabulary size, so the row count does not change it. ``tests/unit/test_row_invariance.py`` shows
+  the property on CPU (a row's result does not depend on the rows sharing the call or on the summation order).
 The fp32 case also runs with the vLLM sampler where a vLLM server can be had (``-m vllm`` or ``-m gpu``;
 see ``rlrunbook.testing.vllm``): the server samples, the same trainer scores.
 If a gated case fails, do not train: ratios and losses cannot be trusted.
@@ -86,14 +100,19 @@ def test_fp32_parity(model_name, filters, sampler, ieee_fp32, tmp_path, record_p
 @pytest.mark.parametrize("numerics", ["invariant", "exact"])
 @pytest.mark.parametrize("filters", list(FILTERS.values()), ids=list(FILTERS))
 def test_bf16_parity(model_name, filters, numerics, tmp_path, record_property):
-    """bf16, the GPU default dtype: mean and max |Δ| within the half-precision gates."""
+    """bf16, the GPU default dtype: ``invariant`` within the half-precision gates, ``exact`` bitwise (see the module
+    docstring for why each)."""
     gates = parity_gates(torch.bfloat16, filters.temperature)
     worst, mean, flips, tokens = _parity(model_name, torch.bfloat16, numerics, filters, tmp_path, record_property)
+    if numerics == "exact":
+        assert worst == 0.0 and flips == 0, (
+            f"exact numerics must be bitwise on CUDA: max |Δ| {worst:.3g}, mean {mean:.3g}, {flips} boundary flips "
+            f"over {tokens} tokens. A float32 reduction or product whose order follows the row count is left in the "
+            "exact path (engines/decoder.py, engines/attention.py, the log_softmax of scoring and drawing).")
+        return
     assert mean <= gates.mean_abs, f"bf16 {numerics}: mean |Δ| {mean:.3g} > {gates.mean_abs:.3g}"
     assert worst <= gates.max_abs, f"bf16 {numerics}: max |Δ| {worst:.3g} > {gates.max_abs:.3g}"
     assert flips <= gates.max_flip_fraction * tokens
-    if numerics == "exact":
-        assert worst <= 1e-6, f"exact numerics must agree to 1e-6 (bitwise where kernels allow): {worst:.3g}"
 
 
 def test_bf16_the_mechanism_beats_native_numerics(model_name, tmp_path, record_property):

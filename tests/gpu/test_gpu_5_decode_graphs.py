@@ -59,7 +59,7 @@ def test_graph_decoding_equals_eager_decoding_across_weight_updates(model_name, 
 
     first = graphs.sample(prompts, 4, request)
     worst = _same(first, eager.sample(prompts, 4, request))
-    captures = graphs._graphs.captures
+    captures = graphs.graph_captures
     assert captures > 0, "the CUDA-graph path did not run"
 
     with torch.no_grad():  # an optimizer step: every adapter weight changed in place
@@ -68,7 +68,7 @@ def test_graph_decoding_equals_eager_decoding_across_weight_updates(model_name, 
                 param.add_(torch.randn_like(param), alpha=0.05)
     second = graphs.sample(prompts, 4, request)
     worst = max(worst, _same(second, eager.sample(prompts, 4, request)))
-    assert graphs._graphs.captures == captures, "the graphs captured before the update are replayed"
+    assert graphs.graph_captures == captures, "the graphs captured before the update are replayed"
     assert any(x.tokens != y.tokens for xs, ys in zip(first, second, strict=True) for x, y in zip(xs, ys)), \
         "the replayed graphs must compute with the updated weights"
     record_property("max_abs_logprob_diff", worst)

@@ -13,6 +13,7 @@ import torch
 from rlrunbook.backend.lora import clone_adapter, load_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.base import SamplingEngine
+from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.engines.generate import GenerateEngine
 from rlrunbook.engines.hf import HFSamplingEngine
 from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
@@ -59,7 +60,9 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
     common = dict(pad_token_id=int(tokenizer.pad_token_id), vocab_size=int(config.vocab_size),
                   max_context=getattr(config, "max_position_embeddings", None), max_batch_rows=settings.max_batch_rows,
                   seed=settings.seed, decode_batch=_text_decoder(tokenizer))
-    if settings.sampler == "generate":
+    # With vllm the in-process engine only validates requests, draws seeds and scores prompts: transformers'
+    # generate engine does that for a model the decoder cannot run (quantised base weights, another family).
+    if settings.sampler == "generate" or (settings.sampler == "vllm" and unsupported_reason(model) is not None):
         engine: SamplingEngine = GenerateEngine(model, **common)
     else:
         engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(), cuda_graphs=settings.cuda_graphs,

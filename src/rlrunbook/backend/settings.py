@@ -132,6 +132,10 @@ class LocalSettings:
         if self.cpu_products not in CPU_PRODUCTS:
             raise ConfigError(f"cpu_products {self.cpu_products!r} must be one of {CPU_PRODUCTS} "
                               "(TINKER_LOCAL_CPU_PRODUCTS).")
+        if self.load_in_4bit and self.sampler == "hf":
+            raise ConfigError("4-bit base weights (backend.load_in_4bit) with the in-process sampler (sampler 'hf', "
+                              "the default): its decoder computes with floating-point weights only. Set "
+                              "TINKER_LOCAL_SAMPLER=generate (or backend.sampler: generate), or vllm.")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
 

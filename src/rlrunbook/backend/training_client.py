@@ -40,6 +40,11 @@ class LocalTrainingClient(ResolvedClient):
 
         raise refuse_sdk_attribute("TrainingClient", TrainingClient, name)
 
+    def engine_metrics(self) -> dict[str, float]:
+        """LOCAL EXTENSION: counters of the in-process sampling engine (``engine/graph_captures``,
+        ``engine/cache_rebuilds``); empty when another engine samples."""
+        return self._host.engine.metrics() if self._host.vllm is None else {}
+
     # -- training -------------------------------------------------------------------------
     def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, float | str] | None = None):
         """APIFuture of the loss and per-datum logprobs, without gradients."""

@@ -18,8 +18,9 @@ Numerics (``Numerics``):
   the training pass (measured on SmolLM2-135M in bf16; see README "Numerics"). An fp32 model needs
   no float64 core: its two passes differ by ~1e-6 whatever the kernels, far inside the 1e-4 gate,
   because fp32 rounding steps are too small to cascade the way bf16's do.
-- ``exact``: also every matrix product accumulated in float64 and rounded once to the model's
-  dtype, so no kernel's summation order can matter on any device; slower (measured in the README).
+- ``exact``: also every matrix product and every RMSNorm's statistics accumulated in float64 and
+  rounded once to the model's dtype, so no kernel's summation order (which on CUDA follows the number
+  of rows and the shape) can matter on any device; slower (measured in the README).
 - ``native``: the model's dtype and PyTorch's SDPA, as transformers computes (the reference the
   other two are measured against).
 
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from rlrunbook.engines.float64_weights import float64_weights
 from rlrunbook.engines.lora_groups import GroupFactors, active_adapter_names, add_group_updates, group_factors
 from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_applies
 from rlrunbook.engines.stacking import stackable, stacked_weights
@@ -55,6 +57,22 @@ from rlrunbook.errors import ConfigError
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NUMERICS = ("invariant", "exact", "native")
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def quantised_weights(model: torch.nn.Module) -> str | None:
+    """The first linear layer of ``model`` whose weight is not in a dtype ``F.linear`` computes with, described
+    (``None``: there is none).
+
+    Quantised layers (bitsandbytes' ``Linear4bit`` with packed uint8 weights, ``Linear8bitLt`` with int8, float8
+    weights) subclass ``nn.Linear`` but hold weights that only their own ``forward`` can use.
+    """
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        quantised = isinstance(weight, torch.Tensor) and weight.dtype not in _COMPUTE_DTYPES
+        if isinstance(module, torch.nn.Linear) and quantised:
+            return f"{name} ({type(module).__name__}, {str(weight.dtype).removeprefix('torch.')} weight)"
+    return None
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -70,6 +88,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in _STATIC_ROPE_TYPES:
         return f"rope_type {rope!r} changes its frequencies with the sequence length"
+    quantised = quantised_weights(model)
+    if quantised is not None:
+        return (f"its base weights are quantised (first: {quantised}), and this engine computes with floating-point "
+                "weights (transformers generate samples on the same quantised weights; the trainer scores them "
+                "with transformers' forward)")
     return None
 
 
@@ -144,7 +167,7 @@ class Decoder:
         reason = unsupported_reason(_causal_lm(model))
         if reason is not None:
             raise ConfigError(f"the in-process engine cannot run this model: {reason}. "
-                              "Use TINKER_LOCAL_SAMPLER=generate (transformers generate) instead.")
+                              "Use TINKER_LOCAL_SAMPLER=generate (transformers generate, any causal LM) or vllm.")
         self.model = model
         self.numerics = numerics if isinstance(numerics, Numerics) else Numerics(numerics)
         config = _causal_lm(model).config
@@ -152,7 +175,7 @@ class Decoder:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.vocab_size = config.vocab_size
-        self._float64_weights: dict[int, torch.Tensor] = {}
+        self._float64 = float64_weights(model)  # one cache per model: the sampler's and the trainer's decoders share it
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.exact_attention = self.numerics.name == "exact" or (self.numerics.name == "invariant" and half)
         weight = self.lm.model.embed_tokens.weight
@@ -178,13 +201,8 @@ class Decoder:
 
     # -- matrix products -------------------------------------------------------------------------
     def _frozen_float64(self, weight: torch.Tensor) -> torch.Tensor:
-        """A float64 copy of a frozen base weight (made once: base weights never change)."""
-        key = id(weight)
-        cached = self._float64_weights.get(key)
-        if cached is None or cached.shape != weight.shape:
-            cached = weight.detach().double()
-            self._float64_weights[key] = cached
-        return cached
+        """The float64 copy of a frozen base weight, made once per model (:mod:`rlrunbook.engines.float64_weights`)."""
+        return self._float64.of(weight)
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` as these numerics compute it."""
@@ -202,8 +220,8 @@ class Decoder:
         base = getattr(module, "base_layer", None)
         if base is None:
             if not isinstance(module, torch.nn.Linear):
-                raise ConfigError(f"{type(module).__name__} is not a linear layer this engine can run "
-                                  "(quantised base weights need TINKER_LOCAL_SAMPLER=generate).")
+                raise ConfigError(f"{type(module).__name__} is not a linear layer this engine can run; "
+                                  "use TINKER_LOCAL_SAMPLER=generate or vllm.")
             return self._product(x, module.weight, module.bias)
         return self._with_adapters(module, self.linear(base, x), x)
 
@@ -279,8 +297,15 @@ class Decoder:
 
     # -- the pieces of a layer --------------------------------------------------------------------
     def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm: fp32 statistics (float64 for a float64 model), weight applied in the input dtype."""
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        """transformers' RMSNorm: fp32 statistics (float64 for a float64 model, and under ``exact`` numerics),
+        weight applied in the input dtype.
+
+        Under ``exact`` the mean of squares is a float64 sum rounded once, like the products: on CUDA the
+        reduction's thread layout follows the number of rows (a 2-row decode step and a 500-row training pass
+        add a row's squares in different orders), which in float32 can move the rounded result by an ulp.
+        """
+        stats_dtype = torch.float64 if self.numerics.float64_matmuls else torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(stats_dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
         return norm.weight * x32.to(x.dtype)
 

@@ -13,7 +13,11 @@ What it does that ``generate`` does not, and why:
   rows leave the batch when the running ones fit a batch of half the size.
 - **Static shapes.** The decode step reads a per-row KV cache of fixed capacity through a window
   rounded up to 64 columns, with the batch padded to a power of two: on CUDA each (rows, window)
-  shape is captured once as a CUDA graph and replayed (:mod:`rlrunbook.engines.graphs`).
+  shape is captured once as a CUDA graph and replayed (:mod:`rlrunbook.engines.graphs`). The capacity
+  only grows, in powers of two from 256 up to the model's context (:func:`capacity_bucket`): a call
+  that fits the caches reuses them and their graphs, so a debate's growing rounds and a data set's
+  varied prompt lengths rebuild them a few times per run, not at every new length. ``metrics()``
+  counts the captures and the rebuilds (``engine/graph_captures``, ``engine/cache_rebuilds``).
 - **Exact draws.** Each token is drawn by :func:`~rlrunbook.engines.draw.draw_tokens` (``logits / T``
   after the requested filters, Gumbel-max with per-row counter-based noise), so a seeded row gets
   the same tokens whatever rows share its batch. The leak check of the ``generate`` engine holds
@@ -41,12 +45,19 @@ from rlrunbook.prefix_tree import TokenTrie, plan_forward
 
 _PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row: bounds padding between long and short rows
 _WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
-_CAPACITY_STEP = 128  # decode caches are allocated in multiples of this many positions (and reused)
+CAPACITY_FLOOR = 256  # the smallest decode cache capacity (positions); larger ones are powers of two
 
 
 def _bucket(rows: int) -> int:
     """Batch rows padded to a power of two, at least 2 (a 1-row matrix product may round differently)."""
     return max(2, 1 << (rows - 1).bit_length())
+
+
+def capacity_bucket(needed: int, max_context: int | None) -> int:
+    """The decode cache capacity for ``needed`` positions: the smallest power of two that holds them, at least
+    :data:`CAPACITY_FLOOR`, at most ``max_context`` (the model's context, when known)."""
+    capacity = max(CAPACITY_FLOOR, 1 << (needed - 1).bit_length())
+    return max(needed, min(capacity, max_context)) if max_context else capacity
 
 
 class _PrefixPool:
@@ -98,9 +109,12 @@ class HFSamplingEngine(InProcessEngine):
         self.decoder = Decoder(model, numerics)
         self.prefix_cache_tokens = prefix_cache_tokens
         self._pool: _PrefixPool | None = None
-        self._caches: dict[tuple[int, int], RowCache] = {}
+        self._caches: dict[int, RowCache] = {}  # by rows, all of capacity self._capacity
+        self._capacity = 0
         self._graphs = None
         self._use_graphs = cuda_graphs
+        self.cache_rebuilds = 0  # times the decode caches were dropped for a larger capacity
+        self._dropped_captures = 0  # graphs captured, then dropped with their caches
         # Counters for tests and benchmarks: tokens prefilled, decode steps run and the seconds they took.
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
@@ -115,6 +129,21 @@ class HFSamplingEngine(InProcessEngine):
     def model(self, model: torch.nn.Module) -> None:
         self.decoder = Decoder(model, self.decoder.numerics)
         self._pool = None
+        self._drop_caches()
+        self._capacity = 0
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs of the decode step captured so far by this engine (0 off CUDA)."""
+        return self._dropped_captures + (self._graphs.captures if self._graphs is not None else 0)
+
+    def metrics(self) -> dict[str, float]:
+        """Counters a training loop logs per step: graph captures and decode cache rebuilds since the engine began."""
+        return {"engine/graph_captures": float(self.graph_captures),
+                "engine/cache_rebuilds": float(self.cache_rebuilds)}
+
+    def _drop_caches(self) -> None:
+        self._dropped_captures = self.graph_captures
         self._caches = {}
         self._graphs = None
 
@@ -187,21 +216,23 @@ class HFSamplingEngine(InProcessEngine):
         self.prefill_seconds += time.perf_counter() - started
         return logits
 
-    def _cache(self, rows: int, capacity: int) -> RowCache:
-        """The engine's decode cache of ``rows`` rows (a power of two) and ``capacity`` positions, emptied.
+    def _cache(self, rows: int, needed: int) -> RowCache:
+        """The engine's decode cache of ``rows`` rows (a power of two) holding at least ``needed`` positions, emptied.
 
-        Caches are kept and reused (captured CUDA graphs read their buffers), one set per capacity.
+        Caches are kept and reused (captured CUDA graphs read their buffers), all of one capacity, which only
+        grows, by :func:`capacity_bucket`: a call needing more drops every cache and graph (a rebuild).
         """
-        capacity = -(-capacity // _CAPACITY_STEP) * _CAPACITY_STEP
-        if any(c != capacity for _, c in self._caches):
-            self._caches = {}  # a new capacity: drop the old buffers
-            self._graphs = None
-        cache = self._caches.get((rows, capacity))
+        if needed > self._capacity:
+            if self._capacity:
+                self.cache_rebuilds += 1
+            self._drop_caches()
+            self._capacity = capacity_bucket(needed, self.max_context)
+        cache = self._caches.get(rows)
         if cache is None:
             decoder = self.decoder
-            cache = RowCache(len(decoder.lm.model.layers), rows, capacity, decoder.num_kv_heads, decoder.head_dim,
-                             decoder.dtype, self.device)
-            self._caches[(rows, capacity)] = cache
+            cache = RowCache(len(decoder.lm.model.layers), rows, self._capacity, decoder.num_kv_heads,
+                             decoder.head_dim, decoder.dtype, self.device)
+            self._caches[rows] = cache
         cache.reset()
         return cache
 

@@ -44,6 +44,10 @@ class InProcessEngine:
         check_request(prompt, request, vocab_size=self.vocab_size, has_decoder=self.decode_batch is not None,
                       max_context=self.max_context, what=what)
 
+    def metrics(self) -> dict[str, float]:
+        """Counters of the engine's work that a training loop logs per step (none here; see the ``hf`` engine)."""
+        return {}
+
     def next_seed(self) -> int:
         """The next seed of the engine's own counter, for an unseeded request (drawn at submission, so results
         follow the order of calls, not their timing)."""

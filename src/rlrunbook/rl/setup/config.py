@@ -125,7 +125,7 @@ class BackendSettings(_Section):
     grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch")
     sampler: Literal["hf", "generate", "vllm"] | None = Field(
         None, description="sampling engine: hf or generate (in process), vllm (a vLLM server); "
-                          "default TINKER_LOCAL_SAMPLER")
+                          "default TINKER_LOCAL_SAMPLER; 4-bit base weights need generate or vllm")
 
 
 class TrainConfig(BaseModel):
@@ -303,4 +303,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     if config.backend.load_in_4bit and config.backend.device is not None and not config.backend.device.startswith("cuda"):
         fail(f"backend.load_in_4bit needs a cuda device, not {config.backend.device!r}",
              "Drop load_in_4bit on CPU or run on a GPU.")
+    if config.backend.load_in_4bit and config.backend.sampler == "hf":
+        fail("backend.load_in_4bit with backend.sampler hf: the in-process engine computes with floating-point "
+             "base weights only", "Set backend.sampler: generate (transformers generate on the 4-bit weights) or vllm.")
     return config.replace(reward_fn=reward)

@@ -63,6 +63,8 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
                           resumed_from=None if resume is None else resume.record(),
                           world_size=plan.layout.world_size)
     log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
+    for line in plan.placement:
+        log(f"[placement] {line}")
     for line in plan.data_lines:  # the first names the data: source (or cache file), rows, fingerprint
         log(f"[data] {line}")
     seed_everything(config.seed, config.deterministic)

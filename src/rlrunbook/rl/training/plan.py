@@ -9,6 +9,7 @@ validator and the checkpoint schedule. The loop reads the plan; the modules it c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from rlrunbook.rl.rollout.tasks import Problem, Task
 from rlrunbook.rl.setup.checkpointing import CheckpointSchedule, Resume, plan_resume
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import problem_order, split_held_out
+from rlrunbook.rl.setup.placement import placement
 from rlrunbook.rl.setup.preflight import preflight
 from rlrunbook.rl.setup.prepare import dataset_record, prepare
 from rlrunbook.rl.setup.service import training_device
@@ -49,6 +51,7 @@ class RunPlan:
     advantages_of: Callable[[Sequence[Rollout]], list[float]]  # the training mode's advantages
     layout: distributed.Layout = field(default_factory=distributed.Layout)  # the torchrun launch
     device: str | None = None  # the local backend's training device (None: the default, or another backend)
+    placement: list[str] = field(default_factory=list)  # what runs where (rl/setup/placement.py), logged first
 
     def new_run_dir(self) -> Path:
         """Create this run's directory: ``<log root>/<timestamp>_<mode>_<env>_<name>``."""
@@ -94,4 +97,4 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
         rollout=rollout, judge=judge_choice(config),
         validator=Validator(task, held_out, config.validation, rollout, config.seed, config.steps),
         checkpoints=CheckpointSchedule.of(config), advantages_of=advantage_mode(config.run_mode),
-        layout=layout, device=training_device(config.backend))
+        layout=layout, device=training_device(config.backend), placement=placement(config.backend, os.environ))

@@ -177,6 +177,7 @@ def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None,
         "memory/rss_mb": _memory_mb(),
         **{k: v for k, v in batch.metrics.items() if k != "time/score_s"},
         **sampled.metrics(),
+        **(training.engine_metrics() if is_local(training) else {}),
     }
     writer.log_step({k: v for k, v in row.items() if v == v})  # drop NaN (no grad_norm reported)
     log(f"{_reward_line(step, batch.rollouts, rewards, task_rewards)}, "

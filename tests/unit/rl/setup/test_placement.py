@@ -1,0 +1,56 @@
+"""What runs where: the 4-bit preset says which engine samples and how the trainer scores, and a 4-bit base
+with the in-process sampler cannot be written."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlrunbook import cli
+from rlrunbook.backend.settings import LocalSettings
+from rlrunbook.errors import ConfigError
+from rlrunbook.rl.setup.config import BackendSettings, TrainConfig, validate
+from rlrunbook.rl.setup.placement import placement, resolved_sampler
+
+
+def test_the_4bit_preset_shows_generate_sampling_and_padded_scoring(capsys, monkeypatch):
+    monkeypatch.delenv("TINKER_LOCAL_SAMPLER", raising=False)
+    monkeypatch.delenv("TINKER_BACKEND", raising=False)
+    assert cli.main(["show-config", "--config-file", "gpu-8b-lora-4bit", "--strict-config"]) == 0
+    out = capsys.readouterr().out
+    where = out.split("# what runs where:")[1].split("\n\n")[0]
+    assert "frozen base weights: 4-bit NF4 (bitsandbytes), computing in bfloat16" in where
+    assert "sampling: transformers generate in process (backend.sampler: generate)" in where
+    assert "training: transformers' forward over right-padded datums" in where
+
+
+def test_a_float_model_is_trained_through_the_shared_prefix_pass():
+    lines = placement(BackendSettings(device="cpu", dtype="float32"), {})
+    assert "sampling: the in-process engine" in lines[1] and "(default: hf)" in lines[1]
+    assert lines[2].startswith("training: the shared-prefix decoder pass")
+
+
+def test_the_sampler_comes_from_the_config_then_the_environment_then_the_default():
+    assert resolved_sampler(BackendSettings(sampler="vllm"), {"TINKER_LOCAL_SAMPLER": "generate"}) == (
+        "vllm", "backend.sampler")
+    assert resolved_sampler(BackendSettings(), {"TINKER_LOCAL_SAMPLER": "generate"}) == (
+        "generate", "TINKER_LOCAL_SAMPLER")
+    assert resolved_sampler(BackendSettings(), {}) == ("hf", "default")
+
+
+def test_a_4bit_base_sampled_by_vllm_says_the_server_has_other_weights():
+    lines = placement(BackendSettings(device="cuda", load_in_4bit=True, sampler="vllm"), {})
+    assert any("unquantised" in line and "mismatch gate" in line for line in lines)
+
+
+def test_the_hosted_service_runs_everything():
+    assert placement(BackendSettings(load_in_4bit=True), {"TINKER_BACKEND": "api"}) == [
+        "sampling and training: the hosted Tinker service (TINKER_BACKEND=api); backend.* is not used"]
+
+
+def test_a_4bit_base_with_the_in_process_sampler_is_refused_before_loading():
+    config = TrainConfig(backend=BackendSettings(device="cuda", load_in_4bit=True, sampler="hf"))
+    with pytest.raises(ConfigError, match="backend.sampler: generate"):
+        validate(config)
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_SAMPLER=generate"):
+        LocalSettings(device="cpu", load_in_4bit=True)  # the default sampler is hf
+    assert LocalSettings(device="cpu", load_in_4bit=True, sampler="generate").load_in_4bit
