@@ -176,13 +176,14 @@ def with_layers(config, layers: int):
 
 
 def token_cost(config, dtype: torch.dtype, lora_rank: int, numerics: Numerics | str, *, recompute_layers: bool,
-               train_unembed: bool = True, device_type: str = "cpu") -> TokenCost:
+               device_type: str = "cpu", **lora_targets: bool) -> TokenCost:
     """The training memory of a micro-batch of ``config``'s model as a function of its distinct tokens.
 
     Decoder layers are alike, so the peak is ``a + b t + L (c + d t)`` for ``L`` layers and ``t`` tokens: four
     traced passes (1 and 2 layers; one sequence, every position trained, the output layer's work at its
     largest) give ``a, b, c, d``, and the model's own layer count the rest. The two lengths are long enough
     that the attention core splits its queries into chunks (``SCORE_ELEMENTS``), where its memory is linear.
+    ``lora_targets``: ``train_attn``, ``train_mlp``, ``train_unembed`` as :func:`skeleton` takes them.
     """
     from rlrunbook.engines.attention import SCORE_ELEMENTS, planning_for
 
@@ -190,7 +191,7 @@ def token_cost(config, dtype: torch.dtype, lora_rank: int, numerics: Numerics | 
     reference_tokens = 4 * max(256, int((SCORE_ELEMENTS.get(device_type, SCORE_ELEMENTS["cuda"]) / heads) ** 0.5))
     peaks = {}
     for layers in (1, 2):
-        model = skeleton(with_layers(config, layers), dtype, lora_rank, train_unembed=train_unembed)
+        model = skeleton(with_layers(config, layers), dtype, lora_rank, **lora_targets)
         with planning_for(device_type):
             for tokens in (reference_tokens // 2, reference_tokens):
                 peaks[layers, tokens] = forward_backward_peak(model, numerics, [list(range(tokens))], tokens - 1,
@@ -203,3 +204,97 @@ def token_cost(config, dtype: torch.dtype, lora_rank: int, numerics: Numerics | 
     per_token = max(1, int(-(-slope // 1)))
     fixed = base[full] + layers * per_layer[full] - per_token * full
     return TokenCost(max(0, int(fixed)), per_token, recompute_layers)
+
+
+# The share of a device the local backend leaves to an in-process sampler's caches (the vLLM sampler's own
+# share, ``gpu_memory_utilization``, where a managed server shares the GPU), and what it never plans to use.
+SAMPLER_SHARE = 0.4
+HEADROOM = 0.1
+# Below this many tokens per micro-batch a device runs its products inefficiently, and recomputing activations
+# to afford larger micro-batches pays: a GPU needs thousands of rows to fill; a CPU's GEMMs peak at ~1,000.
+MIN_EFFICIENT_TOKENS = {"cuda": 8192, "cpu": 1024}
+_BUDGET_STEP = 256
+
+
+def device_memory(device: str | torch.device) -> int:
+    """Total memory of ``device``: a CUDA device's, or the machine's RAM for the CPU (fixed per machine, so a
+    budget derived from it is the same in every run and on resume)."""
+    import os
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How ``forward_backward`` splits its batches: ``tokens`` distinct tokens per micro-batch at most (``None``:
+    one pass), ``recompute_layers`` (activation checkpointing), and why, in words for the log."""
+
+    tokens: int | None
+    recompute_layers: bool
+    reason: str
+
+
+def lora_layout(model: torch.nn.Module) -> dict:
+    """The LoRA rank, alpha and targets of a peft-wrapped model, as :func:`skeleton` takes them."""
+    config = model.peft_config["default"]
+    targets = set(config.target_modules or ())
+    return {"lora_rank": int(config.r), "lora_alpha": int(config.lora_alpha), "train_unembed": "lm_head" in targets,
+            "train_attn": bool(targets & {"q_proj", "k_proj", "v_proj", "o_proj"}),
+            "train_mlp": bool(targets & {"gate_proj", "up_proj", "down_proj"})}
+
+
+def plan_micro_batching(model: torch.nn.Module, *, device: str, numerics: Numerics | str, tokens: int | None,
+                        checkpointing: str, sampler_share: float = SAMPLER_SHARE) -> MicroBatching:
+    """Micro-batching of a LoRA-wrapped ``model`` training on ``device``.
+
+    ``tokens``: the budget a user set (``0``: no limit) or ``None`` to derive it: the device's memory, less
+    ``HEADROOM``, ``sampler_share`` and the model's parameters and training state, divided by the traced
+    per-token cost (:func:`token_cost`). ``checkpointing``: ``on``, ``off`` or ``auto`` (off while a
+    micro-batch of ``MIN_EFFICIENT_TOKENS`` of the device fits without it, or while a stated budget does).
+    """
+    from rlrunbook.errors import ConfigError
+
+    total = device_memory(device)
+    sizes = model_bytes(model)
+    name = numerics.name if isinstance(numerics, Numerics) else numerics
+    float64 = sizes.float64_copy if name == "exact" else 0
+    available = int(total * (1 - HEADROOM - sampler_share)) - sizes.frozen - sizes.training_state - float64
+    kind = torch.device(device).type
+    dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    layout = lora_layout(model)
+    rank = layout.pop("lora_rank")
+    layout.pop("lora_alpha")
+
+    def cost(recompute: bool) -> TokenCost:
+        return token_cost(config, dtype, rank, numerics, recompute_layers=recompute, device_type=kind, **layout)
+
+    where = (f"{_gib(total)} GiB {kind} memory, {_gib(available)} GiB left for activations after the weights, "
+             f"the training state and {sampler_share:.0%} for sampling")
+    if tokens is not None:
+        budget = tokens or None
+        recompute = checkpointing == "on" or (
+            checkpointing == "auto" and budget is not None and cost(False).bytes(budget) > available)
+        return MicroBatching(budget, recompute, f"stated: {budget or 'no limit'} tokens ({where})")
+    plain = cost(False)
+    fits = plain.tokens(available)
+    efficient = MIN_EFFICIENT_TOKENS.get(kind, MIN_EFFICIENT_TOKENS["cuda"])
+    if checkpointing == "off" or (checkpointing == "auto" and fits >= efficient):
+        chosen, recompute = plain, False
+    else:
+        chosen, recompute = cost(True), True
+    budget = chosen.tokens(available) // _BUDGET_STEP * _BUDGET_STEP
+    if budget < _BUDGET_STEP:
+        raise ConfigError(
+            f"training does not fit: {where}, and a micro-batch of {_BUDGET_STEP} tokens needs "
+            f"{_gib(chosen.bytes(_BUDGET_STEP))} GiB. Use a smaller model or LoRA rank, bfloat16, "
+            "TINKER_LOCAL_ACTIVATION_CHECKPOINTING=on, or a device with more memory.")
+    return MicroBatching(budget, recompute, f"derived: {chosen.per_token / 1024:.0f} KiB per token"
+                         f"{' with activation checkpointing' if recompute else ''} ({where})")
+
+
+def _gib(size: float) -> str:
+    return f"{size / GIB:.1f}"

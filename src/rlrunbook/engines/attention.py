@@ -151,8 +151,32 @@ def _float64_core(q, k, v, query_positions, key_positions, key_valid, scale) -> 
 def _sdpa_core(q, k, v, query_positions, key_positions, key_valid, scale) -> torch.Tensor:
     rows, queries, heads, dim = q.shape
     allowed = _allowed(query_positions, key_positions, key_valid)  # [R, T, S]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None], scale=scale,
-        enable_gqa=heads > k.shape[2])  # [R, H, T, D]
+    if q.device.type == "meta":  # a memory plan: what the fused kernel allocates, not meta's math decomposition
+        out = _PlannedSdpa.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed[:, None])
+    else:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None], scale=scale,
+            enable_gqa=heads > k.shape[2])  # [R, H, T, D]
     out = out.transpose(1, 2).reshape(rows, queries, heads * dim)
     return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # SDPA gives NaN for a query with no key
+
+
+class _PlannedSdpa(torch.autograd.Function):
+    """SDPA on the meta device, as its fused kernels allocate: the output and a float32 log-sum-exp per query
+    kept for backward with the inputs and the mask (on CUDA converted to an additive bias in the inputs'
+    dtype), the queries laid out contiguously. Meta dispatch would otherwise decompose SDPA into the math path,
+    whose ``[R, H, T, S]`` weights no fused kernel holds."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):  # q: [R, H, T, D]; k, v: [R, Hkv, S, D]; mask: [R, 1, T, S]
+        q = q.contiguous()  # the CPU kernel keeps a contiguous copy of the queries (measured: +1 query-sized tensor)
+        out = torch.empty_like(q)
+        log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        kept = mask if _PLANNED_DEVICE.get() == "cpu" else mask.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, log_sum_exp, kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None

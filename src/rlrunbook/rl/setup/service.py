@@ -29,6 +29,10 @@ def local_settings(stated: BackendSettings):
         changes["grad_accum_chunks"] = stated.grad_accum_steps
     if stated.sampler is not None:
         changes["sampler"] = stated.sampler
+    if stated.micro_batch_tokens is not None:
+        changes["micro_batch_tokens"] = stated.micro_batch_tokens
+    if stated.activation_checkpointing is not None:
+        changes["activation_checkpointing"] = stated.activation_checkpointing
     return dataclasses.replace(settings, **changes)
 
 
