@@ -45,12 +45,29 @@ from rlrunbook.prefix_tree import TokenTrie, plan_forward
 
 _PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row: bounds padding between long and short rows
 _WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
+PREFILL_TOKENS = 16384  # most prompt tokens one prefill pass computes (its activations grow with them)
 CAPACITY_FLOOR = 256  # the smallest decode cache capacity (positions); larger ones are 2^k or 1.5 x 2^k
 
 
 def _bucket(rows: int) -> int:
     """Batch rows padded to a power of two, at least 2 (a 1-row matrix product may round differently)."""
     return max(2, 1 << (rows - 1).bit_length())
+
+
+def prefill_parts(prompts: list[tuple[int, ...]], budget: int | None = None) -> list[list[tuple[int, ...]]]:
+    """Consecutive groups of ``prompts`` of at most ``budget`` tokens (``PREFILL_TOKENS``) each, a longer prompt
+    alone: prefilled one group at a time, so a call of many long prompts holds one group's activations (a later
+    group reads the earlier ones' shared prefixes from the pool)."""
+    budget = PREFILL_TOKENS if budget is None else budget
+    parts: list[list[tuple[int, ...]]] = [[]]
+    used = 0
+    for prompt in prompts:
+        if parts[-1] and used + len(prompt) > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(prompt)
+        used += len(prompt)
+    return parts
 
 
 def capacity_bucket(needed: int, max_context: int | None) -> int:
@@ -283,7 +300,7 @@ class HFSamplingEngine(InProcessEngine):
         prompts = [prompt for prompt, _ in rows]
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
         pool = self._pool_for(weights_key, sum(len(p) for p in distinct) + len(rows) * request.max_tokens)
-        first_logits = self._prefill(pool, distinct)
+        first_logits = torch.cat([self._prefill(pool, part) for part in prefill_parts(distinct)])
         index = {p: i for i, p in enumerate(distinct)}
         logits = first_logits[torch.tensor([index[tuple(p)] for p in prompts], device=device)]  # [R, V]
         cache = self._new_cache(pool, prompts, max(len(p) for p in prompts) + request.max_tokens)
