@@ -57,7 +57,7 @@ _MIN_KEY_BLOCK = 64
 # With gradients over more keys than this, query chunks are recomputed in backward instead of keeping
 # what the core saves for it: float64 scores and weights (16 bytes x heads x keys per query, 49 KB at 12 heads
 # and 256 keys, ~7x the query's own q, k, v and output), or SDPA's mask (1 byte per key).
-RECOMPUTE_FROM_KEYS = {True: 256, False: 4096}  # by ``exact``
+RECOMPUTE_FROM_KEYS = {True: 256, False: 1024}  # by ``exact``
 _MASKED = -1e300  # the score of a key a query may not read (see _float64_core)
 
 
@@ -83,6 +83,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         recompute = recompute_pays(keys, exact, q, k, v)
     if chunk >= queries and not recompute:
         return core(q, k, v, query_positions, key_positions, key_valid, scale)
+    if exact and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        # Converted once, so the chunks' gradients of the keys and values add up in float64 and are rounded to
+        # the input's dtype once (converted per chunk, each chunk's share would be rounded before the sum).
+        k, v = k.double(), v.double()
     parts = []
     for start in range(0, queries, chunk):
         args = (q[:, start:start + chunk], k, v, query_positions[:, start:start + chunk], key_positions,

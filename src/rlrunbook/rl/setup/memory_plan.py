@@ -88,7 +88,7 @@ def parse_size(text: str) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "").upper().rstrip("B").rstrip("I")
     size = int(number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
     if size <= 0:
-        raise ConfigError(f"device memory {text!r} must be more than 0 bytes.")
+        raise ConfigError(f"device memory {text!r} must be more than 0 bytes: write it like 80GiB.")
     return size
 
 
