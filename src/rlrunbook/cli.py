@@ -264,7 +264,7 @@ def cmd_resolve_model(args: argparse.Namespace) -> int:
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from rlrunbook.run.tools import format_table, summarize_runs, write_table
+    from rlrunbook.run.tools import TERMINAL_LEGEND, format_table, summarize_runs, write_table
 
     if args.out:
         from rlrunbook.rl.setup.preflight import check_output_file
@@ -272,6 +272,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
         check_output_file(args.out)
     rows = summarize_runs([Path(d) for d in args.run_dirs])
     print(format_table(rows))
+    print(TERMINAL_LEGEND)
     if args.out:
         print(f"table: {write_table(rows, Path(args.out))}")
     return 1 if any(row["status"] == "unreadable" for row in rows) else 0

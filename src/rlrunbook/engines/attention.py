@@ -29,9 +29,9 @@ Memory grows linearly with the tokens. Nothing of size queries x keys outlives o
   for backward is ``q``, ``k``, ``v`` and the output: O(T) per row. (SDPA keeps only its mask, so it
   is recomputed only past ``RECOMPUTE_FROM_KEYS[False]`` keys.)
 
-At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is 6 MB held after the
-forward (what backward keeps besides the inputs, and the output) instead of 1.3 GB, and a peak of ~150 MB
-instead of 1.7 GB; the cost is one more forward of the attention core in the backward pass.
+At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is 14 MB held after the
+forward (what backward keeps besides the inputs: the float64 keys and values, and the output) instead of
+1.3 GB, and a peak of 164 MB instead of 1.7 GB; the cost is one more forward of the core in the backward pass.
 
 Shapes: ``R`` rows, ``T`` queries per row, ``S`` keys per row, ``H`` query heads in ``Hkv`` groups of
 ``G`` (grouped-query attention: query head ``h`` reads key/value head ``h // G``), head size ``D``.

@@ -107,7 +107,8 @@ class Task(ABC):
         where = info.get("source", "unknown source")
         if self.cache_info is not None:
             where = f"{self.cache_info['status']} cache {self.cache_info['path']} of {where}"
-        return f"{self.name} data {self.dataset!r}: {where}, {info['rows']} rows, fingerprint {info['fingerprint']}"
+        rows, fingerprint = info.get("rows", len(problems)), info.get("fingerprint", "not computed")
+        return f"{self.name} data {self.dataset!r}: {where}, {rows} rows, fingerprint {fingerprint}"
 
     def _from(self, source: str | Path) -> str | Path:
         """Record where ``source`` (a path or a hub name handed to a loader) is read from; return it."""

@@ -99,7 +99,8 @@ def test_the_local_copy_wins_when_there_is_one():
                     pytrace=False)
     task = _task()
     problems = task.load()
-    assert len(problems) == 80 and task.notices == [] and "source" not in task.dataset_info(problems)
+    assert len(problems) == 80 and task.notices == []
+    assert task.dataset_info(problems)["source"] == f"file:{default_local_path('cnn_dailymail')}"
 
 
 def test_the_fallback_is_never_pinned_by_the_dataset_cache(no_local_copy, tmp_path, monkeypatch):

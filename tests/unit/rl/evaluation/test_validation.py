@@ -132,8 +132,8 @@ def test_rows_at_the_scheduled_steps_on_disjoint_problems(runs):
     assert [line.split(":")[0] for line in val_lines] == ["[val] step 0", "[val] step 2", "[val] step 3"]
     cache = json.loads((run_dir / "run_metadata.json").read_text())["dataset"]["cache"]
     assert cache["status"] == "written" and cache["source_fingerprint"] == cache["cached_fingerprint"]
-    (announced,) = [line for line in runs[4] if line.startswith("[data] qa data 'test': ")]
-    assert f"written cache {cache['path']} of generated:single-digit arithmetic" in announced
+    (announced,) = [line for line in runs[4] if line.startswith("[data] summary data 'cnn_dailymail': ")]
+    assert f"written cache {cache['path']} of file:" in announced  # the cache, and where its rows came from
     assert announced.endswith(f"fingerprint {cache['cached_fingerprint']}")
 
 
