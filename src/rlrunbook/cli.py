@@ -509,7 +509,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_const", const=True,
                         help="seed Python/NumPy/torch and use deterministic torch algorithms")
     parser.add_argument("--expected-dataset-hash", help="refuse the run if the data set's fingerprint differs")
-    parser.add_argument("--no-proxy", action="store_true", help="accepted for the seeds' commands; no effect here")
+    parser.add_argument("--no-proxy", action="store_true", help="accepted for older run scripts that pass it; no effect")
     parser.add_argument("--loss-fn", help="importance_sampling (default) | ppo | cispo | dro")
     parser.add_argument("--kl-coef", type=float, help="loss.kl_coef: KL to the reference policy (0 = off)")
     parser.add_argument("--kl-estimator", choices=["k1", "k3", "low_var_kl"], help="loss.kl_estimator (low_var_kl)")

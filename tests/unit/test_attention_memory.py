@@ -104,3 +104,21 @@ def test_a_padding_query_gets_zeros_and_no_gradient_leaks_from_it():
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
     assert torch.equal(q.grad[0, -5:], torch.zeros_like(q.grad[0, -5:]))
+
+
+def test_a_decode_step_at_length_converts_keys_a_block_at_a_time():
+    """One decode step of 256 rows over 1,024 and over 4,096 cached positions (the 1.5B shape, bf16, traced on the
+    meta device as on a GPU): the step never holds a float64 copy of its key/value window (2 x 256 x 4,096 x 2 x
+    128 x 8 bytes = 4 GiB per layer at 4,096; the step's peak, ~0.75 GiB, is its [256, 151,936] float32 logits and
+    the draw's buffers); what grows with the window is the scores, 256 x 12 heads x 8 bytes per position and a
+    few copies of them."""
+    from rlrunbook.backend.memory import sampling_transients
+    from rlrunbook.models.shapes import model_shape
+
+    config = model_shape("Qwen/Qwen2.5-Math-1.5B")[0]
+    peaks = {window: sampling_transients(config, torch.bfloat16, "invariant", prefill_tokens=8, rows=256,
+                                         window=window, device_type="cuda")[1] for window in (1024, 4096)}
+    whole_window_float64 = 2 * 256 * 4096 * KV_HEADS * DIM * 8
+    assert peaks[4096] < whole_window_float64 / 4, peaks
+    scores_per_position = 256 * HEADS * 8
+    assert peaks[4096] - peaks[1024] <= 4 * scores_per_position * (4096 - 1024), peaks

@@ -1,6 +1,6 @@
 """The local backend's knobs, read once from the environment when a ServiceClient is made.
 
-Names follow the seeds' local backend (``TINKER_LOCAL_*``) so existing run scripts keep working.
+Names follow the ``TINKER_LOCAL_*`` convention of earlier local Tinker backends, so existing run scripts keep working.
 Nothing below this module reads the environment.
 """
 

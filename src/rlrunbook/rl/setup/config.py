@@ -1,6 +1,6 @@
 """The training run's configuration: one validated pydantic model, checked before any model loads.
 
-Flat fields keep the seeds' flag names (``-n`` → ``num_rollouts``, ``--debate-train`` → ``debate_train``);
+Flat fields keep the runbook's flag names (``-n`` → ``num_rollouts``, ``--debate-train`` → ``debate_train``);
 the options added for trustworthy runs live in sections (``loss.kl_coef``, ``checkpoint.every``, ...),
 addressable as dotted keys from a config file, ``key.sub=value`` overrides and the CLI alike (see
 :mod:`rlrunbook.rl.setup.config_sources` for how those layers are merged and recorded).
