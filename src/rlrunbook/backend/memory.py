@@ -111,20 +111,6 @@ def model_bytes(model: torch.nn.Module) -> ModelBytes:
     return ModelBytes(frozen, adapter, 8 * sum(products.values()))
 
 
-def group_sequences(prompt_tokens: int, completion_tokens: int, samples: int, groups: int,
-                    vocab_size: int) -> list[list[int]]:
-    """Token ids shaped like a step of ``groups`` prompts with ``samples`` completions each: a group's samples
-    share their prompt (as the trainer's shared-prefix pass finds), every completion differs from the first
-    token on. The ids themselves are arbitrary; only which prefixes repeat matters to memory."""
-    sequences = []
-    for group in range(groups):
-        prompt = [(group * prompt_tokens + t) % vocab_size for t in range(prompt_tokens)]
-        for sample in range(samples):
-            start = (group * samples + sample) * completion_tokens + groups * prompt_tokens
-            sequences.append(prompt + [(start + t) % vocab_size for t in range(completion_tokens)])
-    return sequences
-
-
 def forward_backward_peak(model: torch.nn.Module, numerics: Numerics | str, sequences: list[list[int]],
                           trained_tail: int, *, recompute_layers: bool) -> int:
     """Peak bytes of the activations and gradients of one ``forward_backward`` over ``sequences`` on a meta

@@ -34,6 +34,7 @@ TRAINER_METRICS = {
     "kl_divergence:mean": "kl_divergence", "entropy:mean": "entropy", "clip_fraction:mean": "clip_fraction",
     "mismatch/abs_logprob_diff:mean": "mismatch/abs_logprob_diff", "mismatch/kl:mean": "mismatch/kl",
     "mismatch/corrected_fraction:mean": "mismatch/corrected_fraction",
+    "micro_batches:sum": "micro_batches", "micro_batch_tokens:max": "micro_batch_tokens",
 }
 
 
