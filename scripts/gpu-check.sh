@@ -31,6 +31,7 @@ PARTS=(
   "parity|4|check-logprobs on smollm2-135m, 16 x 128: fp32 invariant, bf16 invariant/exact/native, T=1 and T=0.7"
   "bench|6|the benchmarks: decode, sampling, batching, training, RL step, peer against TRL where installed"
   "debate|3|the runbook's mini debate RS->GRPO at full shape (-n 64, 4 groups, 10 steps) and its rubric"
+  "scale|8|one step of the h100-rlvr shape (1.5B config, random weights): peak memory vs the plan, phases, decode ms/step, MFU"
 )
 BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
 ARCHIVE_LIMIT_BYTES=$((15 * 1024 * 1024))
@@ -110,6 +111,10 @@ part_debate() {
   step mini-debate gated "$py" -m rlrunbook train --mode debate --env summary --dataset cnn_dailymail \
     --reward-fn compression -n 64 --num-groups 4 -s 10 --mock-judge --debate-train rs_grpo \
     --debate-grpo-reward task --name mini_debate_rs_grpo_summary --log-root "$work/logs"
+}
+
+part_scale() {
+  step scale gated "$py" scripts/scale_check.py --out "$work"
 }
 
 # archive DEST: the part's work folder as DEST (.tar.gz), within ARCHIVE_LIMIT_BYTES; prints a note when it

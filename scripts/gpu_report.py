@@ -28,7 +28,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
-PART_ORDER = ("tier", "parity", "bench", "debate")  # the order merge lists parts in; others follow by name
+PART_ORDER = ("tier", "parity", "bench", "debate", "scale")  # the order merge lists parts in; others follow by name
 MARKER = re.compile(r"^<!-- gpu-check part=(?P<part>[\w-]+) ran=(?P<ran>[0-9TZ:-]+) -->$", re.MULTILINE)
 
 
@@ -133,8 +133,31 @@ def _debate(work: Path) -> list[str]:
     return [line]
 
 
+def _scale(work: Path) -> list[str]:
+    path = work / "scale.json"
+    if not path.exists():
+        return ["scale: no scale.json (the step did not finish)"]
+    r = json.loads(path.read_text())
+    gib = 1 << 30
+
+    def peak(measured: str, planned: str) -> str:
+        if r.get(measured) is None:
+            return f"planned {r[planned] / gib:.1f} GiB"
+        return f"{r[measured] / gib:.1f} GiB measured, {r[planned] / gib:.1f} GiB planned"
+
+    return [f"one step of the h100-rlvr shape on {r.get('gpu') or r['device']} ({r['dtype']}): sample "
+            f"{r['sample_s']:.1f} s (prefill {r['prefill_s']:.1f} s, {r['decode_steps']} decode steps), "
+            f"forward_backward {r['forward_backward_s']:.1f} s in {r['micro_batches']} micro-batches, optim "
+            f"{r['optim_s']:.2f} s",
+            f"peak memory: sampling {peak('sampling_peak_bytes', 'planned_sampling_peak')}; training "
+            f"{peak('training_peak_bytes', 'planned_training_peak')}",
+            f"training {r['tokens_per_s']:.0f} tokens/s, MFU {100 * r['mfu']:.1f}% of 989 TFLOP/s; decode "
+            f"{r['decode_ms_per_step']:.2f} ms/step at 64 x 256 (target <= 3 ms)",
+            *(f"plan: {line}" for line in r.get("plan", []))]
+
+
 RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _checks, "bench": _bench,
-                                                     "debate": _debate}
+                                                     "debate": _debate, "scale": _scale}
 
 
 def section(part: str, work: Path, status: int, planned: float, seconds: float, dry_run: bool,

@@ -209,6 +209,15 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     from rlrunbook.run.redaction import redact_config
 
     runs = _resolve_runs(args)
+    if args.memory_plan or args.device_memory:
+        from rlrunbook.rl.setup.memory_plan import format_plan, parse_size, plan_memory
+
+        size = parse_size(args.device_memory) if args.device_memory else None
+        plans = [plan_memory(resolved.config, size) for resolved in runs]
+        for resolved, plan in zip(runs, plans, strict=True):
+            print(f"# memory plan of {resolved.config.name}:")
+            print("\n".join(f"#   {line}" for line in format_plan(plan)))
+        return 0 if all(plan.fits for plan in plans) else 1
     if args.check_logprobs_args:
         if len(runs) != 1:
             raise ConfigError(f"--check-logprobs-args needs one run, but the sweep makes {len(runs)}: drop --sweep.")
@@ -255,7 +264,7 @@ def cmd_resolve_model(args: argparse.Namespace) -> int:
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from rlrunbook.run.tools import format_table, summarize_runs, write_table
+    from rlrunbook.run.tools import TERMINAL_LEGEND, format_table, summarize_runs, write_table
 
     if args.out:
         from rlrunbook.rl.setup.preflight import check_output_file
@@ -263,6 +272,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
         check_output_file(args.out)
     rows = summarize_runs([Path(d) for d in args.run_dirs])
     print(format_table(rows))
+    print(TERMINAL_LEGEND)
     if args.out:
         print(f"table: {write_table(rows, Path(args.out))}")
     return 1 if any(row["status"] == "unreadable" for row in rows) else 0
@@ -499,7 +509,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_const", const=True,
                         help="seed Python/NumPy/torch and use deterministic torch algorithms")
     parser.add_argument("--expected-dataset-hash", help="refuse the run if the data set's fingerprint differs")
-    parser.add_argument("--no-proxy", action="store_true", help="accepted for the seeds' commands; no effect here")
+    parser.add_argument("--no-proxy", action="store_true", help="accepted for older run scripts that pass it; no effect")
     parser.add_argument("--loss-fn", help="importance_sampling (default) | ppo | cispo | dro")
     parser.add_argument("--kl-coef", type=float, help="loss.kl_coef: KL to the reference policy (0 = off)")
     parser.add_argument("--kl-estimator", choices=["k1", "k3", "low_var_kl"], help="loss.kl_estimator (low_var_kl)")
@@ -563,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show-config", help="print the resolved config of a train command (file, overrides, "
                                                    "flags, sweep points) and where each value came from")
     _add_train_arguments(show)
+    show.add_argument("--memory-plan", action="store_true",
+                      help="print the predicted memory of sampling and training on the run's device instead of the "
+                           "config (exit 1 when it does not fit); no model loads")
+    show.add_argument("--device-memory", metavar="SIZE",
+                      help="plan for a device of this size (e.g. 80GiB for an H100 80GB) instead of this machine's; "
+                           "implies --memory-plan")
     show.add_argument("--check-logprobs-args", action="store_true",
                       help="print, one per line, the check-logprobs arguments that check what this train command "
                            "runs (model, LoRA rank, temperature, min-p; backend device, dtype, sampler); "

@@ -1,6 +1,6 @@
 """Runbook checks on a loaded model: sampler-vs-trainer logprob parity.
 
-The most important correctness check of the seeds' GPU runbook: sample, then score exactly the
+The most important correctness check of the GPU runbook: sample, then score exactly the
 sampled tokens again under the same sampling distribution (logits / T and the same filters), and
 compare. If this fails, ratios and losses cannot be trusted. Two scorers:
 

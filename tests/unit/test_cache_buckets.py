@@ -24,11 +24,13 @@ MAX_TOKENS = 6
 TURN_TOKENS = 60  # the opponent's turn injected into each debater's next prompt
 
 
-def test_capacities_are_powers_of_two_from_the_floor_up_to_the_context():
-    assert [capacity_bucket(n, 2048) for n in (1, 200, 256, 257, 511, 512, 513, 1000, 1500)] == [
-        256, 256, 256, 512, 512, 512, 1024, 1024, 2048]
-    assert capacity_bucket(1500, 1600) == 1600, "never past the model's context"
-    assert capacity_bucket(3000, None) == 4096
+def test_capacities_are_powers_of_two_and_one_and_a_half_times_them_up_to_the_context():
+    assert [capacity_bucket(n, 4096) for n in (1, 200, 256, 257, 384, 385, 511, 512, 513, 1000, 1500, 1537, 2560)] \
+        == [256, 256, 256, 384, 384, 512, 512, 512, 768, 1024, 1536, 2048, 3072]
+    assert capacity_bucket(1700, 1800) == 1800, "never past the model's context"
+    assert capacity_bucket(3000, None) == 3072 and capacity_bucket(3073, None) == 4096
+    for needed in range(1, 5000, 7):  # at most a third of a cache unused beyond the floor
+        assert needed <= capacity_bucket(needed, None) <= max(CAPACITY_FLOOR, needed * 3 // 2 + 1)
     assert CAPACITY_FLOOR == 256
 
 
@@ -73,11 +75,11 @@ def test_reused_larger_caches_sample_what_fresh_ones_do(tiny_host):
     """A call served from caches sized for an earlier, longer call gives the same tokens and logprobs."""
     reused = _engine(tiny_host)
     request = GenerationRequest(max_tokens=MAX_TOKENS, filters=SamplingFilters(1.0), stop=(), seed=4)
-    reused.sample_jobs([SampleJob(list(range(5, 605)), 2, request)])  # grows the caches to 1024 positions
+    reused.sample_jobs([SampleJob(list(range(5, 605)), 2, request)])  # grows the caches to 768 positions
     short = [SampleJob(list(range(7, 57)), 2, request), SampleJob(list(range(9, 29)), 1, request)]
     got = reused.sample_jobs(short)
     want = _engine(tiny_host).sample_jobs(short)  # caches of 256 positions
-    assert reused._capacity == 1024
+    assert reused._capacity == 768
     for xs, ys in zip(got, want, strict=True):
         for x, y in zip(xs, ys, strict=True):
             assert x.tokens == y.tokens and x.logprobs == y.logprobs
@@ -96,3 +98,21 @@ def test_each_train_log_row_reports_the_engine_counters(tmp_path):
     for row in trained:
         assert row["engine/graph_captures"] == 0.0  # no CUDA here
         assert row["engine/cache_rebuilds"] >= 0.0
+
+
+def test_caches_of_fewer_rows_are_the_first_rows_of_the_largest(tiny_host):
+    """Batches of fewer rows (a call of fewer prompts, or a batch shrinking as rows finish) use the first rows of
+    the largest cache: the engine holds one ``rows x capacity`` cache, not one per row count (twice the memory)."""
+    engine = _engine(tiny_host)
+    request = GenerationRequest(max_tokens=8, filters=SamplingFilters(1.0), stop=(), seed=3)
+    engine.sample_jobs([SampleJob(list(range(5 + i, 40 + 3 * i)), 1, request) for i in range(16)])
+    engine.sample_jobs([SampleJob(list(range(9 + i, 30 + i)), 1, request) for i in range(4)])
+    engine.sample_jobs([SampleJob(list(range(9, 30)), 2, request)])
+    assert sorted(engine._caches) == [2, 4, 16]
+    largest = engine._caches[16]
+    for cache in engine._caches.values():
+        for mine, theirs in zip(cache.keys + cache.values, largest.keys + largest.values, strict=True):
+            assert mine.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr()
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for cache in engine._caches.values() for t in cache.keys + cache.values}
+    assert sum(held.values()) == sum(t.numel() * t.element_size() for t in largest.keys + largest.values)

@@ -22,7 +22,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "gpu-check.sh"
 DOC = REPO_ROOT / "docs" / "gpu-validation.md"
-PARTS = ("tier", "parity", "bench", "debate")
+PARTS = ("tier", "parity", "bench", "debate", "scale")
 STAGING_MINUTES = 2
 
 
@@ -73,8 +73,8 @@ def test_a_part_leaves_exactly_its_section_and_its_archive(tmp_path, part):
 
 
 def test_an_unknown_part_or_a_missing_name_is_a_usage_error(tmp_path):
-    result = _bash("--part", "scale", out=tmp_path)
-    assert result.returncode == 2 and "unknown part 'scale'" in result.stderr and "parity" in result.stderr
+    result = _bash("--part", "sclae", out=tmp_path)
+    assert result.returncode == 2 and "unknown part 'sclae'" in result.stderr and "parity" in result.stderr
     assert _bash("--part", out=tmp_path).returncode == 2
     assert _bash("--part", "tier", "--bogus", out=tmp_path).returncode == 2
     assert not any(tmp_path.iterdir())

@@ -123,8 +123,11 @@ def test_tables_have_stable_columns_and_full_precision(tmp_path):
 def test_format_table_aligns_columns(tmp_path):
     rows = summarize_runs([make_run(tmp_path, "a_long_run_name", [0.25]), tmp_path / "x"])
     lines = format_table(rows).splitlines()
-    assert lines[0].split()[:3] == ["run", "status", "steps_logged"]
-    assert lines[1].split()[:4] == ["a_long_run_name", "completed", "1", "0.25"]
+    assert lines[0].split()[:6] == ["run", "status", "mode", "env", "model", "steps_logged"]
+    header = lines[0].split()
+    first = dict(zip(header, lines[1].split(), strict=True))
+    assert first["run"] == "a_long_run_name" and first["status"] == "completed" and first["reward_first"] == "0.25"
+    assert first["problems"] == "none"  # nothing found wrong reads as such, not as a dash
     assert lines[2].split()[:3] == ["x", "unreadable", "-"]
     assert lines[1].index("completed") == lines[2].index("unreadable") == lines[0].index("status")
 

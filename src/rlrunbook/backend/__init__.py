@@ -20,7 +20,7 @@ BACKENDS = ("local", "api")
 
 
 def backend_name(env: dict[str, str] | None = None) -> str:
-    """``TINKER_BACKEND`` if set; else ``local`` (also when the seeds' ``TINKER_LOCAL_BACKEND`` is set)."""
+    """``TINKER_BACKEND`` if set; else ``local`` (also when the older ``TINKER_LOCAL_BACKEND`` is set)."""
     env = os.environ if env is None else env
     name = env.get("TINKER_BACKEND", "").strip().lower() or "local"
     if name not in BACKENDS:

@@ -53,11 +53,12 @@ class ChunkScoring(Protocol):
 class SharedPrefixScoring:
     """Scores through the shared-prefix decoder pass (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, numerics: Numerics | str):
+    def __init__(self, model: torch.nn.Module, numerics: Numerics | str, recompute_layers: bool = False):
         self.scorer = SharedPrefixScorer(Decoder(model, numerics))
+        self.recompute_layers = recompute_layers  # activation checkpointing per decoder layer
 
     def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
-        run = self.scorer.run([item.input_tokens for item in chunk])
+        run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=self.recompute_layers)
         pairs: dict[tuple[int, int], int] = {}  # (hidden row, target) -> index: each distinct pair once
         seen: list[int] = []  # pair index of every position the loss reads, datum by datum
         for i, item in enumerate(chunk):

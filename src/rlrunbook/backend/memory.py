@@ -176,21 +176,26 @@ def with_layers(config, layers: int):
 
 
 def token_cost(config, dtype: torch.dtype, lora_rank: int, numerics: Numerics | str, *, recompute_layers: bool,
-               train_unembed: bool = True, device_type: str = "cpu") -> TokenCost:
+               device_type: str = "cpu", **lora_targets: bool) -> TokenCost:
     """The training memory of a micro-batch of ``config``'s model as a function of its distinct tokens.
 
     Decoder layers are alike, so the peak is ``a + b t + L (c + d t)`` for ``L`` layers and ``t`` tokens: four
     traced passes (1 and 2 layers; one sequence, every position trained, the output layer's work at its
     largest) give ``a, b, c, d``, and the model's own layer count the rest. The two lengths are long enough
     that the attention core splits its queries into chunks (``SCORE_ELEMENTS``), where its memory is linear.
+    ``lora_targets``: ``train_attn``, ``train_mlp``, ``train_unembed`` as :func:`skeleton` takes them.
     """
     from rlrunbook.engines.attention import SCORE_ELEMENTS, planning_for
 
+    key = (config.to_json_string(), str(dtype), lora_rank, numerics.name if isinstance(numerics, Numerics)
+           else numerics, recompute_layers, device_type, tuple(sorted(lora_targets.items())))
+    if key in _TRACED:  # the same model and settings trace to the same numbers: once per process
+        return _TRACED[key]
     heads = config.num_attention_heads
     reference_tokens = 4 * max(256, int((SCORE_ELEMENTS.get(device_type, SCORE_ELEMENTS["cuda"]) / heads) ** 0.5))
     peaks = {}
     for layers in (1, 2):
-        model = skeleton(with_layers(config, layers), dtype, lora_rank, train_unembed=train_unembed)
+        model = skeleton(with_layers(config, layers), dtype, lora_rank, **lora_targets)
         with planning_for(device_type):
             for tokens in (reference_tokens // 2, reference_tokens):
                 peaks[layers, tokens] = forward_backward_peak(model, numerics, [list(range(tokens))], tokens - 1,
@@ -202,4 +207,160 @@ def token_cost(config, dtype: torch.dtype, lora_rank: int, numerics: Numerics | 
     slope = ((base[full] - base[half]) + layers * (per_layer[full] - per_layer[half])) / (full - half)
     per_token = max(1, int(-(-slope // 1)))
     fixed = base[full] + layers * per_layer[full] - per_token * full
-    return TokenCost(max(0, int(fixed)), per_token, recompute_layers)
+    _TRACED[key] = TokenCost(max(0, int(fixed)), per_token, recompute_layers)
+    return _TRACED[key]
+
+
+_TRACED: dict[tuple, TokenCost] = {}
+
+
+# The share of a device the local backend leaves to an in-process sampler's caches (the vLLM sampler's own
+# share, ``gpu_memory_utilization``, where a managed server shares the GPU), and what it never plans to use.
+SAMPLER_SHARE = 0.4
+# On a GPU the caching allocator's fragmentation; on a CPU glibc, which with the allocator settings of
+# scripts/test.sh keeps freed activation buffers in its heap: measured RSS up to 1.9x the traced tensor peak
+# (a 2-layer 1.5B-shaped model, 2,048 tokens: 2,022 MB against 1,090 MB with buffers returned to the OS).
+HEADROOM = {"cuda": 0.1, "cpu": 0.5}
+# Below this many tokens per micro-batch a device runs its products inefficiently, and recomputing activations
+# to afford larger micro-batches pays: a GPU needs thousands of rows to fill; a CPU's GEMMs peak at ~1,000.
+MIN_EFFICIENT_TOKENS = {"cuda": 8192, "cpu": 1024}
+_BUDGET_STEP = 256
+
+
+def headroom(device_type: str) -> float:
+    """The share of a device's memory no plan uses (see ``HEADROOM``)."""
+    return HEADROOM.get(device_type, HEADROOM["cuda"])
+
+
+def device_memory(device: str | torch.device) -> int:
+    """Total memory of ``device``: a CUDA device's, or the machine's RAM for the CPU (fixed per machine, so a
+    budget derived from it is the same in every run and on resume)."""
+    import os
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How ``forward_backward`` splits its batches: ``tokens`` distinct tokens per micro-batch at most (``None``:
+    one pass), ``recompute_layers`` (activation checkpointing), and why, in words for the log."""
+
+    tokens: int | None
+    recompute_layers: bool
+    reason: str
+    cost: TokenCost | None = None  # the traced cost the choice rests on (None where none was traced)
+
+
+def lora_layout(model: torch.nn.Module) -> dict:
+    """The LoRA rank, alpha and targets of a peft-wrapped model, as :func:`skeleton` takes them."""
+    config = model.peft_config["default"]
+    targets = set(config.target_modules or ())
+    return {"lora_rank": int(config.r), "lora_alpha": int(config.lora_alpha), "train_unembed": "lm_head" in targets,
+            "train_attn": bool(targets & {"q_proj", "k_proj", "v_proj", "o_proj"}),
+            "train_mlp": bool(targets & {"gate_proj", "up_proj", "down_proj"})}
+
+
+def choose_micro_batching(config, dtype: torch.dtype, lora: dict, numerics: Numerics | str, *, available: int,
+                          device_type: str, tokens: int | None, checkpointing: str, where: str,
+                          refuse: bool = True) -> MicroBatching:
+    """Micro-batching of a model of transformers ``config`` with LoRA ``lora`` (:func:`lora_layout`'s keys) when
+    ``available`` bytes are left for activations on a ``device_type`` device (``where`` says why, for the log).
+
+    ``tokens``: the budget a user set (``0``: no limit), or ``None`` to derive it from ``available`` and the
+    traced per-token cost (:func:`token_cost`). ``checkpointing``: ``on``, ``off`` or ``auto`` (off while a
+    micro-batch of the device's ``MIN_EFFICIENT_TOKENS`` fits without it, or while a stated budget does).
+    When not even a micro-batch of 256 tokens fits: ``ConfigError`` naming the ways out, or with ``refuse=False``
+    that smallest micro-batch with checkpointing (a plan that does not fit, for its caller to report).
+    """
+    from rlrunbook.errors import ConfigError
+
+    layout = {key: value for key, value in lora.items() if key not in ("lora_rank", "lora_alpha")}
+
+    def cost(recompute: bool) -> TokenCost:
+        return token_cost(config, dtype, lora["lora_rank"], numerics, recompute_layers=recompute,
+                          device_type=device_type, **layout)
+
+    if tokens is not None:
+        budget = tokens or None
+        recompute = checkpointing == "on" or (
+            checkpointing == "auto" and budget is not None and cost(False).bytes(budget) > available)
+        return MicroBatching(budget, recompute, f"stated: {budget or 'no limit'} tokens ({where})", cost(recompute))
+    plain = cost(False)
+    efficient = MIN_EFFICIENT_TOKENS.get(device_type, MIN_EFFICIENT_TOKENS["cuda"])
+    if checkpointing == "off" or (checkpointing == "auto" and plain.tokens(available) >= efficient):
+        chosen, recompute = plain, False
+    else:
+        chosen, recompute = cost(True), True
+    budget = chosen.tokens(available) // _BUDGET_STEP * _BUDGET_STEP
+    if budget < _BUDGET_STEP and not refuse:
+        return MicroBatching(_BUDGET_STEP, checkpointing != "off", f"does not fit ({where})",
+                             cost(checkpointing != "off"))
+    if budget < _BUDGET_STEP:
+        raise ConfigError(
+            f"training does not fit: {where}, and a micro-batch of {_BUDGET_STEP} tokens needs "
+            f"{_gib(chosen.bytes(_BUDGET_STEP))} GiB more. Use a smaller model or LoRA rank, bfloat16, "
+            "TINKER_LOCAL_ACTIVATION_CHECKPOINTING=on, or a device with more memory.")
+    return MicroBatching(budget, recompute, f"derived: {chosen.per_token / 1024:.0f} KiB per token"
+                         f"{' with activation checkpointing' if recompute else ''} ({where})", chosen)
+
+
+def plan_micro_batching(model: torch.nn.Module, *, device: str, numerics: Numerics | str, tokens: int | None,
+                        checkpointing: str, sampler_share: float = SAMPLER_SHARE) -> MicroBatching:
+    """Micro-batching of a loaded LoRA-wrapped ``model`` training on ``device``, for a backend that does not know
+    what will be sampled: the device's memory less ``HEADROOM``, ``sampler_share`` and the model's parameters and
+    training state is left for activations (see :func:`choose_micro_batching`)."""
+    total = device_memory(device)
+    sizes = model_bytes(model)
+    name = numerics.name if isinstance(numerics, Numerics) else numerics
+    float64 = sizes.float64_copy if name == "exact" else 0
+    kind = torch.device(device).type
+    available = int(total * (1 - headroom(kind) - sampler_share)) - sizes.frozen - sizes.training_state - float64
+    dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    where = (f"{_gib(total)} GiB {kind} memory, {_gib(available)} GiB left for activations after the weights, "
+             f"the training state and {sampler_share:.0%} for sampling")
+    return choose_micro_batching(config, dtype, lora_layout(model), numerics, available=available, device_type=kind,
+                                 tokens=tokens, checkpointing=checkpointing, where=where)
+
+
+def _gib(size: float) -> str:
+    return f"{size / GIB:.1f}"
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Keys and values of one token over every layer: ``layers x 2 x kv_heads x head_dim x bytes``."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty(0, dtype=dtype).element_size()
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
+
+
+def sampling_transients(config, dtype: torch.dtype, numerics: Numerics | str, *, prefill_tokens: int, rows: int,
+                        window: int, device_type: str = "cpu") -> tuple[int, int]:
+    """Peak bytes of the in-process engine's prefill of ``prefill_tokens`` distinct prompt tokens and of one decode
+    step of ``rows`` rows reading ``window`` cache columns, beyond the weights and the caches themselves.
+
+    Traced on a 2-layer skeleton: without gradients a layer's activations are freed before the next layer runs,
+    so the peak does not grow with the layer count. The draw's two ``[rows, V]`` float32 buffers (scores after
+    the filters, the Gumbel noise) are added to the decode step.
+    """
+    from rlrunbook.engines.attention import planning_for
+    from rlrunbook.engines.layouts import RowCache
+
+    model = skeleton(with_layers(config, 2), dtype, 1)
+    decoder = Decoder(model, numerics)
+    scorer = SharedPrefixScorer(decoder)
+    with torch.no_grad(), planning_for(device_type):
+        scorer.run([[0, 1]])  # what a first pass makes once (stacked weights, float64 copies)
+        with LiveBytes() as prefill:
+            run = scorer.run([list(range(prefill_tokens))])
+            decoder.logits(run.hidden[-1:])
+            del run
+        cache = RowCache(2, rows, window, decoder.num_kv_heads, decoder.head_dim, decoder.dtype,
+                         torch.device("meta"))
+        cache.lengths.fill_(window - 1)
+        with LiveBytes() as decode:
+            decoder.logits(decoder.hidden(torch.zeros(rows, dtype=torch.long, device="meta"), cache.lengths, cache))
+    return prefill.peak, decode.peak + 2 * rows * config.vocab_size * 4

@@ -21,7 +21,7 @@ from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
 
-_DEFAULT_MAX_TOKENS = 256  # the seeds' local backend used 256 when max_tokens is None
+_DEFAULT_MAX_TOKENS = 256  # what earlier local backends used when max_tokens is None
 _sequence_ids = itertools.count()
 
 

@@ -18,6 +18,7 @@ from rlrunbook.backend.checkpoints import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.futures import OrderedWorker, completed
 from rlrunbook.backend.host import ModelHost, SamplerWeights, load_host
 from rlrunbook.backend.lora import clone_adapter, load_saved_adapter, wrap_with_lora
+from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.settings import LocalSettings
@@ -26,7 +27,27 @@ from rlrunbook.backend.trainer import LoraTrainer
 from rlrunbook.backend.training_client import LocalTrainingClient
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.backend.vllm_sampling import VllmSamplers
+from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.errors import ConfigError, ModelNotFoundError
+
+
+def micro_batching(host: ModelHost, settings: LocalSettings) -> MicroBatching:
+    """How this host's trainer splits ``forward_backward`` batches (see :func:`plan_micro_batching`).
+
+    The share of the device left to sampling: an in-process sampler's caches, or a managed vLLM server's
+    ``gpu_memory_utilization`` when it runs on the same GPU; none for a vLLM server reached by URL.
+    """
+    reason = unsupported_reason(host.model)
+    if reason is not None:  # transformers' own forward over padded datums: no traced cost to derive a budget from
+        tokens = settings.micro_batch_tokens or None
+        return MicroBatching(tokens, False, f"{tokens or 'no'} token limit; the padded path ({reason})")
+    share = SAMPLER_SHARE
+    if settings.sampler == "vllm":
+        external = bool(settings.vllm.url)
+        share = 0.0 if external or not settings.device.startswith("cuda") else settings.vllm.gpu_memory_utilization
+    return plan_micro_batching(host.model, device=settings.device, numerics=settings.decoder_numerics(),
+                               tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing,
+                               sampler_share=share)
 
 
 class LocalServiceClient:
@@ -91,10 +112,12 @@ class LocalServiceClient:
             )
             host.engine.model = host.model
             self._attach_sampler(host)
+            batching = micro_batching(host, settings)
             trainer = LoraTrainer(host.model, pad_token_id=host.pad_token_id,
                                   vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
                                   accept_zero_advantages=settings.zero_advantage_batches == "accept",
-                                  numerics=settings.decoder_numerics())
+                                  numerics=settings.decoder_numerics(), micro_batch_tokens=batching.tokens,
+                                  recompute_layers=batching.recompute_layers)
             self._store.write_run(record)
             return LocalTrainingClient(host, trainer, self._worker, model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,

@@ -1,6 +1,6 @@
 """The local backend's knobs, read once from the environment when a ServiceClient is made.
 
-Names follow the seeds' local backend (``TINKER_LOCAL_*``) so existing run scripts keep working.
+Names follow the ``TINKER_LOCAL_*`` convention of earlier local Tinker backends, so existing run scripts keep working.
 Nothing below this module reads the environment.
 """
 
@@ -18,6 +18,7 @@ from rlrunbook.engines.products import CPU_PRODUCTS
 from rlrunbook.errors import ConfigError
 
 SAMPLERS = ("hf", "generate", "vllm")
+CHECKPOINTING = ("auto", "on", "off")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -72,9 +73,15 @@ class LocalSettings:
         dtype: parameter dtype (``TINKER_LOCAL_DTYPE``: float32 | bfloat16 | float16; default
             bfloat16 on CUDA, float32 on CPU, where bf16 matmuls are slow and parity is loose).
         seed: default seed for LoRA initialisation and unseeded sampling (``TINKER_LOCAL_SEED``, 0).
-        grad_accum_chunks: forward_backward splits its batch into this many chunks, one
+        grad_accum_chunks: forward_backward splits its batch into at least this many chunks, one
             backward each, so peak memory falls while the summed gradient is unchanged
             (``TINKER_LOCAL_GRAD_ACCUM_STEPS``, 1).
+        micro_batch_tokens: most distinct tokens one forward/backward pass of ``forward_backward`` computes
+            (``TINKER_LOCAL_MICRO_BATCH_TOKENS``): ``None`` (``auto``, the default) derives it from the
+            device's memory and the model's traced per-token cost (rlrunbook.backend.memory); ``0`` = no limit.
+        activation_checkpointing: whether decoder layers recompute their activations in backward
+            (``TINKER_LOCAL_ACTIVATION_CHECKPOINTING``: ``auto`` (default: where the memory needs it), ``on``,
+            ``off``).
         lora_alpha: LoRA alpha (``TINKER_LOCAL_LORA_ALPHA``, 32: scale 1 at the SDK's default rank 32).
         sampler: sampling engine (``TINKER_LOCAL_SAMPLER``): ``hf`` (default: this project's in-process
             engine over the transformers weights, the trainer's own forward, for the Llama, Qwen2,
@@ -111,6 +118,8 @@ class LocalSettings:
     dtype: torch.dtype | None = None
     seed: int = 0
     grad_accum_chunks: int = 1
+    micro_batch_tokens: int | None = None
+    activation_checkpointing: str = "auto"
     lora_alpha: int = 32
     sampler: str = "hf"
     numerics: str = "invariant"
@@ -136,6 +145,12 @@ class LocalSettings:
             raise ConfigError("4-bit base weights (backend.load_in_4bit) with the in-process sampler (sampler 'hf', "
                               "the default): its decoder computes with floating-point weights only. Set "
                               "TINKER_LOCAL_SAMPLER=generate (or backend.sampler: generate), or vllm.")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ConfigError(f"activation_checkpointing={self.activation_checkpointing!r} must be one of "
+                              f"{CHECKPOINTING} (TINKER_LOCAL_ACTIVATION_CHECKPOINTING).")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 0:
+            raise ConfigError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: no limit) "
+                              "(TINKER_LOCAL_MICRO_BATCH_TOKENS; 'auto' derives it from the device's memory).")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
 
@@ -184,6 +199,12 @@ class LocalSettings:
             if graphs not in ("0", "1"):
                 raise ConfigError(f"TINKER_LOCAL_CUDA_GRAPHS={graphs!r} must be 1 (capture) or 0 (no graphs).")
             kwargs["cuda_graphs"] = graphs == "1"
+        tokens = env.get("TINKER_LOCAL_MICRO_BATCH_TOKENS", "").strip().lower()
+        if tokens and tokens != "auto":
+            kwargs["micro_batch_tokens"] = _int_env(env, "TINKER_LOCAL_MICRO_BATCH_TOKENS", 0, 0)
+        checkpointing = env.get("TINKER_LOCAL_ACTIVATION_CHECKPOINTING", "").strip().lower()
+        if checkpointing:
+            kwargs["activation_checkpointing"] = checkpointing
         if env.get("TINKER_LOCAL_STORAGE"):
             kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
         return cls(

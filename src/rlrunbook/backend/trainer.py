@@ -3,8 +3,11 @@
 Semantics kept from the Tinker API: losses are token sums; gradients accumulate across
 ``forward_backward`` calls until ``optim_step``; each call returns the learner's logprobs of
 every target token per datum and metrics named ``name:reduction`` (``loss:sum`` always).
-A batch is split into ``grad_accum_chunks`` chunks, each with its own backward, which lowers
-peak memory and, the loss being a sum, leaves the gradient unchanged.
+A batch is split into micro-batches of at most ``micro_batch_tokens`` distinct tokens (and at least
+``grad_accum_chunks`` of them), each with its own forward and backward, which bounds peak memory whatever the
+batch and, the loss being a sum, leaves the gradient unchanged (up to the order of floating-point additions);
+with ``recompute_layers`` each decoder layer keeps only its input for backward (activation checkpointing). See
+:mod:`rlrunbook.backend.micro_batches` and :mod:`rlrunbook.backend.memory`.
 
 LOCAL EXTENSION (the hosted Tinker service does not know these ``loss_fn_config`` keys): ``kl_coef``,
 ``kl_estimator`` and ``entropy_coef`` add ``kl_coef * sum_t kl_t - entropy_coef * sum_t H_t`` to the loss,
@@ -24,6 +27,7 @@ from tinker import types
 from rlrunbook import distributed
 from rlrunbook.backend.chunk_scores import ChunkScores, ChunkScoring, PaddedScoring, SharedPrefixScoring
 from rlrunbook.backend.lora import adapter_parameters
+from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
 from rlrunbook.engines.decoder import Numerics, unsupported_reason
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
@@ -201,12 +205,15 @@ class LoraTrainer:
     """Owns a LoRA-wrapped model and its optimizer; every method runs on the backend's worker thread."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1,
-                 accept_zero_advantages: bool = False, numerics: Numerics | str = "invariant"):
+                 accept_zero_advantages: bool = False, numerics: Numerics | str = "invariant",
+                 micro_batch_tokens: int | None = None, recompute_layers: bool = False):
         self.model = model
         # The sampler's own forward (shared prefixes, logits only where needed) where it covers the model;
         # otherwise transformers' forward over padded datums.
-        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics) if unsupported_reason(model) is None
-                                      else PaddedScoring(model, pad_token_id))
+        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers)
+                                      if unsupported_reason(model) is None else PaddedScoring(model, pad_token_id))
+        self.micro_batch_tokens = micro_batch_tokens
+        self.recompute_layers = recompute_layers
         # False (the project's default): a batch with no non-zero advantage raises NoLearningSignalError.
         # True: it is computed as the hosted service computes it, loss and gradient 0 (for unmodified recipes).
         self.accept_zero_advantages = accept_zero_advantages
@@ -266,14 +273,13 @@ class LoraTrainer:
                 "use a reward with more spread, or raise the temperature. (Code written for the hosted service, "
                 "which trains such a batch as a no-op, can set TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES=accept.)"
             )
-        n_chunks = min(self.grad_accum_chunks, len(items))
-        bounds = [round(i * len(items) / n_chunks) for i in range(n_chunks + 1)]
+        batches = micro_batches([item.input_tokens for item in items], self.micro_batch_tokens, self.grad_accum_chunks)
         logprobs: list[torch.Tensor] = []
         sampling: list[torch.Tensor] = []
         loss_total = 0.0
         parts: list[_ChunkOutput] = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part = self._chunk_loss(items[lo:hi], spec, config, reg, mismatch)
+        for batch in batches:
+            part = self._chunk_loss(items[batch.start:batch.stop], spec, config, reg, mismatch)
             if backward:
                 part.loss.backward()
                 self._has_gradients = True
@@ -288,6 +294,9 @@ class LoraTrainer:
             "loss:sum": loss_total,
             "num_tokens:sum": float(sum(len(item.input_tokens) for item in items)),
             "num_trained_tokens:sum": float(trained),
+            # LOCAL EXTENSION: how the batch was split (see micro_batches), for the step's log row.
+            "micro_batches:sum": float(len(batches)),
+            "micro_batch_tokens:max": float(max(batch.tokens for batch in batches)),
         })
         outputs = [{"logprobs": types.TensorData.from_torch(lp)} for lp in logprobs]
         if sampling:  # the caller named the sampler's transform (a local extension)

@@ -29,9 +29,9 @@ Memory grows linearly with the tokens. Nothing of size queries x keys outlives o
   for backward is ``q``, ``k``, ``v`` and the output: O(T) per row. (SDPA keeps only its mask, so it
   is recomputed only past ``RECOMPUTE_FROM_KEYS[False]`` keys.)
 
-At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is 6 MB held after the
-forward (what backward keeps besides the inputs, and the output) instead of 1.3 GB, and a peak of ~150 MB
-instead of 1.7 GB; the cost is one more forward of the attention core in the backward pass.
+At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is 14 MB held after the
+forward (what backward keeps besides the inputs: the float64 keys and values, and the output) instead of
+1.3 GB, and a peak of 164 MB instead of 1.7 GB; the cost is one more forward of the core in the backward pass.
 
 Shapes: ``R`` rows, ``T`` queries per row, ``S`` keys per row, ``H`` query heads in ``Hkv`` groups of
 ``G`` (grouped-query attention: query head ``h`` reads key/value head ``h // G``), head size ``D``.
@@ -57,7 +57,7 @@ _MIN_KEY_BLOCK = 64
 # With gradients over more keys than this, query chunks are recomputed in backward instead of keeping
 # what the core saves for it: float64 scores and weights (16 bytes x heads x keys per query, 49 KB at 12 heads
 # and 256 keys, ~7x the query's own q, k, v and output), or SDPA's mask (1 byte per key).
-RECOMPUTE_FROM_KEYS = {True: 256, False: 4096}  # by ``exact``
+RECOMPUTE_FROM_KEYS = {True: 256, False: 1024}  # by ``exact``
 _MASKED = -1e300  # the score of a key a query may not read (see _float64_core)
 
 
@@ -83,6 +83,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         recompute = recompute_pays(keys, exact, q, k, v)
     if chunk >= queries and not recompute:
         return core(q, k, v, query_positions, key_positions, key_valid, scale)
+    if exact and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        # Converted once, so the chunks' gradients of the keys and values add up in float64 and are rounded to
+        # the input's dtype once (converted per chunk, each chunk's share would be rounded before the sum).
+        k, v = k.double(), v.double()
     parts = []
     for start in range(0, queries, chunk):
         args = (q[:, start:start + chunk], k, v, query_positions[:, start:start + chunk], key_positions,
@@ -151,8 +155,32 @@ def _float64_core(q, k, v, query_positions, key_positions, key_valid, scale) -> 
 def _sdpa_core(q, k, v, query_positions, key_positions, key_valid, scale) -> torch.Tensor:
     rows, queries, heads, dim = q.shape
     allowed = _allowed(query_positions, key_positions, key_valid)  # [R, T, S]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None], scale=scale,
-        enable_gqa=heads > k.shape[2])  # [R, H, T, D]
+    if q.device.type == "meta":  # a memory plan: what the fused kernel allocates, not meta's math decomposition
+        out = _PlannedSdpa.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed[:, None])
+    else:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None], scale=scale,
+            enable_gqa=heads > k.shape[2])  # [R, H, T, D]
     out = out.transpose(1, 2).reshape(rows, queries, heads * dim)
     return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # SDPA gives NaN for a query with no key
+
+
+class _PlannedSdpa(torch.autograd.Function):
+    """SDPA on the meta device, as its fused kernels allocate: the output and a float32 log-sum-exp per query
+    kept for backward with the inputs and the mask (on CUDA converted to an additive bias in the inputs'
+    dtype), the queries laid out contiguously. Meta dispatch would otherwise decompose SDPA into the math path,
+    whose ``[R, H, T, S]`` weights no fused kernel holds."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):  # q: [R, H, T, D]; k, v: [R, Hkv, S, D]; mask: [R, 1, T, S]
+        q = q.contiguous()  # the CPU kernel keeps a contiguous copy of the queries (measured: +1 query-sized tensor)
+        out = torch.empty_like(q)
+        log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        kept = mask if _PLANNED_DEVICE.get() == "cpu" else mask.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, log_sum_exp, kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None

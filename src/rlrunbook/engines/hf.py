@@ -45,7 +45,8 @@ from rlrunbook.prefix_tree import TokenTrie, plan_forward
 
 _PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row: bounds padding between long and short rows
 _WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
-CAPACITY_FLOOR = 256  # the smallest decode cache capacity (positions); larger ones are powers of two
+PREFILL_TOKENS = 16384  # most prompt tokens one prefill pass computes (its activations grow with them)
+CAPACITY_FLOOR = 256  # the smallest decode cache capacity (positions); larger ones are 2^k or 1.5 x 2^k
 
 
 def _bucket(rows: int) -> int:
@@ -53,10 +54,29 @@ def _bucket(rows: int) -> int:
     return max(2, 1 << (rows - 1).bit_length())
 
 
+def prefill_parts(prompts: list[tuple[int, ...]], budget: int | None = None) -> list[list[tuple[int, ...]]]:
+    """Consecutive groups of ``prompts`` of at most ``budget`` tokens (``PREFILL_TOKENS``) each, a longer prompt
+    alone: prefilled one group at a time, so a call of many long prompts holds one group's activations (a later
+    group reads the earlier ones' shared prefixes from the pool)."""
+    budget = PREFILL_TOKENS if budget is None else budget
+    parts: list[list[tuple[int, ...]]] = [[]]
+    used = 0
+    for prompt in prompts:
+        if parts[-1] and used + len(prompt) > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(prompt)
+        used += len(prompt)
+    return parts
+
+
 def capacity_bucket(needed: int, max_context: int | None) -> int:
-    """The decode cache capacity for ``needed`` positions: the smallest power of two that holds them, at least
-    :data:`CAPACITY_FLOOR`, at most ``max_context`` (the model's context, when known)."""
-    capacity = max(CAPACITY_FLOOR, 1 << (needed - 1).bit_length())
+    """The decode cache capacity for ``needed`` positions: the smallest of 256, 384, 512, 768, 1024, 1536, ...
+    (powers of two and 1.5 times them: few sizes, so captured graphs are reused, and at most a third of a cache
+    unused) that holds them, at most ``max_context`` (the model's context, when known)."""
+    power = 1 << max(0, (needed - 1).bit_length() - 1)  # the largest power of two below ``needed``
+    capacity = max(CAPACITY_FLOOR, power if power >= needed else power * 3 // 2 if power * 3 // 2 >= needed
+                   else 2 * power)
     return max(needed, min(capacity, max_context)) if max_context else capacity
 
 
@@ -220,18 +240,25 @@ class HFSamplingEngine(InProcessEngine):
         """The engine's decode cache of ``rows`` rows (a power of two) holding at least ``needed`` positions, emptied.
 
         Caches are kept and reused (captured CUDA graphs read their buffers), all of one capacity, which only
-        grows, by :func:`capacity_bucket`: a call needing more drops every cache and graph (a rebuild).
+        grows, by :func:`capacity_bucket`: a call needing more drops every cache and graph (a rebuild). The
+        caches of fewer rows (a batch shrinks as rows finish) are the first rows of the largest one, so the
+        engine holds one ``rows x capacity`` cache, not one per row count; needing more rows is a rebuild too.
         """
-        if needed > self._capacity:
+        largest = max(self._caches, default=0)
+        if needed > self._capacity or rows > largest:
             if self._capacity:
                 self.cache_rebuilds += 1
             self._drop_caches()
-            self._capacity = capacity_bucket(needed, self.max_context)
+            self._capacity = max(self._capacity, capacity_bucket(needed, self.max_context))
+            decoder = self.decoder
+            self._caches[rows] = RowCache(len(decoder.lm.model.layers), rows, self._capacity, decoder.num_kv_heads,
+                                          decoder.head_dim, decoder.dtype, self.device)
+            largest = rows
         cache = self._caches.get(rows)
         if cache is None:
             decoder = self.decoder
             cache = RowCache(len(decoder.lm.model.layers), rows, self._capacity, decoder.num_kv_heads,
-                             decoder.head_dim, decoder.dtype, self.device)
+                             decoder.head_dim, decoder.dtype, self.device, within=self._caches[largest])
             self._caches[rows] = cache
         cache.reset()
         return cache
@@ -273,7 +300,7 @@ class HFSamplingEngine(InProcessEngine):
         prompts = [prompt for prompt, _ in rows]
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
         pool = self._pool_for(weights_key, sum(len(p) for p in distinct) + len(rows) * request.max_tokens)
-        first_logits = self._prefill(pool, distinct)
+        first_logits = torch.cat([self._prefill(pool, part) for part in prefill_parts(distinct)])
         index = {p: i for i, p in enumerate(distinct)}
         logits = first_logits[torch.tensor([index[tuple(p)] for p in prompts], device=device)]  # [R, V]
         cache = self._new_cache(pool, prompts, max(len(p) for p in prompts) + request.max_tokens)

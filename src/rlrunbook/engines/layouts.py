@@ -176,10 +176,17 @@ class RowCache:
     """
 
     def __init__(self, layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (rows, capacity, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+                 dtype: torch.dtype, device: torch.device, within: RowCache | None = None):
+        if within is not None:  # the first ``rows`` rows of a larger cache: no memory of its own
+            if rows > within.rows or capacity != within.capacity:
+                raise ValueError(f"a {rows}-row cache of capacity {capacity} does not fit in {within.rows} rows of "
+                                 f"capacity {within.capacity}")
+            self.keys = [keys[:rows] for keys in within.keys]
+            self.values = [values[:rows] for values in within.values]
+        else:
+            shape = (rows, capacity, kv_heads, head_dim)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.row_index = torch.arange(rows, device=device)
         self.window = capacity
@@ -210,7 +217,8 @@ class RowCache:
         self.window = self.capacity
 
     def copy_rows_to(self, other: RowCache, rows: torch.Tensor) -> None:
-        """Put rows ``rows`` of this cache into the first ``len(rows)`` rows of ``other`` (same capacity)."""
+        """Put rows ``rows`` of this cache into the first ``len(rows)`` rows of ``other`` (same capacity; it may
+        share this cache's memory: the rows are gathered before they are written)."""
         count = rows.numel()
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
             for layer, tensor in enumerate(mine):

@@ -5,7 +5,7 @@ period) reaches the API server and every engine process it forked. It also leave
 process: on Linux it gets SIGTERM when the thread that started it dies (``PR_SET_PDEATHSIG``, which
 covers a crash or SIGKILL of the trainer), and an ``atexit`` hook stops it on a normal exit and
 after Ctrl-C. Restarts (every N adapter loads, above a memory limit, or for a larger LoRA rank)
-bound the memory a long run's server accumulates, the seeds' ``RESTART_EVERY`` knob.
+bound the memory a long run's server accumulates, the ``RESTART_EVERY`` knob of earlier local backends.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A run writes ``<log_root>/<YYYYmmdd-HHMMSS>_<mode>_<env>_<name>/`` (``new_run_dir``), only through
 ``RunWriter``: every JSON file is written atomically with finite numbers only, so a killed run
-leaves complete files and status "running". ``check_run`` applies the seed runbooks' rubrics to
+leaves complete files and status "running". ``check_run`` applies the runbook's rubrics to
 such a directory; the e2e tests and a user on a GPU machine run the same checks
 (``python -m rlrunbook.run <run_dir>``).
 

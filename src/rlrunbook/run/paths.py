@@ -1,6 +1,6 @@
 """Where runs live: the log root and a fresh directory per run.
 
-The root comes from the command line, else ``RLRUNBOOK_LOG_ROOT``, else the seeds'
+The root comes from the command line, else ``RLRUNBOOK_LOG_ROOT``, else the older
 ``TINKER_DEBATE_LOG_ROOT`` (kept so old shell setups such as ``/dev/shm/logs`` still work),
 else ``./logs``. A run never writes into an existing directory: two runs started in the same
 second get ``..._name``, ``..._name-2``, ``..._name-3``.

@@ -1,4 +1,4 @@
-"""The seed runbooks' rubrics as checks over a run directory.
+"""The runbook's rubrics as checks over a run directory.
 
 ``check_run(run_dir)`` returns one ``CheckResult`` per rule; the e2e tests assert they all pass,
 and a user on a GPU machine runs the same code (``python -m rlrunbook.run <run_dir>``). The rules,

@@ -37,8 +37,12 @@ COLUMNS = ("run", "status", "mode", "env", "model", "seed", "steps", "steps_logg
            "reward_first", "reward_last", "task_reward_first", "task_reward_last", "task_reward_best",
            "loss_last", "trained_tokens", "step_time_mean_s", "dataset_fingerprint",
            "started_at", "finished_at", "problems")
-TERMINAL_COLUMNS = ("run", "status", "steps_logged", "reward_first", "reward_last", "task_reward_best",
-                    "loss_last", "trained_tokens", "step_time_mean_s", "problems")
+TERMINAL_COLUMNS = ("run", "status", "mode", "env", "model", "steps_logged", "reward_first", "reward_last",
+                    "task_reward_best", "loss_last", "trained_tokens", "step_time_mean_s", "dataset_fingerprint",
+                    "problems")
+# What the terminal table prints under itself: its two kinds of empty cell.
+TERMINAL_LEGEND = ("-: not recorded (no step logged it); problems: what reading the run found wrong (a stale "
+                   "process, the run's error, unreadable log lines), none: nothing; fingerprints cut to 12 characters")
 CREDENTIAL_FILE_PATTERNS = (".netrc", "credentials*", "*.pem", "*.key", "*.p12", "*.pfx", ".env", "id_rsa*",
                             "id_dsa*", "id_ecdsa*", "id_ed25519*")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a file swapped for a symlink after the walk is refused
@@ -94,9 +98,18 @@ def _cell(value: Any, precise: bool) -> str:
     return str(value)
 
 
+def _terminal_cell(row: Mapping[str, Any], column: str) -> str:
+    value = row.get(column)
+    if column == "problems" and not value:
+        return "none"
+    if column == "dataset_fingerprint" and isinstance(value, str):
+        return value[:12]
+    return _cell(value, precise=False)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] = TERMINAL_COLUMNS) -> str:
     """An aligned plain-text table of ``rows`` (numbers to 4 significant digits) for the terminal."""
-    cells = [list(columns)] + [[_cell(row.get(c), precise=False) for c in columns] for row in rows]
+    cells = [list(columns)] + [[_terminal_cell(row, c) for c in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in cells)
     return "\n".join(line.rstrip() for line in lines)

@@ -102,14 +102,13 @@ class Task(ABC):
         return info if self.cache_info is None else {**info, "cache": dict(self.cache_info)}
 
     def announcement(self, problems: list[Problem]) -> str:
-        """One line naming the data a run uses: its source, row count and fingerprint (a registered task whose
-        own ``dataset_info`` gives no source or fingerprint is announced without them)."""
+        """One line naming the data a run uses: its source, row count and fingerprint."""
         info = self.dataset_info(problems)
         where = info.get("source", "unknown source")
         if self.cache_info is not None:
             where = f"{self.cache_info['status']} cache {self.cache_info['path']} of {where}"
-        fingerprint = f"fingerprint {info['fingerprint']}" if "fingerprint" in info else "no fingerprint"
-        return f"{self.name} data {self.dataset!r}: {where}, {len(problems)} rows, {fingerprint}"
+        rows, fingerprint = info.get("rows", len(problems)), info.get("fingerprint", "not computed")
+        return f"{self.name} data {self.dataset!r}: {where}, {rows} rows, fingerprint {fingerprint}"
 
     def _from(self, source: str | Path) -> str | Path:
         """Record where ``source`` (a path or a hub name handed to a loader) is read from; return it."""

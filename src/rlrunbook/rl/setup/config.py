@@ -1,6 +1,6 @@
 """The training run's configuration: one validated pydantic model, checked before any model loads.
 
-Flat fields keep the seeds' flag names (``-n`` → ``num_rollouts``, ``--debate-train`` → ``debate_train``);
+Flat fields keep the runbook's flag names (``-n`` → ``num_rollouts``, ``--debate-train`` → ``debate_train``);
 the options added for trustworthy runs live in sections (``loss.kl_coef``, ``checkpoint.every``, ...),
 addressable as dotted keys from a config file, ``key.sub=value`` overrides and the CLI alike (see
 :mod:`rlrunbook.rl.setup.config_sources` for how those layers are merged and recorded).
@@ -122,7 +122,13 @@ class BackendSettings(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
     load_in_4bit: bool = Field(False, description="load the frozen base model 4-bit (bitsandbytes, cuda only)")
-    grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch")
+    grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch (at least)")
+    micro_batch_tokens: int | None = Field(
+        None, ge=0, description="most distinct tokens per forward/backward pass (0: no limit; default "
+                                "TINKER_LOCAL_MICRO_BATCH_TOKENS, else derived from the device's memory)")
+    activation_checkpointing: Literal["auto", "on", "off"] | None = Field(
+        None, description="decoder layers recompute activations in backward: auto (where memory needs it), on, "
+                          "off; default TINKER_LOCAL_ACTIVATION_CHECKPOINTING")
     sampler: Literal["hf", "generate", "vllm"] | None = Field(
         None, description="sampling engine: hf or generate (in process), vllm (a vLLM server); "
                           "default TINKER_LOCAL_SAMPLER; 4-bit base weights need generate or vllm")

@@ -14,8 +14,7 @@ changed source, delete the file.
 - **Fingerprint**: ``fingerprint_records`` of the records, the same number ``run_metadata.json``
   records for an uncached run.
 - **File**: a header line ``{"rlrunbook_dataset_cache": 1, "fingerprint", "source_fingerprint",
-  "rows", "source", "loaded_from"}`` (``loaded_from``: where the first run read the data, which a run
-  loading the cache reports as its data's origin), then one record per line (``{"kind": "QARecord", "id", "question",
+  "rows", "source"}``, then one record per line (``{"kind": "QARecord", "id", "question",
   "answers", "solution"}`` or ``{"kind": "SummaryRecord", "id", "document", "highlights"}``),
   each checked against its schema with errors naming the line.
 - **A damaged cache is refused, not rebuilt**: if the records no longer hash to the fingerprint in
@@ -85,13 +84,15 @@ def _record_row(problem: Problem) -> dict[str, Any]:
     return {"kind": type(record).__name__, **dataclasses.asdict(record)}
 
 
-def write_cache(path: Path, problems: list[Problem], source: dict[str, Any],
-                loaded_from: str | None = None) -> None:
-    """Write ``problems`` as a cache file (header + one record per line), atomically."""
+def write_cache(path: Path, problems: list[Problem], source: dict[str, Any], loaded_from: str | None = None) -> None:
+    """Write ``problems`` as a cache file (header + one record per line), atomically. ``loaded_from``: where the
+    task read them (``Task.loaded_from``), kept so that a run served from the cache names the same source."""
     rows = [_record_row(p) for p in problems]
     fingerprint = fingerprint_records([p.record for p in problems])
     header = {HEADER_KEY: CACHE_FORMAT, "fingerprint": fingerprint, "source_fingerprint": fingerprint,
-              "rows": len(rows), "source": source, "loaded_from": loaded_from}
+              "rows": len(rows), "source": source}
+    if loaded_from is not None:
+        header["loaded_from"] = loaded_from
     lines = [json.dumps(row, ensure_ascii=False, sort_keys=True) for row in (header, *rows)]
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "\n".join(lines) + "\n")
@@ -159,8 +160,8 @@ def load_problems(task: Task, settings: DataSettings) -> list[Problem]:
         path, status = root / f"{key}-{fingerprint_records([p.record for p in loaded])}.jsonl", "written"
         write_cache(path, loaded, source, task.loaded_from)
     problems, header = read_cache(path)  # a fresh cache is read back too: both runs train on the file
-    if task.loaded_from is None and isinstance(header.get("loaded_from"), str):
-        task.loaded_from = header["loaded_from"]  # the origin of the cached data, as the run that wrote it saw it
+    if isinstance(header.get("loaded_from"), str):
+        task.loaded_from = header["loaded_from"]
     task.cache_info = {"path": str(path), "status": status, "source_key": key,
                        "source_fingerprint": header["source_fingerprint"],
                        "cached_fingerprint": fingerprint_records([p.record for p in problems])}

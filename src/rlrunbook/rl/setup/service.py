@@ -29,6 +29,10 @@ def local_settings(stated: BackendSettings):
         changes["grad_accum_chunks"] = stated.grad_accum_steps
     if stated.sampler is not None:
         changes["sampler"] = stated.sampler
+    if stated.micro_batch_tokens is not None:
+        changes["micro_batch_tokens"] = stated.micro_batch_tokens
+    if stated.activation_checkpointing is not None:
+        changes["activation_checkpointing"] = stated.activation_checkpointing
     return dataclasses.replace(settings, **changes)
 
 
@@ -39,12 +43,18 @@ def training_device(stated: BackendSettings) -> str | None:
     return local_settings(stated).device if backend_name() == "local" else None
 
 
-def default_service(stated: BackendSettings):
-    """A service client of the selected backend (the local one with :func:`local_settings`)."""
+def default_service(stated: BackendSettings, micro_batching=None):
+    """A service client of the selected backend (the local one with :func:`local_settings`). ``micro_batching``:
+    a run's memory plan (:class:`rlrunbook.rl.setup.memory_plan.MemoryPlan`), whose micro-batch size and
+    activation checkpointing the trainer then uses instead of deriving its own."""
     from rlrunbook.backend import backend_name, create_service_client
 
     if backend_name() == "local":
-        return create_service_client(settings=local_settings(stated))
+        settings = local_settings(stated)
+        if micro_batching is not None:
+            settings = dataclasses.replace(settings, micro_batch_tokens=micro_batching.micro_batch_tokens or 0,
+                                           activation_checkpointing="on" if micro_batching.recompute_layers else "off")
+        return create_service_client(settings=settings)
     return create_service_client()
 
 

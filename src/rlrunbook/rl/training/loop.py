@@ -15,6 +15,7 @@ from rlrunbook import distributed
 from rlrunbook.rl.rollout.guards import check_prompts
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import DataCursor
+from rlrunbook.rl.setup.memory_plan import format_plan
 from rlrunbook.rl.setup.service import default_service, seed_everything
 from rlrunbook.rl.training import data_parallel as dp
 from rlrunbook.rl.training.interrupt import interrupted
@@ -65,6 +66,8 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
     log(f"[run] {run_dir}" + ("" if resume is None else f" (resumed from {resume.checkpoint.path})"))
     for line in plan.placement:
         log(f"[placement] {line}")
+    for line in format_plan(plan.memory) if plan.memory is not None else ():
+        log(f"[memory] {line}")
     for line in plan.data_lines:  # the first names the data: source (or cache file), rows, fingerprint
         log(f"[data] {line}")
     seed_everything(config.seed, config.deterministic)
@@ -72,7 +75,7 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
     try:
         if resume is not None:
             resume.begin(writer)
-        service = service_factory() if service_factory is not None else (owned := default_service(config.backend))
+        service = service_factory() if service_factory is not None else (owned := default_service(config.backend, plan.memory))
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
                                                        train_unembed=config.train_unembed)
         tokenizer = training.get_tokenizer()

@@ -23,6 +23,7 @@ from rlrunbook.rl.rollout.tasks import Problem, Task
 from rlrunbook.rl.setup.checkpointing import CheckpointSchedule, Resume, plan_resume
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import problem_order, split_held_out
+from rlrunbook.rl.setup.memory_plan import MemoryPlan, check_fits, plan_memory
 from rlrunbook.rl.setup.placement import placement
 from rlrunbook.rl.setup.preflight import preflight
 from rlrunbook.rl.setup.prepare import dataset_record, prepare
@@ -52,6 +53,7 @@ class RunPlan:
     layout: distributed.Layout = field(default_factory=distributed.Layout)  # the torchrun launch
     device: str | None = None  # the local backend's training device (None: the default, or another backend)
     placement: list[str] = field(default_factory=list)  # what runs where (rl/setup/placement.py), logged first
+    memory: MemoryPlan | None = None  # the local backend's memory plan (rl/setup/memory_plan.py); None for api
 
     def new_run_dir(self) -> Path:
         """Create this run's directory: ``<log root>/<timestamp>_<mode>_<env>_<name>``."""
@@ -84,6 +86,12 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
     if resume is not None:
         resume.check_dataset(task.dataset_info(problems))
     preflight(config)  # log root, name, backend, device, model folders: before any model and any run directory
+    from rlrunbook.backend import backend_name
+
+    memory = None
+    if backend_name() == "local":  # refused here when it cannot fit, naming the knob
+        memory = plan_memory(config)
+        check_fits(memory)
     dataset, data_lines = dataset_record(task, problems)
     layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
@@ -97,4 +105,5 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
         rollout=rollout, judge=judge_choice(config),
         validator=Validator(task, held_out, config.validation, rollout, config.seed, config.steps),
         checkpoints=CheckpointSchedule.of(config), advantages_of=advantage_mode(config.run_mode),
-        layout=layout, device=training_device(config.backend), placement=placement(config.backend, os.environ))
+        layout=layout, device=training_device(config.backend), placement=placement(config.backend, os.environ),
+        memory=memory)

@@ -1,0 +1,157 @@
+"""One whole step of the RLVR preset's shape on one device, against its memory plan (``gpu-check.sh --part scale``).
+
+The model is Qwen2.5-Math-1.5B's architecture built from its published config values with random weights (no
+download), LoRA rank 64 as the preset trains it. The step: 64 prompts of 1,024 random tokens, 4 samples each,
+up to 1,536 new tokens (no stop: every row runs to the end), through the in-process engine; then
+``forward_backward`` of the 256 datums in the planned micro-batches and one optimizer step. Then a decode
+benchmark at 64 rows x 256 positions. Written to ``OUT/scale.json``:
+
+    python scripts/scale_check.py --out DIR                       # the full shape, on cuda
+    python scripts/scale_check.py --out DIR --device cpu --layers 2 --groups 2 --samples 2 --prompt 64 --new 16
+
+Reported: seconds per phase, peak memory (``torch.cuda.max_memory_allocated``; on CPU the traced tensor peak is
+not measured here) against the plan's sampling and training peaks, decode ms per step, trained tokens per second
+and the MFU of the LoRA forward/backward (4 x frozen product parameters x tokens FLOPs, recomputation not counted,
+against 989 TFLOP/s: an H100's dense bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from tinker import types
+
+from rlrunbook.backend.lora import wrap_with_lora
+from rlrunbook.backend.memory import model_bytes, with_layers
+from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.engines.base import GenerationRequest, SampleJob
+from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.models.shapes import model_shape
+from rlrunbook.rl.setup.config_sources import build_config
+from rlrunbook.rl.setup.memory_plan import format_plan, parse_size, plan_memory
+
+H100_BF16_FLOPS = 989e12
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak(device: str) -> int | None:
+    return int(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=None, help="default: the model's 28")
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--new", type=int, default=1536)
+    parser.add_argument("--decode-rows", type=int, default=64)
+    parser.add_argument("--decode-window", type=int, default=256)
+    parser.add_argument("--device-memory", default=None, help="plan for this size (default: the device's)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    report: dict = {"device": args.device, "dtype": str(dtype).removeprefix("torch."),
+                    "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+                    "torch": torch.__version__}
+
+    config = model_shape("Qwen/Qwen2.5-Math-1.5B")[0]
+    if args.layers:
+        config = with_layers(config, args.layers)
+    rows = args.groups * args.samples
+    run = build_config(file="h100-rlvr", overrides=[
+        f"num_rollouts={rows}", f"num_groups={args.groups}", f"max_tokens={args.new}",
+        f"data.max_prompt_tokens={args.prompt}", f"backend.device={args.device}",
+        f"backend.dtype={report['dtype']}"], cli={}, strict=False).config
+    if args.layers:  # plan the cut model: a local folder would do; the published config has 28 layers
+        report["note"] = f"{args.layers} of the model's layers; the plan is for all of them"
+    plan = plan_memory(run, parse_size(args.device_memory) if args.device_memory else None)
+    report["plan"] = format_plan(plan)
+    report["planned_sampling_peak"], report["planned_training_peak"] = plan.sampling_peak, plan.training_peak
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(args.device):  # random weights made on the device: no host copy of 3 GB
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = wrap_with_lora(model, rank=64, alpha=32, seed=0)
+    report["build_s"] = time.perf_counter() - started
+    sizes = model_bytes(model)
+    report["weights_bytes"] = sizes.frozen
+
+    engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
+                              max_context=config.max_position_embeddings, max_batch_rows=256)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (args.prompt,), generator=generator).tolist()
+               for _ in range(args.groups)]
+    request = GenerationRequest(max_tokens=args.new, filters=SamplingFilters(0.6), stop=(), seed=0)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _sync(args.device)
+    started = time.perf_counter()
+    completions = engine.sample_jobs([SampleJob(p, args.samples, request) for p in prompts])
+    _sync(args.device)
+    report["sample_s"] = time.perf_counter() - started
+    report["prefill_s"], report["decode_steps"] = engine.prefill_seconds, engine.decode_steps
+    report["sampling_peak_bytes"] = _peak(args.device)
+
+    data = []
+    for prompt, group in zip(prompts, completions, strict=True):
+        for completion in group:
+            tokens = prompt + completion.tokens
+            weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion.tokens)
+            advantages = torch.randn(len(weights), generator=generator) * torch.tensor(weights)
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                "target_tokens": types.TensorData.from_torch(torch.tensor(tokens[1:])),
+                "logprobs": types.TensorData.from_torch(torch.tensor([0.0] * (len(prompt) - 1) + completion.logprobs)),
+                "advantages": types.TensorData.from_torch(advantages)}))
+    trainer = LoraTrainer(model, pad_token_id=0, vocab_size=config.vocab_size,
+                          micro_batch_tokens=plan.micro_batch_tokens, recompute_layers=plan.recompute_layers)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    result = trainer.forward_backward(data, "importance_sampling")
+    _sync(args.device)
+    report["forward_backward_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-6))
+    _sync(args.device)
+    report["optim_s"] = time.perf_counter() - started
+    report["training_peak_bytes"] = _peak(args.device)
+    tokens = int(result.metrics["num_tokens:sum"])
+    report["trained_tokens"], report["micro_batches"] = tokens, int(result.metrics["micro_batches:sum"])
+    report["tokens_per_s"] = tokens / report["forward_backward_s"]
+    product_params = sizes.float64_copy // 8  # the frozen matrix-product weights (lm_head included)
+    report["mfu"] = 4 * product_params * tokens / report["forward_backward_s"] / H100_BF16_FLOPS
+
+    decode = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
+                              max_context=config.max_position_embeddings)
+    short = [torch.randint(3, config.vocab_size, (args.decode_window // 2,), generator=generator).tolist()
+             for _ in range(args.decode_rows)]
+    decode_request = GenerationRequest(max_tokens=args.decode_window // 2, filters=request.filters, stop=(), seed=1)
+    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])  # warm-up: caches, graph captures
+    _sync(args.device)
+    before, steps, prefill = time.perf_counter(), decode.decode_steps, decode.prefill_seconds
+    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])
+    _sync(args.device)
+    elapsed = time.perf_counter() - before - (decode.prefill_seconds - prefill)
+    report["decode_ms_per_step"] = 1000 * elapsed / max(1, decode.decode_steps - steps)
+    (out / "scale.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

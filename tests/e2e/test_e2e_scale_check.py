@@ -1,0 +1,30 @@
+"""The GPU runbook's scale measurement (``scripts/scale_check.py``, ``gpu-check.sh --part scale``) runs end to end
+at a toy size on CPU: the published 1.5B architecture cut to one layer, 2 prompts x 2 samples, 16 prompt tokens,
+4 new. What it reports on a GPU is the same JSON; this keeps the script working between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_scale_check_reports_every_figure_at_a_toy_size(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_check.py"), "--out", str(tmp_path),
+                           "--device", "cpu", "--layers", "1", "--groups", "2", "--samples", "2", "--prompt", "16",
+                           "--new", "4", "--decode-rows", "2", "--decode-window", "16"],
+                          capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "scale.json").read_text())
+    assert report["decode_steps"] == 3 and report["micro_batches"] >= 1 and report["trained_tokens"] > 0
+    for key in ("sample_s", "forward_backward_s", "optim_s", "tokens_per_s", "mfu", "decode_ms_per_step"):
+        assert isinstance(report[key], float) and report[key] > 0, key
+    assert report["planned_training_peak"] > report["weights_bytes"] > 0
+    assert report["plan"][-1].startswith(("fits:", "DOES NOT FIT:"))

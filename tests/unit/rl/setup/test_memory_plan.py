@@ -1,0 +1,130 @@
+"""The memory plan: predicted against measured, the shipped GPU preset planned on an 80 GB GPU, refusals that
+name the knob, and the backend's micro-batch knobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlrunbook.backend.settings import LocalSettings
+from rlrunbook.errors import ConfigError
+from rlrunbook.rl.setup.memory_plan import GIB, MemoryPlan, check_fits, format_plan, parse_size
+
+HERE = Path(__file__).resolve().parents[2]  # tests/unit, where memory_probe.py lives
+ROOT = HERE.parents[1]
+
+
+def _rlrunbook() -> str:
+    found = Path(sys.executable).with_name("rlrunbook")
+    return str(found) if found.exists() else shutil.which("rlrunbook") or "rlrunbook"
+
+
+@pytest.mark.slow
+def test_the_plan_is_within_20_percent_of_the_measured_peak():
+    """A Qwen2.5-1.5B-shaped model (its published config values) with 2 layers and random weights, one datum of
+    2,048 tokens (256 trained), fp32 on CPU: the traced plan against the process's resident peak."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # buffers go back to the OS: RSS follows tensors
+    env.pop("MALLOC_MMAP_MAX_", None)
+    done = subprocess.run([sys.executable, str(HERE / "memory_probe.py"), "2", "2048", "256", "1"], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    measured, planned = figures["measured"], figures["planned"]
+    assert measured > 300 * (1 << 20), figures  # the pass really held hundreds of MB
+    assert abs(planned - measured) <= 0.2 * measured, figures
+
+
+@pytest.mark.slow
+def test_the_rlvr_preset_fits_an_80gb_gpu_and_not_a_24gb_one():
+    """`show-config --config-file h100-rlvr --device-memory 80GiB`, as a user types it: a plan that fits, with
+    the sampling and training peaks, and the micro-batches that make training fit; on 24 GiB it does not fit."""
+    done = subprocess.run([_rlrunbook(), "show-config", "--config-file", "h100-rlvr", "--device-memory", "80GiB"],
+                          capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert any("device: cuda (80.0 GiB, stated)" in line for line in lines)
+    assert any(line.startswith("#   sampling: 256 rows per sampling call") for line in lines)
+    (training,) = [line for line in lines if line.startswith("#   training: ")]
+    assert "micro-batch(es) of" in training and "no limit" not in training
+    assert any(line.startswith("#   fits: ") for line in lines)
+    small = subprocess.run([_rlrunbook(), "show-config", "--config-file", "h100-rlvr", "--device-memory", "24GiB"],
+                           capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    assert small.returncode == 1 and "DOES NOT FIT" in small.stdout, small.stdout + small.stderr
+
+
+def test_train_refuses_a_run_that_cannot_fit_before_loading_and_names_the_knob(tmp_path, tiny_folder):
+    """256 rows of 60k tokens: the KV cache alone is far beyond this machine; refused (exit 2) with the largest
+    part and its knob, before a model loads and before a run directory exists."""
+    done = subprocess.run([_rlrunbook(), "train", "--model", "tiny", "-n", "256", "--num-groups", "64",
+                           "--max-tokens", "600000", "--log-root", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "does not fit" in done.stderr and "the decode KV cache" in done.stderr
+    assert "--max-tokens" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def _plan(**sizes) -> MemoryPlan:
+    values = dict(device="cuda (80.0 GiB, stated)", total=80 * GIB, model="m", sampler="hf", weights=3 * GIB,
+                  training_state=4 * GIB, float64_copy=0, kv_cache=20 * GIB, prefix_pool=2 * GIB,
+                  sampling_activations=2 * GIB, vllm_share=0, micro_batch_tokens=10000, recompute_layers=False,
+                  training_activations=40 * GIB, batch_tokens=45000, shape="s")
+    values.update(sizes)
+    return MemoryPlan(**values)
+
+
+def test_peaks_add_up_as_stated():
+    plan = _plan()
+    # resident: weights 3 + adapter and moments 3 + KV 20 + pool 2 = 28; sampling adds 2, training 1 + 40.
+    assert plan.resident == 28 * GIB and plan.sampling_peak == 30 * GIB and plan.training_peak == 69 * GIB
+    assert plan.usable == 72 * GIB and plan.fits and plan.micro_batches == 5
+    assert format_plan(plan)[-1].startswith("fits: peak 69.00 GiB of 72.00 GiB usable")
+
+
+def test_a_plan_that_does_not_fit_names_its_largest_part_and_the_knob():
+    with pytest.raises(ConfigError, match=r"largest part is the decode KV cache \(60.0 GiB\).*--max-tokens"):
+        check_fits(_plan(kv_cache=60 * GIB))
+    with pytest.raises(ConfigError, match=r"a micro-batch's activations .*micro_batch_tokens"):
+        check_fits(_plan(training_activations=70 * GIB))
+    check_fits(_plan())  # fits: nothing raised
+
+
+@pytest.mark.parametrize(("text", "size"), [("80GiB", 80 * GIB), ("80GB", 80 * GIB), ("24 GiB", 24 * GIB),
+                                            ("512MiB", 512 << 20), ("1.5G", int(1.5 * GIB)), ("4096", 4096)])
+def test_sizes_parse(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "eighty", "80XB", "0GiB", "-1GiB"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(ConfigError, match="80GiB"):
+        parse_size(text)
+
+
+def test_micro_batch_knobs_from_the_environment():
+    assert LocalSettings.from_env({}).micro_batch_tokens is None  # auto
+    assert LocalSettings.from_env({"TINKER_LOCAL_MICRO_BATCH_TOKENS": "auto"}).micro_batch_tokens is None
+    assert LocalSettings.from_env({"TINKER_LOCAL_MICRO_BATCH_TOKENS": "20000"}).micro_batch_tokens == 20000
+    assert LocalSettings.from_env({"TINKER_LOCAL_MICRO_BATCH_TOKENS": "0"}).micro_batch_tokens == 0  # no limit
+    assert LocalSettings.from_env({"TINKER_LOCAL_ACTIVATION_CHECKPOINTING": "on"}).activation_checkpointing == "on"
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_MICRO_BATCH_TOKENS"):
+        LocalSettings.from_env({"TINKER_LOCAL_MICRO_BATCH_TOKENS": "lots"})
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_ACTIVATION_CHECKPOINTING"):
+        LocalSettings.from_env({"TINKER_LOCAL_ACTIVATION_CHECKPOINTING": "sometimes"})
+
+
+def test_the_backend_derives_a_budget_for_the_model_it_loaded(local_service):
+    """A training client made without a stated budget splits its batches by one derived from this machine's
+    memory and the model's traced per-token cost (tiny: far more tokens than a test batch)."""
+    training = local_service.create_lora_training_client("tiny", rank=4)
+    trainer = training._trainer
+    assert trainer.micro_batch_tokens is not None and trainer.micro_batch_tokens >= 4096
+    assert trainer.micro_batch_tokens % 256 == 0 and trainer.recompute_layers is False
+    assert torch.device(local_service.settings.device).type == "cpu"
