@@ -14,11 +14,28 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``, or ``pytest --hypothesis-profile NA
   tests/unit/test_regularizers.py``. A test that states its own ``max_examples`` keeps it in both.
 
 An input that once failed becomes an explicit ``@example`` on its property, so it runs in every profile.
+
+Data (``rlrunbook.testing.data``): no test reaches the Hugging Face hub for data, nor reads a data set cached from
+it on this machine (``datasets`` offline with an empty cache; models offline unless ``HF_HUB_OFFLINE`` says
+otherwise); a test marked ``data`` reads the project's real data sets where they are
+(``$RLRUNBOOK_DATA_DIR``, else ``shared/data`` beside the checkout), skips without them and fails without them
+when ``RLRUNBOOK_REQUIRE_DATA=1``; every other test sees an empty data root, so it runs the same with or without
+real data beside the checkout (as in a lone clone) and reads only what the suite generates.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rlrunbook.testing import data as data_requirement
+
+# The session's scratch: an empty data root for the tests not marked `data`, an empty cache for `datasets`. The
+# hub's variables are set before anything imports huggingface_hub or datasets, which read them once.
+_SCRATCH = Path(tempfile.mkdtemp(prefix="rlrunbook-tests-"))
+os.environ.update(data_requirement.offline_hub_env(_SCRATCH / "hf-datasets", os.environ))
 
 import pytest
 from hypothesis import settings
@@ -33,7 +50,47 @@ settings.register_profile("dev", derandomize=False, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+_data_roots: data_requirement.DataRoots | None = None
+_DATA_ROOT_BEFORE = pytest.StashKey[str | None]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _data_roots
+    (_SCRATCH / "no-data").mkdir(exist_ok=True)
+    _data_roots = data_requirement.DataRoots(os.environ, _SCRATCH / "no-data")
+    _data_roots.hide()  # from collection on; a `data` test's setup shows the real root, its teardown hides it again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _data_roots is not None:
+        _data_roots.show()
+    shutil.rmtree(_SCRATCH, ignore_errors=True)
+
+
+def _data_setup(item: pytest.Item) -> None:
+    """Show a `data` test the real data root, or skip it (fail it when required) without the data it names."""
+    marker = item.get_closest_marker("data")
+    if marker is None:
+        return
+    item.stash[_DATA_ROOT_BEFORE] = _data_roots.show()
+    outcome = data_requirement.data_outcome(data_requirement.missing_data_reason(marker.args),
+                                            data_requirement.data_required())
+    if outcome is not None:
+        action, reason = outcome
+        if action == "fail":
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    yield  # after the test's fixtures are torn down (a monkeypatch of the variable is undone first)
+    if _DATA_ROOT_BEFORE in item.stash:
+        _data_roots.put_back(item.stash[_DATA_ROOT_BEFORE])
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    _data_setup(item)
     if item.get_closest_marker("vllm") is not None:
         missing = vllm_requirement.missing_vllm_reason()
         if missing is not None:
@@ -98,3 +155,14 @@ def local_service(tmp_path):
     service = LocalServiceClient(LocalSettings(device="cpu", dtype=torch.float32, storage_dir=tmp_path / "tinker"))
     yield service
     service.close()
+
+
+@pytest.fixture
+def generated_data(tmp_path, monkeypatch):
+    """Generated stand-ins for the real data sets (``rlrunbook.testing.data.write_data_root``): ``{kind: file}``,
+    and the kind names (``gsm8k``, ``nq_open``, ``cnn_dailymail``) resolve to them for this test."""
+    from rlrunbook.rl.data import DATA_DIR_ENV
+
+    files = data_requirement.write_data_root(tmp_path / "generated-data")
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "generated-data"))
+    return files

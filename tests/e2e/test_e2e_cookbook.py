@@ -6,7 +6,8 @@ per process), offline (``HF_HUB_OFFLINE=1``), and is judged from the recipe's ow
 
 - math RL (``recipes.math_rl.train``) on the synthetic arithmetic environment, synchronous and in
   the off-policy async mode (several live sampler snapshots), with ``compute_post_kl`` (prompt logprobs);
-- the minimal RL loop (``recipes.rl_loop``) on GSM8K served from the project's local copy;
+- the minimal RL loop (``recipes.rl_loop``) on GSM8K served from the project's local copy (a ``data`` test: it
+  skips without the copy), and from a warm start on generated GSM8K-format questions;
 - supervised learning with cross_entropy: the minimal loop (``recipes.sl_loop``, its hub data set
   served from the cookbook's bundled example conversations) and the library loop (``recipes.sl_basic``);
 - an exact resume of ``sl_loop`` from its own ``save_state`` checkpoint.
@@ -101,14 +102,13 @@ def test_math_rl_async_off_policy(tmp_path):
     assert max(lags) >= 1, f"no step trained on an older snapshot's rollouts: lags {lags}"
 
 
+@pytest.mark.data("gsm8k")
 def test_rl_loop_on_local_gsm8k(tmp_path):
     """The minimal RL loop: GSM8K from the project's copy. A random tiny model earns no \\boxed{} reward,
     so the recipe itself skips each step's update (its rule for all-zero advantages) and logs no loss."""
-    from rlrunbook.rl.data.sources import default_local_path
+    from rlrunbook.testing.data import real_data_path
 
-    gsm8k = default_local_path("gsm8k")
-    if gsm8k is None:
-        pytest.fail("the project's gsm8k copy was not found (shared/data or $RLRUNBOOK_DATA_DIR)", pytrace=False)
+    gsm8k = real_data_path("gsm8k")
     log = tmp_path / "rl_loop"
     done = run_recipe(tmp_path, "--renderer", "qwen3_instruct", "--hf-dataset", f"openai/gsm8k={gsm8k}",
                       "tinker_cookbook.recipes.rl_loop", *COMMON_RL, "batch_size=4", "group_size=4",
@@ -124,10 +124,11 @@ def test_rl_loop_on_local_gsm8k(tmp_path):
 
 def test_rl_loop_default_loss_is_refused_naming_the_nearest(tmp_path):
     """rl_loop defaults to stable_reinforce: refused before any sampling, naming cispo and importance_sampling."""
-    from rlrunbook.rl.data.sources import default_local_path
+    from rlrunbook.testing.data import gsm8k_rows, write_jsonl
 
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(4))
     done = run_recipe(tmp_path, "--renderer", "qwen3_instruct", "--hf-dataset",
-                      f"openai/gsm8k={default_local_path('gsm8k')}", "tinker_cookbook.recipes.rl_loop",
+                      f"openai/gsm8k={gsm8k}", "tinker_cookbook.recipes.rl_loop",
                       "model_name=tiny", "batch_size=2", "group_size=2", "max_steps=1", f"log_path={tmp_path / 'x'}",
                       expect_rc=2)
     assert "stable_reinforce" in done.stderr and "'cispo'" in done.stderr and "'importance_sampling'" in done.stderr

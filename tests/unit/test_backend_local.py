@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from sdk_origin import assert_is_the_sdk
 from tinker import types
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings, backend_name, create_service_client
@@ -234,7 +235,8 @@ def test_optim_step_without_gradients_is_an_error(trainer_client):
 def test_backend_selection_keeps_the_sdk(monkeypatch):
     import tinker
 
-    assert tinker.__name__ == "tinker" and hasattr(tinker, "ServiceClient") and "rlrunbook" not in tinker.__file__
+    assert tinker.__name__ == "tinker" and hasattr(tinker, "ServiceClient")
+    assert_is_the_sdk(tinker)
     assert backend_name({}) == "local"
     assert backend_name({"TINKER_BACKEND": "api"}) == "api"
     with pytest.raises(ConfigError, match="TINKER_BACKEND"):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from sdk_origin import assert_is_the_sdk
 
 from rlrunbook.cookbook import SUPPORTED_RANGE, check_cookbook_version, cookbook_version
 from rlrunbook.errors import ConfigError
@@ -65,7 +66,8 @@ def test_local_clients_are_bound_in_this_process_only_and_undone(bindings):
 
     bind_local_clients(bindings)
     assert tinker.ServiceClient is SdkLocalServiceClient and tinker.RestClient is LocalRestClient
-    assert "rlrunbook" not in tinker.__file__ and tinker.types.SamplingParams.__module__.split(".")[0] == "tinker"
+    assert_is_the_sdk(tinker)
+    assert tinker.types.SamplingParams.__module__.split(".")[0] == "tinker"
     bindings.undo()
     assert tinker.ServiceClient is SdkServiceClient
 

@@ -25,8 +25,13 @@ from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
 
+# The driver first gives SIGINT Python's own handler, as a run started from a terminal has it: a suite started in
+# the background by a shell without job control (`cmd &`, nohup, some CI runners) passes SIGINT on ignored, and
+# Python keeps an inherited "ignore", so Ctrl-C would never reach the run.
 DRIVER = """
+import signal
 import sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from rlrunbook import cli
 from rlrunbook.rl.rewards.symbolic import _checker
 _checker.compare(r"\\\\sqrt{4}", "2")  # a child process now exists: the math checker's worker

@@ -1,1 +1,2 @@
-"""What the test tiers and users' own runbooks share: GPU requirements, model fixtures."""
+"""What the test tiers and users' own runbooks share: GPU, vLLM, TRL and real-data requirements, generated data,
+model fixtures."""

@@ -60,16 +60,21 @@ def default_local_path(kind: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def _data_root() -> Path | None:
+def data_roots_searched() -> list[Path]:
+    """The data roots :func:`default_local_path` looks in, in order: ``$RLRUNBOOK_DATA_DIR`` alone when set,
+    else ``shared/data`` beside each folder above this package that holds ``pyproject.toml`` (the repository
+    root, in a checkout). The first root that exists is used."""
     override = os.environ.get(DATA_DIR_ENV, "").strip()
     if override:
-        return Path(override).expanduser()
-    for folder in Path(__file__).resolve().parents:
-        if (folder / "pyproject.toml").is_file():
-            candidate = folder.parent / "shared" / "data"
-            if candidate.is_dir():
-                return candidate
-    return None
+        return [Path(override).expanduser()]
+    return [folder.parent / "shared" / "data" for folder in Path(__file__).resolve().parents
+            if (folder / "pyproject.toml").is_file()]
+
+
+def _data_root() -> Path | None:
+    if os.environ.get(DATA_DIR_ENV, "").strip():
+        return data_roots_searched()[0]
+    return next((root for root in data_roots_searched() if root.is_dir()), None)
 
 
 def resolve_local(source: str | os.PathLike) -> Path | None:

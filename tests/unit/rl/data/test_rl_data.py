@@ -1,8 +1,10 @@
 """Tests of rlrunbook.rl.data: the loaders on the real data files, their errors, the arithmetic set.
 
-The real files are the project's copies in ``../shared/data`` (or ``$RLRUNBOOK_DATA_DIR``); a
-missing copy fails the test rather than skipping it, so a broken data path cannot pass quietly.
-Hub loading is tested against a scripted ``datasets`` module: that import is the boundary.
+The real files are the project's copies in ``../shared/data`` (or ``$RLRUNBOOK_DATA_DIR``): the tests
+marked ``data`` read them, skip without them and fail without them under ``RLRUNBOOK_REQUIRE_DATA=1``
+(``rlrunbook.testing.data``), so CI, which provides them, cannot pass quietly on a broken data path.
+Every other test writes its own small files. Hub loading is tested against a scripted ``datasets``
+module: that import is the boundary.
 """
 
 from __future__ import annotations
@@ -32,14 +34,8 @@ from rlrunbook.rl.data import (
     load_nq_open,
     read_jsonl,
 )
-
-
-def _real(kind: str) -> Path:
-    path = default_local_path(kind)
-    if path is None:
-        pytest.fail(f"the project's {kind} copy was not found: put shared/data beside the repository "
-                    f"or set {DATA_DIR_ENV} to the folder holding {kind}/", pytrace=False)
-    return path
+from rlrunbook.rl.data.sources import data_roots_searched
+from rlrunbook.testing.data import gsm8k_rows, real_data_path, write_jsonl
 
 
 def _write(path: Path, lines: list[str]) -> Path:
@@ -49,8 +45,9 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 # ---- the real files ----------------------------------------------------------------------------
 
+@pytest.mark.data("gsm8k")
 def test_gsm8k_real_file():
-    records = load_gsm8k(_real("gsm8k"))
+    records = load_gsm8k(real_data_path("gsm8k"))
     assert len(records) == 1319
     first = records[0]
     assert first.id == "gsm8k-0" and first.question.startswith("Janet\u2019s ducks lay 16 eggs")
@@ -62,16 +59,18 @@ def test_gsm8k_real_file():
     assert len({r.id for r in records}) == 1319
 
 
+@pytest.mark.data("nq_open")
 def test_nq_open_real_file():
-    records = load_nq_open(_real("nq_open"))
+    records = load_nq_open(real_data_path("nq_open"))
     assert len(records) == 3610
     assert records[0] == QARecord(id="nq_open-0", question="when was the last time anyone was on the moon",
                                   answers=("14 December 1972 UTC", "December 1972"))
     assert all(r.answers and r.solution == "" for r in records)
 
 
+@pytest.mark.data("cnn_dailymail")
 def test_cnn_dailymail_real_file():
-    records = load_cnn_dailymail(_real("cnn_dailymail"))
+    records = load_cnn_dailymail(real_data_path("cnn_dailymail"))
     assert len(records) == 80
     assert isinstance(records[0], SummaryRecord)
     assert records[0].id == "241"  # an int in the file, a str in the record
@@ -80,9 +79,20 @@ def test_cnn_dailymail_real_file():
     assert len({r.id for r in records}) == 80
 
 
-def test_a_folder_holding_one_jsonl_loads_like_the_file():
-    path = _real("gsm8k")  # its folder holds LICENSE and test.jsonl
-    assert load_gsm8k(path.parent) == load_gsm8k(str(path))
+def test_a_folder_holding_one_jsonl_loads_like_the_file(tmp_path):
+    # As the real gsm8k/ folder: its LICENSE beside the one .jsonl file.
+    path = write_jsonl(tmp_path / "gsm8k" / "test.jsonl", gsm8k_rows(5))
+    (path.parent / "LICENSE").write_text("MIT License\n")
+    records = load_gsm8k(path.parent)
+    assert records == load_gsm8k(str(path)) and len(records) == 5 and records[3].answers == ("2952",)
+
+
+def test_the_repository_root_is_searched_for_shared_data(monkeypatch):
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    root = Path(__file__).resolve().parents[4]  # tests/unit/rl/data/ -> the checkout
+    assert root.parent / "shared" / "data" in data_roots_searched()
+    monkeypatch.setenv(DATA_DIR_ENV, "/elsewhere/data")
+    assert data_roots_searched() == [Path("/elsewhere/data")]
 
 
 def test_data_dir_env_overrides_the_root(tmp_path, monkeypatch):

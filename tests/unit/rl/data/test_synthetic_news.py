@@ -14,6 +14,7 @@ from rlrunbook.rl.rewards.summary import compression_reward, words
 from rlrunbook.rl.rollout.tasks import SummaryTask
 from rlrunbook.rl.setup.config import DataSettings
 from rlrunbook.rl.setup.dataset_cache import load_problems
+from rlrunbook.testing.data import write_data_root
 
 
 def _cut(text: str, limit: int = 150) -> str:
@@ -93,14 +94,14 @@ def test_a_path_or_hub_id_the_user_names_never_falls_back(no_local_copy, tmp_pat
         _task("abisee/cnn_dailymail").load()
 
 
-def test_the_local_copy_wins_when_there_is_one():
-    if default_local_path("cnn_dailymail") is None:
-        pytest.fail("the project's cnn_dailymail copy was not found (shared/data or $RLRUNBOOK_DATA_DIR)",
-                    pytrace=False)
+def test_the_local_copy_wins_when_there_is_one(tmp_path, monkeypatch):
+    copy = write_data_root(tmp_path / "data", rows=6)["cnn_dailymail"]
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "data"))
+    monkeypatch.setattr("rlrunbook.rl.rollout.tasks.hub_unreachable", lambda: pytest.fail("the hub was asked"))
     task = _task()
     problems = task.load()
-    assert len(problems) == 80 and task.notices == []
-    assert task.dataset_info(problems)["source"] == f"file:{default_local_path('cnn_dailymail')}"
+    assert len(problems) == 6 and problems[0].id == "0" and task.notices == []
+    assert task.dataset_info(problems)["source"] == f"file:{copy}"
 
 
 def test_the_fallback_is_never_pinned_by_the_dataset_cache(no_local_copy, tmp_path, monkeypatch):

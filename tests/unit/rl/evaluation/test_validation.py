@@ -3,7 +3,9 @@
 One tiny summary run (3 steps, --val-every 2, 4 held-out problems x 2 samples, --cache-dataset,
 WANDB_PROJECT set with a fake ``wandb``) is shared by the tests that read its directory; a second
 run without validation (and without WANDB_PROJECT) is the reference for "validation does not
-change training".
+change training". Both summarise 80 generated articles from a JSONL file in the CNN/DailyMail copy's
+format: a file, so --cache-dataset caches it, and the same data with or without real data beside the
+checkout.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rlrunbook.rl.setup.prepare import prepare
 from rlrunbook.rl.training.loop import run_training
 from rlrunbook.run import check_run, format_results, rubric_passed
 from rlrunbook.run.schema import validation_schedule
+from rlrunbook.testing.data import cnn_dailymail_rows, write_jsonl
 
 VOLATILE = ("time/", "throughput/", "memory/")
 
@@ -73,19 +76,26 @@ def test_a_held_out_set_leaving_nothing_to_train_is_refused_before_the_model():
 
 
 
-def _config(root, **changes) -> TrainConfig:
+@pytest.fixture(scope="module")
+def articles(tmp_path_factory):
+    """The runs' data: 80 generated articles (``rlrunbook.testing.data.cnn_dailymail_rows``) in one JSONL file."""
+    return write_jsonl(tmp_path_factory.mktemp("data") / "articles.jsonl", cnn_dailymail_rows(80))
+
+
+def _config(root, articles, **changes) -> TrainConfig:
     # 4 rollouts per group and 16 tokens: tiny's compression rewards tie (all 0) too often in smaller shapes,
     # and dynamic sampling would skip steps there (no step of this shape is skipped).
-    values = dict(model="tiny", env="summary", num_rollouts=8, num_groups=2, steps=3, max_tokens=16, seed=0,
-                  log_root=str(root), name="val")
+    values = dict(model="tiny", env="summary", dataset=str(articles), num_rollouts=8, num_groups=2, steps=3,
+                  max_tokens=16, seed=0, log_root=str(root), name="val")
     return TrainConfig(**{**values, **changes})
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, articles):
     """(validated run, its fake wandb, unvalidated run, the fake wandb present then, the validated run's log)."""
     root = tmp_path_factory.mktemp("runs")
-    validated_config = _config(root / "a", validation=ValidationSettings(every=2, samples=2, num_problems=4),
+    validated_config = _config(root / "a", articles,
+                               validation=ValidationSettings(every=2, samples=2, num_problems=4),
                                data={"cache": True, "cache_dir": str(root / "cache")})
     with pytest.MonkeyPatch.context() as patch:
         fake = FakeWandb()
@@ -97,7 +107,7 @@ def runs(tmp_path_factory):
         silent = FakeWandb()
         patch.setitem(sys.modules, "wandb", silent)
         patch.delenv("WANDB_PROJECT", raising=False)
-        plain = run_training(_config(root / "b"), log=lambda *_: None)
+        plain = run_training(_config(root / "b", articles), log=lambda *_: None)
     return validated, fake, plain, silent, lines
 
 
@@ -111,11 +121,11 @@ def _trained_ids(run_dir) -> set[str]:
             for d in json.loads(f.read_text())["training_data"]}
 
 
-def test_rows_at_the_scheduled_steps_on_disjoint_problems(runs):
+def test_rows_at_the_scheduled_steps_on_disjoint_problems(runs, articles):
     run_dir = runs[0]
     rows = _rows(run_dir / "validation.jsonl")
     assert [row["step"] for row in rows] == [0, 2, 3]
-    _, _, task, problems = prepare(_config(run_dir, validation=ValidationSettings(every=2, num_problems=4)))
+    _, _, _, problems = prepare(_config(run_dir, articles, validation=ValidationSettings(every=2, num_problems=4)))
     expected = [problems[i].id for i in problem_order(problems, 0)[-4:]]
     for row in rows:
         assert row["problem_ids"] == expected
@@ -132,8 +142,8 @@ def test_rows_at_the_scheduled_steps_on_disjoint_problems(runs):
     assert [line.split(":")[0] for line in val_lines] == ["[val] step 0", "[val] step 2", "[val] step 3"]
     cache = json.loads((run_dir / "run_metadata.json").read_text())["dataset"]["cache"]
     assert cache["status"] == "written" and cache["source_fingerprint"] == cache["cached_fingerprint"]
-    (announced,) = [line for line in runs[4] if line.startswith("[data] summary data 'cnn_dailymail': ")]
-    assert f"written cache {cache['path']} of file:" in announced  # the cache, and where its rows came from
+    (announced,) = [line for line in runs[4] if line.startswith(f"[data] summary data '{articles}': ")]
+    assert f"written cache {cache['path']} of file:{articles}, 80 rows" in announced
     assert announced.endswith(f"fingerprint {cache['cached_fingerprint']}")
 
 
@@ -164,12 +174,12 @@ def test_wandb_mirrors_train_and_validation_rows(runs):
     assert silent.calls == [], "nothing goes to W&B without WANDB_PROJECT"
 
 
-def test_same_weights_same_numbers(runs):
+def test_same_weights_same_numbers(runs, articles):
     """Validating one set of weights twice gives the same row; another seed gives other samples."""
     from rlrunbook.backend import create_service_client
     from rlrunbook.rl.rollout.paradigms import RolloutContext
 
-    config = _config(runs[0], validation=ValidationSettings(every=1, samples=2, num_problems=3))
+    config = _config(runs[0], articles, validation=ValidationSettings(every=1, samples=2, num_problems=3))
     config, _, task, problems = prepare(config)
     training = create_service_client().create_lora_training_client("tiny", rank=4, seed=0)
     tokenizer = training.get_tokenizer()

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from rlrunbook.rl.data import default_local_path, load_gsm8k
+from rlrunbook.rl.data import load_gsm8k
 from rlrunbook.rl.rewards import (
     RewardResult,
     extract_math_answer,
@@ -22,6 +22,7 @@ from rlrunbook.rl.rewards import (
     math_reward,
     parse_math_value,
 )
+from rlrunbook.testing.data import real_data_path
 
 EQUALITY = [
     # (pred, ref, equal)
@@ -146,12 +147,9 @@ def test_a_different_value_is_never_equal(value):
 
 # ---- the real GSM8K solutions ------------------------------------------------------------------
 
+@pytest.mark.data("gsm8k")
 def test_gsm8k_reference_solutions_score_full_reward_against_their_answers():
-    path = default_local_path("gsm8k")
-    if path is None:
-        pytest.fail("the project's gsm8k copy was not found (shared/data or $RLRUNBOOK_DATA_DIR)",
-                    pytrace=False)
-    records = load_gsm8k(path)
+    records = load_gsm8k(real_data_path("gsm8k"))
     failures = [r.id for r in records if math_reward(r.solution, r.answers[0]).reward != 1.0]
     assert failures == []
     # Every reference answer is a plain number the checker parses.

@@ -105,7 +105,7 @@ def test_negative_weights_are_refused():
         TrainConfig(reward={"format_weight": -0.5})
 
 
-def test_prepare_hands_the_weights_to_the_task():
+def test_prepare_hands_the_weights_to_the_task(generated_data):
     config = TrainConfig(env="math", reward_fn="multi_signal", reward={"verify_weight": 2.0, "reflect_weight": 0.0})
     _, _, task, problems = prepare(config)
     problem = problems[0]
@@ -113,7 +113,7 @@ def test_prepare_hands_the_weights_to_the_task():
     assert task.reward(problem, boxed).reward == 2.0 + 0.5  # verify and format, weights 2.0 / 0.5
 
 
-def test_qa_multi_signal_refuses_text_answers():
+def test_qa_multi_signal_refuses_text_answers(generated_data):
     with pytest.raises(ConfigError, match="verifies numeric answers"):
         prepare(TrainConfig(env="qa", dataset="nq_open", reward_fn="multi_signal"))
 

@@ -1,7 +1,8 @@
 """Tests of rlrunbook.rl.rewards: QA and summary rewards against hand-derived values.
 
-The summary cases run on a real CNN/DailyMail article (the project's copy in ../shared/data) so the
-claim that degenerate summaries score below a reasonable one is checked where it matters.
+The summary cases run on a real CNN/DailyMail article (the project's copy in ../shared/data; tests
+marked ``data``) so the claim that degenerate summaries score below a reasonable one is checked where it
+matters; ``test_synthetic_news.py`` checks the same claims on the generated articles everywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlrunbook.errors import InputError
-from rlrunbook.rl.data import default_local_path, load_cnn_dailymail
+from rlrunbook.rl.data import load_cnn_dailymail
 from rlrunbook.rl.rewards import (
     MIN_WORDS,
     RewardResult,
@@ -25,6 +26,7 @@ from rlrunbook.rl.rewards import (
     qa_text_reward,
     rouge_reward,
 )
+from rlrunbook.testing.data import real_data_path
 
 
 def test_reward_result_refuses_non_finite_rewards():
@@ -125,13 +127,10 @@ def test_compression_reward_empty_inputs_score_zero():
 
 @pytest.fixture(scope="module")
 def cnn():
-    path = default_local_path("cnn_dailymail")
-    if path is None:
-        pytest.fail("the project's cnn_dailymail copy was not found (shared/data or $RLRUNBOOK_DATA_DIR)",
-                    pytrace=False)
-    return load_cnn_dailymail(path)
+    return load_cnn_dailymail(real_data_path("cnn_dailymail"))
 
 
+@pytest.mark.data("cnn_dailymail")
 def test_compression_reward_ranks_a_real_extract_above_degenerate_summaries(cnn):
     document = cnn[0].document  # 551 words about Hillary Clinton's second "Scooby" van
     extract = ("Hillary Clinton's security detail arrived at a suburban Des Moines, Iowa fruit processing "
@@ -153,6 +152,7 @@ def test_compression_reward_ranks_a_real_extract_above_degenerate_summaries(cnn)
     assert good > max(degenerate.values()) + 0.5, degenerate
 
 
+@pytest.mark.data("cnn_dailymail")
 def test_compression_reward_spreads_realistic_summaries(cnn):
     # The reference highlights are realistic summaries of varying quality: their rewards must differ,
     # or a GRPO group of such samples would have zero advantages.

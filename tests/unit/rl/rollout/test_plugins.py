@@ -47,6 +47,10 @@ def test_registered_task_trains_one_step(toy_task, tmp_path, capsys):
     results = check_run(run_dir)
     assert rubric_passed(results), format_results(results)
     assert "_grpo_toy_digits_toy" in run_dir.name
+    # Its own dataset_info gives no source or fingerprint: the run still names its data, and says so.
+    (announced,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[data] toy_digits")]
+    assert announced.startswith("[data] toy_digits data 'builtin': unknown source, ")
+    assert announced.endswith(" rows, fingerprint not computed")
 
 
 def test_unregistered_task_is_refused(tmp_path):

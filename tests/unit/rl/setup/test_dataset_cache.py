@@ -110,7 +110,7 @@ def test_default_cache_dir_is_under_the_model_cache(tmp_path, monkeypatch):
     assert path.stem.endswith(fingerprint_records([p.record for p in problems]))
 
 
-def test_summary_records_round_trip(tmp_path):
+def test_summary_records_round_trip(tmp_path, generated_data):
     _, _, _, plain = prepare(TrainConfig(env="summary", num_rollouts=4))
     cache = tmp_path / "cache"
     _, _, _, written = prepare(TrainConfig(env="summary", num_rollouts=4, data={"cache": True, "cache_dir": str(cache)}))
