@@ -1,8 +1,14 @@
-"""One worker thread per ServiceClient: calls run in submission order; results are SDK futures.
+"""Worker threads of a ServiceClient: calls run in submission order; results are SDK futures.
 
-Every operation of every client made by one ServiceClient goes through the same worker, so
-``forward_backward`` then ``optim_step`` then ``sample`` take effect in that order even when
-the caller does not wait in between, and the device is never used by two calls at once.
+Every training call of every client made by one ServiceClient goes through the same worker, so
+``forward_backward`` then ``optim_step`` then a snapshot for a sampler take effect in that order even
+when the caller does not wait in between. By default sampling calls go through it too, so the device
+is never used by two calls at once. With ``concurrent_sampling`` (backend/settings.py) the sampling
+clients of the in-process engine have a second worker: each samples its own snapshot, copied into the
+engine's pinned adapter (engines/pinned_adapter.py), so nothing the trainer does can change what it
+returns, and its calls need not wait behind ``forward_backward``/``optim_step``. Calls on one client
+still run in submission order (one worker per side, FIFO). On CPU the two workers split the intra-op
+threads (``threads``) instead of each taking all of them.
 
 Batchable calls (``sample``) that sit next to each other in the queue with the same batch key
 run as one engine call: a loop that submits a whole round of sample requests before waiting
@@ -58,7 +64,8 @@ def _current_cuda_device() -> int | None:
 class OrderedWorker:
     """A single worker thread with a FIFO queue; ``submit`` returns an awaitable SDK future."""
 
-    def __init__(self, name: str = "rlrunbook-local", batch_window_s: float = 0.002, max_batch_rows: int = 256):
+    def __init__(self, name: str = "rlrunbook-local", batch_window_s: float = 0.002, max_batch_rows: int = 256,
+                 threads: int | None = None):
         self._queue: deque[_Task] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -66,6 +73,7 @@ class OrderedWorker:
         self.max_batch_rows = max_batch_rows
         self.batches_run = 0  # engine calls made for batchable tasks (for tests and benchmarks)
         self._holds = 0
+        self.threads = threads  # intra-op threads of this worker (None: torch's default)
         # The current CUDA device is per thread; a process that picked its GPU (torchrun: cuda:LOCAL_RANK,
         # see rlrunbook.distributed.init) must not have its model land on cuda:0 from this thread.
         self._cuda_device = _current_cuda_device()
@@ -125,6 +133,11 @@ class OrderedWorker:
                 self._cv.wait(remaining)
 
     def _loop(self) -> None:
+        if self.threads is not None:  # per thread in OpenMP: this worker's parallel regions use this many
+            import torch
+
+            torch.get_num_threads()  # torch's lazy per-thread init first: it would reset the count on first use
+            torch.set_num_threads(self.threads)
         if self._cuda_device is not None:
             import torch
 

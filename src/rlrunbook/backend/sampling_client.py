@@ -174,9 +174,19 @@ class LocalSamplingClient(ResolvedClient):
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
                                  topk_prompt_logprobs, **options)
 
+    def _computing_with_weights(self):
+        """The block in which the host computes with this client's weights: the engine's pinned copy of the
+        snapshot where the engine has one (nothing the trainer does touches it; see
+        engines/pinned_adapter.py), else the snapshot copied into the live adapter for the call (which must
+        then run on the training worker)."""
+        pin = getattr(self._host.engine, "pinned_weights", None)
+        if pin is not None and self._host.vllm is None:
+            return pin(self._weights.adapter, self._weights.key)
+        return active_weights(self._host, self._weights, self._live_version())
+
     def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
         """One engine call for every queued request that shares these weights and settings."""
-        with active_weights(self._host, self._weights, self._live_version()):
+        with self._computing_with_weights():
             jobs = [job for job, _ in items]
             if self._host.vllm is None:
                 results = self._host.engine.sample_jobs(jobs, weights_key=self._weights.key)
@@ -237,7 +247,7 @@ class LocalSamplingClient(ResolvedClient):
             raise InputError("compute_logprobs of an empty prompt: give at least one token.")
 
         def run() -> list[float | None]:
-            with active_weights(self._host, self._weights, self._live_version()):
+            with self._computing_with_weights():
                 values = self._prompt_logprobs(tokens)
             return [None, *values[1:]]
 
@@ -245,6 +255,11 @@ class LocalSamplingClient(ResolvedClient):
 
     async def compute_logprobs_async(self, prompt: types.ModelInput) -> list[float | None]:
         return await self.compute_logprobs(prompt)
+
+    def weights_state(self) -> dict[str, torch.Tensor] | None:
+        """LOCAL EXTENSION: the adapter tensors this client samples (a snapshot: never changed; do not change
+        them), or ``None`` for the base model. What a checkpoint of an asynchronous run saves of its samplers."""
+        return self._weights.adapter
 
     def get_tokenizer(self):
         return self._host.tokenizer

@@ -7,6 +7,8 @@ A checkpoint taken after ``k`` completed steps holds everything an exact resume 
       optimizer.pt          AdamW state_dict (tensors and plain numbers; read with weights_only=True)
       rng.json              Python ``random`` and NumPy MT19937 states
       rng.safetensors       torch CPU generator state, and one tensor per CUDA device (``cuda_<i>``)
+      sampler_adapters.safetensors   asynchronous runs only: the snapshots the next batches are sampled
+                            from, keyed ``<step>/<parameter name>`` (see rl/training/off_policy.py)
       checkpoint.json       manifest, written last: format version, step, data cursor, config
                             (secret values redacted), sha256 and size of every other file
 
@@ -50,6 +52,7 @@ ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_JSON_FILE = "rng.json"
 RNG_TENSOR_FILE = "rng.safetensors"
+SAMPLER_ADAPTERS_FILE = "sampler_adapters.safetensors"
 TEMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 
@@ -69,6 +72,8 @@ class Checkpoint:
     # Where the data order stands (``rl.setup.data_order.DataCursor``): with dynamic sampling a step may
     # draw more problems than it trains on, so the step index alone no longer says which problem is next.
     data_cursor: dict[str, int] | None = None
+    # An asynchronous run's in-flight sampler weights, by the step whose weights they are (empty: synchronous).
+    sampler_adapters: dict[int, dict[str, torch.Tensor]] | None = None
 
 
 def step_dir_name(step: int) -> str:
@@ -149,7 +154,13 @@ def _write_payload(folder: Path, checkpoint: Checkpoint) -> list[str]:
     _write_json(folder / RNG_JSON_FILE, {"python": rng["python"], "numpy": rng["numpy"]})
     tensors = {"torch_cpu": rng["torch_cpu"], **{f"cuda_{i}": s for i, s in enumerate(rng["cuda"])}}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / RNG_TENSOR_FILE))
-    return names + [RNG_JSON_FILE, RNG_TENSOR_FILE]
+    names += [RNG_JSON_FILE, RNG_TENSOR_FILE]
+    if checkpoint.sampler_adapters:
+        save_file({f"{step}/{name}": t.detach().to("cpu").contiguous()
+                   for step, adapter in checkpoint.sampler_adapters.items() for name, t in adapter.items()},
+                  str(folder / SAMPLER_ADAPTERS_FILE))
+        names.append(SAMPLER_ADAPTERS_FILE)
+    return names
 
 
 def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> None:
@@ -258,6 +269,12 @@ def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.de
     tensors = _read(folder, RNG_TENSOR_FILE, lambda p: load_file(str(p)))
     cuda_count = sum(1 for key in tensors if key.startswith("cuda_"))
     rng.update(torch_cpu=tensors["torch_cpu"], cuda=[tensors[f"cuda_{i}"] for i in range(cuda_count)])
+    sampler_adapters: dict[int, dict[str, torch.Tensor]] = {}
+    if SAMPLER_ADAPTERS_FILE in manifest["files"]:
+        flat = _read(folder, SAMPLER_ADAPTERS_FILE, lambda p: load_file(str(p), device=str(map_location)))
+        for key, tensor in flat.items():
+            step, name = key.split("/", 1)
+            sampler_adapters.setdefault(int(step), {})[name] = tensor
     return Checkpoint(step=manifest["step"], config=manifest["config"], adapter=adapter, optimizer=optimizer,
                       rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder,
-                      data_cursor=manifest.get("data_cursor") or None)
+                      data_cursor=manifest.get("data_cursor") or None, sampler_adapters=sampler_adapters or None)

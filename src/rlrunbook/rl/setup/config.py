@@ -49,7 +49,8 @@ class LossSettings(_Section):
 
 
 class MismatchSettings(_Section):
-    """The sampler-trainer mismatch: a gate (on by default) and a correction (off by default).
+    """The sampler-trainer mismatch: a gate (on by default) and a correction (off by default on-policy; truncate
+    with ``off_policy`` > 0).
 
     The mismatch is a step's mean |sampler - trainer| logprob over the trained tokens, like with like:
     both under the sampled distribution (logits / T and the filters). Thresholds are stated at T = 1
@@ -61,9 +62,10 @@ class MismatchSettings(_Section):
 
     warn: float = Field(0.01, gt=0, description="log a warning when a step's mean mismatch exceeds this")
     max: float = Field(0.03, gt=0, description="stop the run, before the optimizer step, when it exceeds this")
-    correction: Literal["none", "truncate", "mask"] = Field(
-        "none", description="none | truncate: advantages x min(p/q, cap) (truncated importance sampling) | "
-                            "mask: drop tokens whose p/q lies outside [mask_low, mask_high]")
+    correction: Literal["none", "truncate", "mask"] | None = Field(
+        None, description="none | truncate: advantages x min(p/q, cap) (truncated importance sampling) | "
+                          "mask: drop tokens whose p/q lies outside [mask_low, mask_high]; null: truncate "
+                          "with off_policy > 0, else none (resolved when the config is validated)")
     cap: float = Field(2.0, ge=1, description="truncate: the cap of the importance ratio")
     mask_low: float = Field(0.125, gt=0, lt=1, description="mask: lowest ratio kept")
     mask_high: float = Field(8.0, gt=1, description="mask: highest ratio kept")
@@ -146,6 +148,9 @@ class TrainConfig(BaseModel):
     num_rollouts: int = Field(16, description="rollouts per step (-n); split evenly into question groups")
     num_groups: int = Field(1, description="question groups per step; each group shares one question")
     steps: int = Field(1, description="optimizer steps (-s)")
+    off_policy: int = Field(0, ge=0, description="asynchronous RL: batches sampled ahead while the trainer trains; "
+                                                 "batch i is sampled from the weights after step max(0, i - K). "
+                                                 "0 = the synchronous loop")
     name: str = Field("run", description="run name, last part of the run directory's name")
     seed: int = Field(0, description="seeds data order, LoRA init and sampling")
     temperature: float = Field(1.0, description="sampling temperature of the policy")
@@ -221,7 +226,7 @@ class TrainConfig(BaseModel):
         config = self._tinker_loss_config()
         if local:
             config.update(sampling_temperature=self.temperature, sampling_min_p=self.min_p)
-            if self.mismatch.correction != "none":
+            if self.mismatch.correction not in (None, "none"):
                 config.update(is_correction=self.mismatch.correction, is_cap=self.mismatch.cap,
                               is_mask_low=self.mismatch.mask_low, is_mask_high=self.mismatch.mask_high)
         return config
@@ -312,4 +317,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     if config.backend.load_in_4bit and config.backend.sampler == "hf":
         fail("backend.load_in_4bit with backend.sampler hf: the in-process engine computes with floating-point "
              "base weights only", "Set backend.sampler: generate (transformers generate on the 4-bit weights) or vllm.")
+    if config.mismatch.correction is None:  # the default: correct what a lag adds, only where there is one
+        resolved = "truncate" if config.off_policy > 0 else "none"
+        config = config.replace(mismatch=config.mismatch.model_copy(update={"correction": resolved}))
     return config.replace(reward_fn=reward)
