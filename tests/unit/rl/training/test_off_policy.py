@@ -110,6 +110,25 @@ def test_a_resumed_asynchronous_run_equals_the_straight_one(runs):
     assert (straight / "checkpoints" / "step_000002" / "sampler_adapters.safetensors").is_file()
 
 
+def test_asynchronous_runs_pass_the_rubric(runs):
+    from rlrunbook.run.rubric import check_run
+
+    for run in runs.values():
+        failed = [r for r in check_run(run) if not r.passed]
+        assert not failed, f"{run.name}: {failed}"
+
+
+def test_an_asynchronous_debate_trains_on_its_scheduled_lag(tmp_path):
+    config = TrainConfig(model="tiny", mode="debate", env="qa", dataset="test", mock_judge=True, num_rollouts=4,
+                         num_groups=1, steps=3, max_tokens=8, seed=0, off_policy=1, learning_rate=0.01,
+                         log_root=str(tmp_path), name="debate")
+    run = run_training(config, log=lambda *_: None)
+    rows = _rows(run)
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert all(r["mismatch/abs_logprob_diff"] < 1e-4 for r in rows)
+    assert (run / "debate_2.json").is_file()
+
+
 def test_the_schedule_is_a_function_of_the_step_and_k():
     assert [sampling_step(i, 2) for i in range(6)] == [0, 0, 0, 1, 2, 3]
     assert [staleness(i, 2) for i in range(6)] == [0, 1, 2, 2, 2, 2]
