@@ -109,10 +109,12 @@ def run_off_policy(plan: RunPlan, steps: Iterable[int], first: int, training, to
                 del samplers[old]  # no batch from ``done`` on is sampled from it
             kept = {v: samplers[v].weights_state() for v in range(sampling_step(done, k), done)}
             checkpoint(done, DataCursor(next_problem[step], cursor.skipped_in_a_row), kept)
-    finally:
+    except BaseException:  # a failed step or Ctrl-C: stop at once; the service's own stop ends a running job
         for future in pending.values():
             future.cancel()
-        executor.shutdown(wait=True, cancel_futures=True)
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    executor.shutdown(wait=True)
 
 
 def restore_samplers(training, adapters: dict[int, dict], first: int, off_policy: int) -> dict[int, object]:

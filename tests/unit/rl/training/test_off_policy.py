@@ -129,6 +129,26 @@ def test_an_asynchronous_debate_trains_on_its_scheduled_lag(tmp_path):
     assert (run / "debate_2.json").is_file()
 
 
+def test_a_failure_on_the_rollout_thread_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    from rlrunbook.rl.training import off_policy
+
+    original = off_policy.sample_batch
+
+    def failing(plan, step, *args, **kwargs):
+        if step == 2:
+            raise RuntimeError("the reward server went away")
+        return original(plan, step, *args, **kwargs)
+
+    monkeypatch.setattr(off_policy, "sample_batch", failing)
+    config = TrainConfig(model="tiny", env="summary", num_rollouts=4, steps=4, max_tokens=8, off_policy=1,
+                         log_root=str(tmp_path), name="fails")
+    with pytest.raises(RuntimeError, match="the reward server went away"):
+        run_training(config, log=lambda *_: None)
+    (run,) = tmp_path.iterdir()
+    metadata = json.loads((run / "run_metadata.json").read_text())
+    assert metadata["status"] == "failed" and "reward server" in metadata["error"]
+
+
 def test_the_schedule_is_a_function_of_the_step_and_k():
     assert [sampling_step(i, 2) for i in range(6)] == [0, 0, 0, 1, 2, 3]
     assert [staleness(i, 2) for i in range(6)] == [0, 1, 2, 2, 2, 2]
