@@ -283,6 +283,10 @@ def cmd_package(args: argparse.Namespace) -> int:
     from rlrunbook.run.tools import find_secrets, package_run, verify_package
 
     run_dir = _existing_run_dir(args.run_dir)
+    if args.out:
+        from rlrunbook.run.outputs import check_not_a_run_file
+
+        check_not_a_run_file(args.out)
     findings = [] if args.allow_secrets else find_secrets(run_dir, os.environ)
     if findings:
         print("refusing to package: possible secrets (file:line: kind; values not shown):", *findings,

@@ -58,12 +58,16 @@ def preflight(config: TrainConfig, environ: Mapping[str, str] | None = None, *, 
 
 
 def check_output_file(path: str | os.PathLike[str], flag: str = "--out") -> None:
-    """``ConfigError`` unless a file can be written at ``path``: not a directory, its folder creatable and
-    writable. Checked before the work whose result it holds, so a bad ``--out`` never costs the results."""
+    """``ConfigError`` unless a file can be written at ``path``: not a directory, not a file of a run directory
+    (:func:`rlrunbook.run.outputs.check_not_a_run_file`), its folder creatable and writable. Checked before the
+    work whose result it holds, so a bad ``--out`` never costs the results."""
     from pathlib import Path
+
+    from rlrunbook.run.outputs import check_not_a_run_file
 
     target = Path(path)
     if target.is_dir():
         raise ConfigError(f"{flag} {str(path)!r} is a directory; it names the file to write. Pass a file path, "
                           f"e.g. {flag} {str(target / 'results.json')!r}.")
+    check_not_a_run_file(target, flag)
     check_log_root(target.parent, flag)
