@@ -306,7 +306,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
     from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
     from rlrunbook.rl.rollout.paradigms import RolloutContext
-    from rlrunbook.rl.setup.config import TrainConfig
+    from rlrunbook.rl.setup.config import TrainConfig, validate
     from rlrunbook.rl.setup.preflight import check_output_file, preflight
     from rlrunbook.rl.setup.prepare import prepare
     from rlrunbook.run.jsonio import atomic_write_json
@@ -317,9 +317,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)  # before the evaluation, whose results it would otherwise lose
     fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
-    config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
-                                                       if getattr(args, f) is not None}))
-    preflight(config, writes_run_dir=False)
+    requested = TrainConfig(**{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
+    preflight(validate(requested), writes_run_dir=False)  # the model before the data (see plan_run)
+    config, _, task, problems = prepare(requested)
     print(f"[data] {task.announcement(problems)}", flush=True)
     for notice in task.notices:
         print(f"[data] notice: {notice}", flush=True)

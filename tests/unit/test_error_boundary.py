@@ -311,3 +311,18 @@ def test_a_damaged_run_being_resumed_is_refused_before_anything_loads(tmp_path, 
     err = refused(capsys, ["train", "--resume-from", str(run), "-s", "4", "--log-root", str(tmp_path / "new")])
     assert message in err
     assert not (tmp_path / "new").exists()
+
+
+# --- misleading messages ------------------------------------------------------------------------------------
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_missing_model_is_named_before_the_data_set_is_fetched(tmp_path, command):
+    """Found as a GPU preset's hub model, missing on this machine, reported as the data set's connection error."""
+    result = run_command(command, "--model", "Org/no-such-model", "--env", "math", "--dataset", "gsm8k",
+                         *(["--log-root", str(tmp_path / "logs")] if command == "train" else []), env=OFFLINE)
+    line = assert_refused(result)
+    assert line.startswith("error: model 'Org/no-such-model' is not a built-in"), line
+    assert "gsm8k" not in result.stderr and not (tmp_path / "logs").exists()
