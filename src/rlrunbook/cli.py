@@ -20,7 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlrunbook.errors import ConfigError, RlrunbookError
+from rlrunbook import cli_errors, cli_signals
+from rlrunbook.errors import ConfigError
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # train's flags (argparse dest) → the config key they set.
@@ -282,6 +283,10 @@ def cmd_package(args: argparse.Namespace) -> int:
     from rlrunbook.run.tools import find_secrets, package_run, verify_package
 
     run_dir = _existing_run_dir(args.run_dir)
+    if args.out:
+        from rlrunbook.run.outputs import check_not_a_run_file
+
+        check_not_a_run_file(args.out)
     findings = [] if args.allow_secrets else find_secrets(run_dir, os.environ)
     if findings:
         print("refusing to package: possible secrets (file:line: kind; values not shown):", *findings,
@@ -301,7 +306,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
     from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
     from rlrunbook.rl.rollout.paradigms import RolloutContext
-    from rlrunbook.rl.setup.config import TrainConfig
+    from rlrunbook.rl.setup.config import TrainConfig, validate
     from rlrunbook.rl.setup.preflight import check_output_file, preflight
     from rlrunbook.rl.setup.prepare import prepare
     from rlrunbook.run.jsonio import atomic_write_json
@@ -312,9 +317,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)  # before the evaluation, whose results it would otherwise lose
     fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
-    config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
-                                                       if getattr(args, f) is not None}))
-    preflight(config, writes_run_dir=False)
+    requested = TrainConfig(**{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
+    preflight(validate(requested), writes_run_dir=False)  # the model before the data (see plan_run)
+    config, _, task, problems = prepare(requested)
     print(f"[data] {task.announcement(problems)}", flush=True)
     for notice in task.notices:
         print(f"[data] notice: {notice}", flush=True)
@@ -528,10 +533,29 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reward.reject_blocklisted: reward 0 for completions with a blocklisted substring")
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, reading every negative number as a value: ``--learning-rate -1e-4`` or ``--temperature -inf`` is
+    then refused by the option's own check, naming the value, instead of "expected one argument" (argparse
+    takes only ``-1`` and ``-.5`` for numbers, and ``-1e-4``, ``-inf`` for options)."""
+
+    def _parse_optional(self, arg_string):
+        if arg_string.startswith("-") and arg_string not in self._option_string_actions and _is_number(arg_string):
+            return None  # a value (argparse's own answer for the numbers it recognises)
+        return super()._parse_optional(arg_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rlrunbook.models.registry import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="rlrunbook", description="RL post-training of LoRA policies behind the "
+    parser = _Parser(prog="rlrunbook", description="RL post-training of LoRA policies behind the "
                                      "Tinker API, checked by an executable runbook.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -612,57 +636,55 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's or `kill`'s stop), turned into an interrupt so the run stops as cleanly as on Ctrl-C."""
+def _check_text(argv: Sequence[str]) -> None:
+    """``ConfigError`` naming the argument when one holds bytes that are not UTF-8 (Python passes them on as lone
+    surrogates, which no file of a run can record and no tokenizer can read)."""
+    for position, value in enumerate(argv, start=1):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raw = value.encode("utf-8", "surrogateescape")[error.start:error.start + 1]
+            raise ConfigError(f"argument {position} ({value!r}) is not UTF-8 text (byte 0x{raw.hex()} at offset "
+                              f"{error.start}). Pass it as UTF-8 (rename a file whose name is in another "
+                              "encoding, e.g. with `convmv -f latin1 -t utf-8`).") from None
 
-    signal_name = "SIGTERM"
 
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
-def _interrupted(interrupt: KeyboardInterrupt) -> int:
-    """Exit status 130 (SIGINT) or 143 (SIGTERM) after an interrupt, with one line saying what was kept."""
-    import signal
-
-    from rlrunbook.errors import RunInterrupted
-
-    name = getattr(interrupt, "signal_name", "SIGINT")
-    code = 128 + getattr(signal, name)
-    if isinstance(interrupt, RunInterrupted):
-        kept = (f"last checkpoint {interrupt.last_checkpoint}: continue with --resume-from {interrupt.run_dir}"
-                if interrupt.last_checkpoint else "no checkpoint was taken yet (--checkpoint-every N keeps them)")
-        print(f"interrupted ({name}): run {interrupt.run_dir} marked 'interrupted'; {kept}", file=sys.stderr)
-        if not interrupt.backend_stopped:  # the backend thread is still inside torch: do not unwind the runtime
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    else:
-        print(f"interrupted ({name})", file=sys.stderr)
-    return code
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run its command; an anticipated error becomes one paragraph (exit 2), any other
+    exception a bug report (exit 70): see :mod:`rlrunbook.cli_errors`."""
+    try:
+        _check_text(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
+        if argv is not None and getattr(args, "argv", False) is None:
+            args.argv = list(argv)  # an in-process caller's command line is what the run records, not sys.argv
+        return args.func(args)
+    except BrokenPipeError:
+        # `rlrunbook summarize ... | head`: the reader left. Point stdout at nothing so the exit flushes quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # as if killed by SIGPIPE, what a shell reports for the other commands of a pipe
+    except Exception as error:  # noqa: BLE001 - the boundary: anticipated classes are described, the rest reported
+        message = cli_errors.describe(error)
+        return cli_errors.refuse(message) if message is not None else cli_errors.report_bug(error)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import signal
-    import threading
+    """Run one ``rlrunbook`` command; its exit status (docs/cli.md): 0 success, 1 its check failed, 2 refused
+    (one ``error:`` paragraph), 70 a bug (a traceback and where to report it), 128 + N after signal N.
 
-    args = parse_args(argv)
-    if argv is not None and getattr(args, "argv", False) is None:
-        args.argv = list(argv)  # an in-process caller's command line is what the run records, not sys.argv
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    SIGTERM and SIGHUP are handled from this function's first line, Ctrl-C as Python does from start-up: each
+    stops the command as Ctrl-C does (see :mod:`rlrunbook.cli_signals`), without a traceback.
+    """
+    restore = cli_signals.install()
     try:
-        return args.func(args)
-    except RlrunbookError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as interrupt:
-        return _interrupted(interrupt)
+        try:
+            return _run(argv)
+        except KeyboardInterrupt as interrupt:
+            return cli_signals.finish(interrupt)
+    except KeyboardInterrupt as again:  # a second signal while the first was being handled
+        return cli_signals.finish_now(again)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        restore()
 
 
 if __name__ == "__main__":

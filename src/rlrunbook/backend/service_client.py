@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import weakref
 from typing import Any
 
 from tinker import types
@@ -29,6 +30,16 @@ from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.backend.vllm_sampling import VllmSamplers
 from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.errors import ConfigError, ModelNotFoundError
+
+# Every LocalServiceClient of this process not yet closed: what a signal must stop before the process exits.
+_LIVE: weakref.WeakSet[LocalServiceClient] = weakref.WeakSet()
+
+
+def stop_live_services(timeout: float | None = None) -> bool:
+    """Stop every local backend of this process that is not closed (:meth:`LocalServiceClient.stop_now`):
+    what a command does after a signal, so the process never exits while a backend thread is inside torch.
+    True when none computes any more."""
+    return all([service.stop_now(timeout) for service in list(_LIVE)])
 
 
 def micro_batching(host: ModelHost, settings: LocalSettings) -> MicroBatching:
@@ -67,6 +78,7 @@ class LocalServiceClient:
         self._training: dict[str, LocalTrainingClient] = {}
         self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
         self._closed = False
+        _LIVE.add(self)
 
     def result(self, timeout: float | None = None) -> Self:
         return self
@@ -232,6 +244,7 @@ class LocalServiceClient:
         """Stop the worker thread (after the calls already queued). Returns a finished future, as the SDK does."""
         if not self._closed:
             self._closed = True
+            _LIVE.discard(self)
             if self._vllm is not None:  # after the queued calls, on the thread its servers die with
                 self._worker.run(self._vllm.close)
             self._worker.shutdown()
@@ -244,6 +257,7 @@ class LocalServiceClient:
         if self._closed:
             return self._worker.shutdown(timeout=timeout)
         self._closed = True
+        _LIVE.discard(self)
         self._worker.cancel_pending()
         if self._vllm is not None:  # queued behind the running call, on the thread its servers die with
             self._worker.submit(self._vllm.close)

@@ -7,6 +7,7 @@ simply never read again (delete ``<cache>/models`` to reclaim the space).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,10 +123,17 @@ WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+# The JSON files of a model folder that transformers parses on loading (those present are checked).
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "model.safetensors.index.json")
+
+
 def check_model_folder(folder: Path) -> Path:
-    """``folder`` if it holds weights and a tokenizer beside ``config.json``; ``ModelNotFoundError`` naming
-    what is missing otherwise. Checked when the name is resolved, so before any model loads: a folder with
-    only ``config.json`` used to fail inside transformers after the run directory was made."""
+    """``folder`` if it holds weights and a tokenizer beside ``config.json``, its JSON files parse and its
+    safetensors headers read; ``ModelNotFoundError`` naming the file, what is wrong and the fix otherwise.
+    Checked when the name is resolved, so before any model loads: a folder with only ``config.json``, a
+    ``config.json`` that is not JSON or a safetensors file with a bad header used to fail inside transformers
+    or safetensors, with their own exceptions, after the run directory was made."""
     missing = [kind for kind, patterns in (("weights (model.safetensors or pytorch_model.bin)", WEIGHT_FILES),
                                            ("a tokenizer (tokenizer.json or tokenizer_config.json)", TOKENIZER_FILES))
                if not any(any(folder.glob(pattern)) for pattern in patterns)]
@@ -135,7 +143,38 @@ def check_model_folder(folder: Path) -> Path:
             "transformers model. Point --model to a folder written by save_pretrained (model and tokenizer), "
             f"or use a built-in ({_builtin_list()})."
         )
+    for name in JSON_FILES:
+        if (folder / name).is_file():
+            _check_json_file(folder / name)
+    for weights in sorted(folder.glob("*.safetensors")):
+        _check_safetensors_header(weights)
     return folder
+
+
+def _broken(path: Path, what: str) -> ModelNotFoundError:
+    return ModelNotFoundError(f"model file {str(path)!r} {what}: the folder is damaged or incomplete. Rebuild or "
+                              "re-download the model (for a hub model, delete it from the Hugging Face cache and "
+                              f"fetch it again), or use a built-in ({_builtin_list()}).")
+
+
+def _check_json_file(path: Path) -> None:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _broken(path, f"is not readable JSON ({type(error).__name__}: {error})") from None
+    if not isinstance(document, dict):
+        raise _broken(path, f"holds a JSON {type(document).__name__}, not an object")
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """Open ``path`` as safetensors does on loading (the header only: the tensors are not read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            handle.keys()
+    except Exception as error:  # noqa: BLE001 - SafetensorError, OSError and whatever a damaged header raises
+        raise _broken(path, f"is not a readable safetensors file ({type(error).__name__}: {error})") from None
 
 
 def _builtin_list() -> str:

@@ -56,6 +56,7 @@ from rlrunbook.run.redaction import (
     secret_from_environment,
 )
 from rlrunbook.run.schema import METADATA_FILE, rollout_kind
+from rlrunbook.run.writer import step_records
 
 RESUMABLE_FIELDS = ("steps", "name", "log_root")  # what a resumed run may change
 
@@ -216,7 +217,7 @@ class Resume:
 
     def check_dataset(self, dataset: Mapping[str, Any]) -> None:
         """``ConfigError`` if the data set's fingerprint differs from the one the old run recorded."""
-        old = json.loads((self.source_run / METADATA_FILE).read_text(encoding="utf-8")).get("dataset") or {}
+        old = source_metadata(self.source_run).get("dataset") or {}
         if old.get("fingerprint") and dataset.get("fingerprint") != old["fingerprint"]:
             raise ConfigError(f"the data set changed since {self.source_run} ran (fingerprint "
                               f"{dataset.get('fingerprint')} vs {old['fingerprint']}): the resumed steps would "
@@ -241,6 +242,23 @@ class Resume:
         return ckpt.step
 
 
+def source_metadata(source_run: Path) -> dict[str, Any]:
+    """The ``run_metadata.json`` of the run being resumed; ``InputError`` naming the file and the fix when it is not
+    readable JSON (a resume compares its data set fingerprint, and the new run starts with that run's records)."""
+    path = source_run / METADATA_FILE
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:
+        document, why = None, f"{type(error).__name__}: {error}"
+    else:
+        why = f"it holds {type(document).__name__}, not an object"
+    if not isinstance(document, dict):
+        raise InputError(f"{path} of the run being resumed is not readable JSON ({why}): truncated or edited. Restore "
+                         "it (from a `rlrunbook package` archive or a backup); the checkpoint itself is verified "
+                         "separately.")
+    return document
+
+
 def plan_resume(path: str | Path, requested: TrainConfig, sources: Mapping[str, str] | None) -> Resume:
     """Find and verify the checkpoint, merge the config (see :func:`resumed_config`): all before a model loads."""
     folder = find_checkpoint(path)
@@ -249,6 +267,9 @@ def plan_resume(path: str | Path, requested: TrainConfig, sources: Mapping[str, 
     if not (source_run / METADATA_FILE).is_file():
         raise ConfigError(f"checkpoint {folder} is not inside a run directory ({source_run / METADATA_FILE} is "
                           "missing): the resumed run starts with that run's records. Keep checkpoints in their run.")
+    source_metadata(source_run)  # the records a resumed run reads, readable before anything loads
+    step_records(source_run, checkpoint.step, rollout_kind(checkpoint.config.get("mode", "single_turn"),
+                                                            checkpoint.config.get("env", "qa")), complete=False)
     config, record = resumed_config(checkpoint.config, requested, sources or {}, f"checkpoint:{folder}")
     config = validate(config)
     if checkpoint.step >= config.steps:
