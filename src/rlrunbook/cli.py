@@ -132,7 +132,7 @@ def _train_cli_values(args: argparse.Namespace) -> dict[str, object]:
 def _resolve_runs(args: argparse.Namespace):
     """One resolved config per sweep point (one when there is no sweep), all validated up front."""
     from rlrunbook.rl.setup.config import validate
-    from rlrunbook.rl.setup.config_sources import build_config, sweep_grid, sweep_name
+    from rlrunbook.rl.setup.config_sources import build_config, check_distinct_points, sweep_grid, sweep_name
 
     layers = dict(file=args.config_file, overrides=args.overrides, cli=_train_cli_values(args),
                   strict=args.strict_config)
@@ -144,6 +144,7 @@ def _resolve_runs(args: argparse.Namespace):
         resolved = build_config(**layers, sweep_values=named)
         validate(resolved.config)  # every point is checked before the first run starts
         runs.append(resolved)
+    check_distinct_points(runs, points)
     return runs
 
 
@@ -282,7 +283,10 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 def cmd_package(args: argparse.Namespace) -> int:
     from rlrunbook.run.tools import find_secrets, package_run, verify_package
 
+    from rlrunbook.run.paths import check_run_directory
+
     run_dir = _existing_run_dir(args.run_dir)
+    check_run_directory(run_dir)  # any other folder is not archived as a run
     if args.out:
         from rlrunbook.run.outputs import check_not_a_run_file
 
@@ -306,7 +310,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
     from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
     from rlrunbook.rl.rollout.paradigms import RolloutContext
-    from rlrunbook.rl.setup.config import TrainConfig, validate
+    from rlrunbook.rl.setup.config_sources import build_config
     from rlrunbook.rl.setup.preflight import check_output_file, preflight
     from rlrunbook.rl.setup.prepare import prepare
     from rlrunbook.run.jsonio import atomic_write_json
@@ -317,8 +321,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)  # before the evaluation, whose results it would otherwise lose
     fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
-    requested = TrainConfig(**{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
-    preflight(validate(requested), writes_run_dir=False)  # the model before the data (see plan_run)
+    given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    requested = build_config(cli=given).config  # a bad value: ConfigError, not a traceback
+    preflight(requested, writes_run_dir=False)  # the model before the data (see plan_run)
     config, _, task, problems = prepare(requested)
     print(f"[data] {task.announcement(problems)}", flush=True)
     for notice in task.notices:
@@ -388,11 +393,31 @@ def cmd_bench_history(args: argparse.Namespace) -> int:
     return 1 if any(row.regression for row in rows) else 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
+def _count(low: int, high: int, why: str):
+    """An argparse type: an integer from ``low`` to ``high`` (a limit of ``rlrunbook.rl.setup.limits``, whose
+    reason ``why`` the refusal states), so 10^20 samples are refused at once instead of sampled until killed."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text if len(text) <= 40 else text[:37] + '...'} is outside "
+                                             f"{low:,}..{high:,} ({why})")
+        return value
+    return parse
+
+
+def _limited():
+    """The bounded integer types of eval, eval-checkpoints and check-logprobs (imported late: the CLI loads fast)."""
+    from rlrunbook.rl.setup import limits
+
+    rows = _count(1, limits.MAX_ROLLOUTS, "rows sampled at once, bounded like train's -n")
+    return {"samples": rows, "problems": _count(1, limits.MAX_HELD_OUT, "problems of a data set"),
+            "resamples": _count(1, limits.MAX_RESAMPLES, "bootstrap resamples; 2,000 give stable 95% intervals"),
+            "seed": _count(0, limits.MAX_SEED, "torch's int64 seeds"),
+            "tokens": _count(1, limits.MAX_TOKENS, "beyond any model's context window"),
+            "rank": _count(1, limits.MAX_LORA_RANK, "wider than any model's layers")}
 
 
 def _positive_float(text: str) -> float:
@@ -409,6 +434,7 @@ def _positive_float(text: str) -> float:
 
 
 def add_run_tool_commands(commands) -> None:
+    limited = _limited()
     summarize = commands.add_parser("summarize", help="one table row per run directory: status, rewards, loss, "
                                                       "tokens, timings; exit 1 if any run is unreadable")
     summarize.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -432,12 +458,12 @@ def add_run_tool_commands(commands) -> None:
     evaluate.add_argument("--env", help="qa (default) | summary | math, or a registered task")
     evaluate.add_argument("--dataset", help="as for train; use problems the policy was not trained on")
     evaluate.add_argument("--reward-fn", help="as for train")
-    evaluate.add_argument("--num-problems", type=_positive_int, default=None, help="first P problems (all)")
-    evaluate.add_argument("--samples", type=_positive_int, default=8, help="completions per problem (8)")
-    evaluate.add_argument("--ks", type=_positive_int, nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
+    evaluate.add_argument("--num-problems", type=limited["problems"], default=None, help="first P problems (all)")
+    evaluate.add_argument("--samples", type=limited["samples"], default=8, help="completions per problem (8)")
+    evaluate.add_argument("--ks", type=limited["samples"], nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
     evaluate.add_argument("--threshold", type=float, default=1.0, help="a sample passes at reward >= this (1.0)")
     evaluate.add_argument("--confidence", type=float, default=0.95, help="bootstrap CI level (0.95)")
-    evaluate.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap resamples (2000)")
+    evaluate.add_argument("--resamples", type=limited["resamples"], default=2000, help="bootstrap resamples (2000)")
     evaluate.add_argument("--seed", type=int, help="data set and sampling seed (0)")
     evaluate.add_argument("--temperature", type=float, help="sampling temperature (1.0)")
     evaluate.add_argument("--max-tokens", type=int, help="tokens per completion (64)")
@@ -449,12 +475,13 @@ def add_run_tool_commands(commands) -> None:
                                                                "model as step 0) on held-out problems: one row per "
                                                                "step, mean reward and pass@k with bootstrap CIs")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
-    checkpoints.add_argument("--samples", type=_positive_int, default=8, help="completions per problem (8)")
-    checkpoints.add_argument("--num-problems", type=_positive_int, default=16, help="held-out problems (16)")
-    checkpoints.add_argument("--ks", type=_positive_int, nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
+    checkpoints.add_argument("--samples", type=limited["samples"], default=8, help="completions per problem (8)")
+    checkpoints.add_argument("--num-problems", type=limited["problems"], default=16, help="held-out problems (16)")
+    checkpoints.add_argument("--ks", type=limited["samples"], nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
     checkpoints.add_argument("--threshold", type=float, default=1.0, help="a sample passes at reward >= this (1.0)")
     checkpoints.add_argument("--confidence", type=float, default=0.95, help="bootstrap CI level (0.95)")
-    checkpoints.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap resamples (2000)")
+    checkpoints.add_argument("--resamples", type=limited["resamples"], default=2000,
+                             help="bootstrap resamples (2000)")
     checkpoints.add_argument("--no-base", action="store_true", help="leave out step 0 (the base model)")
     checkpoints.add_argument("--dataset", help="evaluate on this data set instead of the run's held-out problems "
                                                "(those its training never drew)")
@@ -565,13 +592,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, local folder or hub id")
     check.add_argument("--prompt", default="What is 7 * 8?")
-    check.add_argument("--max-tokens", type=int, default=32)
-    check.add_argument("--num-samples", type=int, default=4)
+    limited = _limited()
+    check.add_argument("--max-tokens", type=limited["tokens"], default=32)
+    check.add_argument("--num-samples", type=limited["samples"], default=4)
     check.add_argument("--temperature", type=float, default=1.0)
     check.add_argument("--top-k", type=int, default=-1)
     check.add_argument("--top-p", type=float, default=1.0)
     check.add_argument("--min-p", type=float, default=0.0)
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=limited["seed"], default=0)
     check.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
                        help="default: what train uses (TINKER_LOCAL_DTYPE, else bfloat16 on cuda, float32 on cpu)")
     check.add_argument("--device", default=None, help="default: TINKER_LOCAL_DEVICE, else cuda if available, else cpu")
@@ -580,7 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "server (TINKER_LOCAL_VLLM_URL, else one started from .venv-vllm)")
     check.add_argument("--numerics", choices=("invariant", "exact", "native"), default=None,
                        help="how sampler and trainer round (default: TINKER_LOCAL_NUMERICS, else invariant)")
-    check.add_argument("--lora-rank", type=int, default=16, help="rank of the (fresh) adapter, as train's default")
+    check.add_argument("--lora-rank", type=limited["rank"], default=16,
+                       help="rank of the (fresh) adapter, as train's default")
     check.add_argument("--tolerance", type=_positive_float, default=None,
                        help="max abs logprob gap allowed (default: the gate of the dtype, 1e-4 in float32, 0.1/T in half "
                             "precision, where the mean must also stay <= 0.01/T)")
