@@ -11,7 +11,9 @@ expands into one config per combination.
 from __future__ import annotations
 
 import difflib
+import hmac
 import itertools
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,9 +25,12 @@ from pydantic import BaseModel, ValidationError
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.run.redaction import holds_secret, is_secret_path
 
 PRESET_DIR = Path(__file__).resolve().parents[4] / "configs"  # the project's presets (source checkout)
 SWEEP_KEY = "sweep"
+# Tells apart the sweep points of secret values in run names without deriving anything stable from them.
+_NAME_SALT = os.urandom(16)
 
 
 @dataclass(frozen=True)
@@ -278,7 +283,18 @@ def sweep_grid(file: str | Path | None, sweeps: Iterable[str]) -> list[dict[str,
     return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
 
 
+def _name_value(key: str, value: Any) -> str:
+    """``value`` as it appears in a run name; a secret (a secret-named key, or a value holding a credential)
+    as ``secret-<tag>``, the tag a keyed hash under a key drawn per process: points stay apart, and a
+    directory name says nothing about the value, not even to someone guessing it."""
+    if not (is_secret_path(key) or holds_secret(value)):
+        return str(value)
+    text = repr(value).encode("utf-8", "surrogatepass")
+    return f"secret-{hmac.new(_NAME_SALT, text, 'sha256').hexdigest()[:6]}"
+
+
 def sweep_name(base: str, values: Mapping[str, Any]) -> str:
-    """Run name of one sweep point: ``run-learning_rate-0.0003-kl_coef-0.05``."""
-    parts = [base] + [f"{key.rsplit('.', 1)[-1]}-{value}" for key, value in values.items()]
+    """Run name of one sweep point: ``run-learning_rate-0.0003-kl_coef-0.05`` (secret values as
+    ``api_key-secret-1f2e3d``, see :func:`_name_value`)."""
+    parts = [base] + [f"{key.rsplit('.', 1)[-1]}-{_name_value(key, value)}" for key, value in values.items()]
     return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(parts))
