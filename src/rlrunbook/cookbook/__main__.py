@@ -17,6 +17,10 @@ from pathlib import Path
 from rlrunbook.errors import RlrunbookError
 
 
+DESCRIPTION = ("Run a tinker-cookbook recipe unmodified on the rlrunbook local backend "
+               "(TINKER_BACKEND=local, the default; =api runs it against the hosted service).")
+
+
 def _dataset_option(text: str) -> tuple[str, Path]:
     name, sep, file = text.partition("=")
     if not sep or not name or not file:
@@ -24,12 +28,9 @@ def _dataset_option(text: str) -> tuple[str, Path]:
     return name, Path(file).expanduser()
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlrunbook.cookbook",
-        description="Run a tinker-cookbook recipe unmodified on the rlrunbook local backend "
-                    "(TINKER_BACKEND=local, the default; =api runs it against the hosted service).",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The runner's options, its recipe and the recipe's arguments: shared by ``python -m rlrunbook.cookbook``
+    and ``rlrunbook cookbook``, so both take the same command line."""
     parser.add_argument("--renderer", metavar="NAME",
                         help="renderer for models the cookbook's model table does not know (the built-ins: "
                              "qwen3_instruct, i.e. ChatML)")
@@ -38,6 +39,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(repeatable)")
     parser.add_argument("recipe", help="the recipe's module, e.g. tinker_cookbook.recipes.math_rl.train")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="passed to the recipe unchanged")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlrunbook.cookbook",
+        description=DESCRIPTION,
+    )
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -68,8 +77,8 @@ def prepare(args: argparse.Namespace):
     return bindings
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def run(args: argparse.Namespace) -> int:
+    """Run the recipe of parsed arguments (``recipe``, ``recipe_args``, ``renderer``, ``hf_dataset``)."""
     try:
         bindings = prepare(args)
         for line in bindings.lines:
@@ -80,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlrunbook.cookbook: error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
