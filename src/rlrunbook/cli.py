@@ -301,7 +301,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
     from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
     from rlrunbook.rl.rollout.paradigms import RolloutContext
-    from rlrunbook.rl.setup.config import TrainConfig
+    from rlrunbook.rl.setup.config_sources import build_config
     from rlrunbook.rl.setup.preflight import check_output_file, preflight
     from rlrunbook.rl.setup.prepare import prepare
     from rlrunbook.run.jsonio import atomic_write_json
@@ -312,8 +312,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)  # before the evaluation, whose results it would otherwise lose
     fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
-    config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
-                                                       if getattr(args, f) is not None}))
+    # Validated as train's flags are: a bad value (--temperature nan) is a ConfigError naming it, not a traceback.
+    given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    config, _, task, problems = prepare(build_config(cli=given).config)
     preflight(config, writes_run_dir=False)
     print(f"[data] {task.announcement(problems)}", flush=True)
     for notice in task.notices:
