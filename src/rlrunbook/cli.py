@@ -321,8 +321,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)  # before the evaluation, whose results it would otherwise lose
     fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
+    # Validated as train's flags are: a bad value (--temperature nan) is a ConfigError naming it, not a traceback.
     given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
-    requested = build_config(cli=given).config  # a bad value: ConfigError, not a traceback
+    requested = build_config(cli=given).config
     preflight(requested, writes_run_dir=False)  # the model before the data (see plan_run)
     config, _, task, problems = prepare(requested)
     print(f"[data] {task.announcement(problems)}", flush=True)
@@ -373,9 +374,9 @@ def cmd_eval_checkpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_cookbook(args: argparse.Namespace) -> int:
-    from rlrunbook.cookbook.__main__ import main as cookbook_main
+    from rlrunbook.cookbook.__main__ import run
 
-    return cookbook_main(args.recipe_args)
+    return run(args)
 
 
 def cmd_bench_history(args: argparse.Namespace) -> int:
@@ -488,10 +489,15 @@ def add_run_tool_commands(commands) -> None:
     checkpoints.add_argument("--out", help="also write the table: .csv, .tsv or .md")
     checkpoints.set_defaults(func=cmd_eval_checkpoints)
 
-    cookbook = commands.add_parser("cookbook", help="run a tinker-cookbook recipe unmodified on the local backend: "
-                                                    "rlrunbook cookbook [--renderer R] [--hf-dataset NAME=FILE] "
-                                                    "<recipe module> [recipe args]")
-    cookbook.add_argument("recipe_args", nargs=argparse.REMAINDER)
+    from rlrunbook.cookbook.__main__ import DESCRIPTION, add_arguments
+
+    cookbook = commands.add_parser("cookbook", description=DESCRIPTION,
+                                   help="run a tinker-cookbook recipe unmodified on the local backend: "
+                                        "rlrunbook cookbook [--renderer R] [--hf-dataset NAME=FILE] "
+                                        "<recipe module> [recipe args]")
+    # The runner's own options, then the recipe and its arguments (one positional taking the rest alone would
+    # refuse a leading option: argparse.REMAINDER does not start at one).
+    add_arguments(cookbook)
     cookbook.set_defaults(func=cmd_cookbook)
 
     history = commands.add_parser("bench-history", help="compare the last saved benchmark run "

@@ -24,6 +24,10 @@ from rlrunbook import cli_errors, cli_signals
 from rlrunbook.errors import ConfigError
 
 
+DESCRIPTION = ("Run a tinker-cookbook recipe unmodified on the rlrunbook local backend "
+               "(TINKER_BACKEND=local, the default; =api runs it against the hosted service).")
+
+
 def _dataset_option(text: str) -> tuple[str, Path]:
     name, sep, file = text.partition("=")
     if not sep or not name or not file:
@@ -31,12 +35,9 @@ def _dataset_option(text: str) -> tuple[str, Path]:
     return name, Path(file).expanduser()
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlrunbook.cookbook",
-        description="Run a tinker-cookbook recipe unmodified on the rlrunbook local backend "
-                    "(TINKER_BACKEND=local, the default; =api runs it against the hosted service).",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The runner's options, its recipe and the recipe's arguments: shared by ``python -m rlrunbook.cookbook``
+    and ``rlrunbook cookbook``, so both take the same command line."""
     parser.add_argument("--renderer", metavar="NAME",
                         help="renderer for models the cookbook's model table does not know (the built-ins: "
                              "qwen3_instruct, i.e. ChatML)")
@@ -45,6 +46,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(repeatable)")
     parser.add_argument("recipe", help="the recipe's module, e.g. tinker_cookbook.recipes.math_rl.train")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="passed to the recipe unchanged")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlrunbook.cookbook",
+        description=DESCRIPTION,
+    )
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -8,8 +8,8 @@ A checkpoint taken after ``k`` completed steps holds everything an exact resume 
       rng.json              Python ``random`` and NumPy MT19937 states
       rng.safetensors       torch CPU generator state, and one tensor per CUDA device (``cuda_<i>``)
       checkpoint.json       manifest, written last: format version, step, data cursor, config
-                            (secret values redacted), sha256 and size of every other file, and the
-                            sha256 of the manifest itself (``manifest_sha256``, format 2)
+                            (secret values redacted; ``withheld`` names them), sha256 and size of every
+                            other file, and the sha256 of the manifest itself (``manifest_sha256``, format 2)
 
 Nothing here unpickles: safetensors, JSON, and ``torch.load(weights_only=True)`` only.
 
@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from rlrunbook.errors import InputError
 from rlrunbook.run.jsonio import fsync_dir
-from rlrunbook.run.redaction import redact_config
+from rlrunbook.run.redaction import redact_config, withheld_paths
 
 FORMAT_VERSION = 2  # bump when the layout changes; versions not in READABLE_VERSIONS are refused, not guessed at
 READABLE_VERSIONS = (1, 2)  # 1: no manifest_sha256 (its manifest is read unverified)
@@ -75,6 +75,9 @@ class Checkpoint:
     # Where the data order stands (``rl.setup.data_order.DataCursor``): with dynamic sampling a step may
     # draw more problems than it trains on, so the step index alone no longer says which problem is next.
     data_cursor: dict[str, int] | None = None
+    # The dotted config keys whose values the manifest withheld (secret-named, or holding a credential): a resume
+    # takes each again. None for a manifest written before the list existed (then only secret-named keys were).
+    withheld: tuple[str, ...] | None = None
 
 
 def step_dir_name(step: int) -> str:
@@ -177,6 +180,7 @@ def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> N
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         # Secrets are never stored: a resume takes them again from the command line or the environment.
         "config": redact_config(checkpoint.config),
+        "withheld": withheld_paths(checkpoint.config),
         "files": files,
     }
     _write_json(folder / MANIFEST_FILE, {**manifest, MANIFEST_CHECKSUM: manifest_sha256(manifest)})
@@ -317,4 +321,14 @@ def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.de
     rng.update(torch_cpu=tensors["torch_cpu"], cuda=[tensors[f"cuda_{i}"] for i in range(cuda_count)])
     return Checkpoint(step=manifest["step"], config=manifest["config"], adapter=adapter, optimizer=optimizer,
                       rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder,
-                      data_cursor=manifest.get("data_cursor") or None)
+                      data_cursor=manifest.get("data_cursor") or None, withheld=_withheld(folder, manifest))
+
+
+def _withheld(folder: Path, manifest: dict[str, Any]) -> tuple[str, ...] | None:
+    """The manifest's ``withheld`` keys (None where an older manifest has no list)."""
+    withheld = manifest.get("withheld")
+    if withheld is None:
+        return None
+    if not isinstance(withheld, list) or not all(isinstance(key, str) for key in withheld):
+        raise _corrupt(folder, f"{MANIFEST_FILE}'s 'withheld' is {withheld!r}, not a list of config keys")
+    return tuple(withheld)

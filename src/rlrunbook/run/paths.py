@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.run.redaction import credential_kind
 from rlrunbook.run.schema import METADATA_FILE
 
 LOG_ROOT_ENV_VARS = ("RLRUNBOOK_LOG_ROOT", "TINKER_DEBATE_LOG_ROOT")
@@ -55,6 +56,11 @@ def _check_component(kind: str, value: str) -> str:
             f"run {kind} {value!r} contains a path separator or is a relative path "
             f"({bad or value}): it becomes part of one directory name; use letters, digits, '-', '_'"
         )
+    credential = credential_kind(value)
+    if credential is not None:  # the value is not repeated: it is the secret
+        raise ConfigError(
+            f"run {kind} holds what looks like a credential ({credential}): it would become part of the run "
+            f"directory's name, which every listing, log and archive shows. Use a name without it.")
     return value
 
 

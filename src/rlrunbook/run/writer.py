@@ -19,7 +19,7 @@ from rlrunbook.errors import InputError
 from rlrunbook.run import metadata as meta
 from rlrunbook.run.jsonio import atomic_write_json, atomic_write_text, dumps, redact_text, to_jsonable
 from rlrunbook.run.liveness import HEARTBEAT_S, process_record
-from rlrunbook.run.redaction import redact_argv, redact_config, secret_config_values
+from rlrunbook.run.redaction import redact_argv, redact_config, scrub_credentials, secret_config_values
 from rlrunbook.run.schema import (
     FINAL_STATUSES,
     METADATA_FILE,
@@ -100,7 +100,8 @@ class RunWriter:
 
         ``resumed_from`` (a resumed run only): the checkpoint it started from, ``{"path", "run", "step"}``.
         """
-        # The values of secret config keys (extra.api_key) are scrubbed from everything written from now on.
+        # The values of secret config keys (extra.api_key), and config values holding a credential under any key
+        # (extra.openai_key=sk-...), are scrubbed from everything written from now on.
         self._secrets = sorted({*self._secrets, *secret_config_values(config)}, key=len, reverse=True)
         self._metadata = {
             "schema_version": SCHEMA_VERSION,
@@ -169,6 +170,7 @@ class RunWriter:
                     f"cannot finish {self.metadata_path}: {exc}; call write_metadata() first"
                 ) from exc
         now = _utc_now()
+        error = None if error is None else scrub_credentials(error)  # a message can quote a URL with its password
         path = self._write_metadata_file(status=status, finished_at=now, heartbeat_at=now, error=error)
         if self._sink is not None:
             self._sink.finish(status)

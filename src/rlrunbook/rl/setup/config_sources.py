@@ -11,8 +11,10 @@ expands into one config per combination.
 from __future__ import annotations
 
 import difflib
+import hmac
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,9 +28,12 @@ from rlrunbook.errors import ConfigError
 from rlrunbook.rl.setup.config import TrainConfig, validate
 from rlrunbook.rl.setup.limits import MAX_SWEEP_POINTS, shown
 from rlrunbook.rl.setup.yaml_source import load_yaml, parse_yaml, read_config_text
+from rlrunbook.run.redaction import holds_secret, is_secret_path
 
 PRESET_DIR = Path(__file__).resolve().parents[4] / "configs"  # the project's presets (source checkout)
 SWEEP_KEY = "sweep"
+# Tells apart the sweep points of secret values in run names without deriving anything stable from them.
+_NAME_SALT = os.urandom(16)
 
 
 @dataclass(frozen=True)
@@ -311,7 +316,18 @@ def check_distinct_points(runs: Sequence[ResolvedConfig], points: Sequence[Mappi
         seen[token] = index
 
 
+def _name_value(key: str, value: Any) -> str:
+    """``value`` as it appears in a run name; a secret (a secret-named key, or a value holding a credential)
+    as ``secret-<tag>``, the tag a keyed hash under a key drawn per process: points stay apart, and a
+    directory name says nothing about the value, not even to someone guessing it."""
+    if not (is_secret_path(key) or holds_secret(value)):
+        return str(value)
+    text = repr(value).encode("utf-8", "surrogatepass")
+    return f"secret-{hmac.new(_NAME_SALT, text, 'sha256').hexdigest()[:6]}"
+
+
 def sweep_name(base: str, values: Mapping[str, Any]) -> str:
-    """Run name of one sweep point: ``run-learning_rate-0.0003-kl_coef-0.05``."""
-    parts = [base] + [f"{key.rsplit('.', 1)[-1]}-{value}" for key, value in values.items()]
+    """Run name of one sweep point: ``run-learning_rate-0.0003-kl_coef-0.05`` (secret values as
+    ``api_key-secret-1f2e3d``, see :func:`_name_value`)."""
+    parts = [base] + [f"{key.rsplit('.', 1)[-1]}-{_name_value(key, value)}" for key, value in values.items()]
     return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(parts))
