@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from keyed_task import KEYED_TASK
 
 from rlrunbook import cli
 from rlrunbook.rl.setup.checkpointing import withheld_keys
@@ -120,7 +121,7 @@ def test_resume_asks_for_withheld_keys_and_reads_older_manifests_by_name():
 
 # --- a real run with credentials under names that are not secret ----------------------------------------
 
-TRAIN = ["train", "--model", "tiny", "--env", "qa", "--dataset", "test", "-n", "8", "--num-groups", "2",
+TRAIN = ["train", "--model", "tiny", "--env", KEYED_TASK, "--dataset", "test", "-n", "8", "--num-groups", "2",
          "--max-tokens", "32", "--seed", "1", "--checkpoint-every", "1"]
 RECORDED_URL_VARIABLE = "RLRUNBOOK_TEST_NOTES_URL"  # recorded (prefix RLRUNBOOK_), read by nothing
 
@@ -187,7 +188,7 @@ def test_swept_secrets_are_not_spelled_in_run_names(capsys):
              for value in (OPENAI_KEY, PASSPHRASE)]
     assert names[0] != names[1] and all(n.startswith("run-openai_key-secret-") for n in names)
     assert sweep_name("run", {"extra.api_key": "k1"}).startswith("run-api_key-secret-")  # secret by name
-    code = cli.main(["show-config", "--model", "tiny", "--sweep", f"extra.openai_key={OPENAI_KEY},{PASSPHRASE}"])
+    code = cli.main(["show-config", "--model", "tiny", "--env", KEYED_TASK, "--sweep", f"extra.openai_key={OPENAI_KEY},{PASSPHRASE}"])
     out = capsys.readouterr().out
     assert code == 0 and OPENAI_KEY not in out and PASSPHRASE not in out
     assert out.count("name: run-openai_key-secret-") == 2
