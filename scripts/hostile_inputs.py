@@ -1241,7 +1241,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=2, help="cases run in parallel (2)")
     ap.add_argument("--only", action="append", default=[], metavar="CLASS_OR_ID",
                     help="run only this class or case id, or those matching it as a regex (repeatable)")
-    ap.add_argument("--json", metavar="OUT", help="write every result as JSON")
+    ap.add_argument("--exclude", action="append", default=[], metavar="CLASS_OR_ID",
+                    help="leave out this class or case id, or those matching it as a regex (repeatable)")
+    ap.add_argument("--json", metavar="OUT", help="write every result as JSON (rewritten after each case, so an "
+                                                  "interrupted run keeps what it finished)")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds per case unless the case sets its own (120)")
     ap.add_argument("--mem-gib", type=float, default=12.0, help="address-space limit of each case in GiB (12; 0 = "
@@ -1255,11 +1258,11 @@ def main(argv: list[str] | None = None) -> int:
     ids = [c.id for c in all_cases]
     dup = {i for i in ids if ids.count(i) > 1}
     assert not dup, f"duplicate case ids: {dup}"
-    selected = all_cases
-    if args.only:
-        def chosen(c: Case) -> bool:
-            return any(o == c.cls or o == c.id or re.fullmatch(o, c.id) for o in args.only)
-        selected = [c for c in all_cases if chosen(c)]
+    def matches(c: Case, pats: list[str]) -> bool:
+        return any(o == c.cls or o == c.id or re.fullmatch(o, c.id) for o in pats)
+
+    selected = [c for c in all_cases if (not args.only or matches(c, args.only)) and not matches(c, args.exclude)]
+    if args.only or args.exclude:
         if not selected:
             raise SystemExit(f"--only {args.only}: no case; classes: {sorted({c.cls for c in all_cases})}")
     if args.list:
@@ -1283,6 +1286,20 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[Result] = []
     lock = threading.Lock()
+
+    def write_json() -> None:
+        if not args.json:
+            return
+        done = sorted(results, key=lambda r: (r.cls, r.id))
+        counts = {cls: {o: sum(1 for r in done if r.cls == cls and r.outcome == o) for o in OUTCOMES}
+                  for cls in sorted({r.cls for r in done})}
+        totals = {o: sum(1 for r in done if r.outcome == o) for o in OUTCOMES}
+        Path(args.json).write_text(json.dumps({
+            "target": exe[0], "cases": len(done), "selected": len(selected),
+            "seconds": round(time.time() - started), "totals": totals, "counts": counts,
+            "failing": [r.id for r in done if r.outcome not in PASSING],
+            "results": [r.__dict__ for r in done]}, indent=1, ensure_ascii=True))
+
     # the slow cases first, so that the tail of the run is not one long case on one worker
     order = sorted(selected, key=lambda c: -(c.timeout or args.timeout))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -1294,6 +1311,7 @@ def main(argv: list[str] | None = None) -> int:
                 mark = "ok " if r.outcome in PASSING else "BAD"
                 print(f"[{len(results):3}/{len(selected)}] {mark} {r.cls:13} {r.id:42} {r.outcome:14} "
                       f"{r.seconds:6.1f}s  {r.message[:110]}", flush=True)
+                write_json()
     results.sort(key=lambda r: (r.cls, r.id))
     print()
     print(table(results))
@@ -1302,13 +1320,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in bad:
         print(f"  {r.id}: {r.outcome}: {r.message.splitlines()[0][:160] if r.message else ''}")
     if args.json:
-        counts = {cls: {o: sum(1 for r in results if r.cls == cls and r.outcome == o) for o in OUTCOMES}
-                  for cls in sorted({r.cls for r in results})}
-        totals = {o: sum(1 for r in results if r.outcome == o) for o in OUTCOMES}
-        Path(args.json).write_text(json.dumps({
-            "target": exe[0], "cases": len(results), "seconds": round(time.time() - started),
-            "totals": totals, "counts": counts, "failing": [r.id for r in bad],
-            "results": [r.__dict__ for r in results]}, indent=1, ensure_ascii=True))
+        write_json()
         print(f"written: {args.json}")
     if not args.keep:
         make_mutable(tmp_root)
