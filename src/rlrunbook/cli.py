@@ -344,6 +344,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for k, value in summary.pass_at.items():
         low, high = summary.pass_ci[k]
         print(f"pass@{k}: {value:.4f} [{low:.4f}, {high:.4f}]  (reward >= {summary.threshold:g})")
+    highest = max((r for row in rewards for r in row), default=None)
+    if highest is not None and highest < args.threshold:
+        print(f"warning: no sample reached --threshold {args.threshold:g} (the highest reward was {highest:g}), so "
+              "every pass@k is 0 by the threshold; pass the reward a solved problem gets (1 for this project's "
+              "tasks)", file=sys.stderr, flush=True)
     if args.out:
         document = {**summary.to_dict(), "config": redact_config(config.to_dict()), "weights": args.weights,
                     "problem_ids": [p.id for p in problems], "rewards": rewards}

@@ -184,6 +184,41 @@ def test_a_damaged_model_folder_is_refused_naming_the_file(tmp_path, tiny_folder
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model_type": "no_such_architecture"}, "does not describe a model transformers can build"),
+    ({"vocab_size": -5}, "sets vocab_size to -5: a tensor size must be a positive integer"),
+    ({"hidden_size": 10**12}, "sets hidden_size to 1000000000000: a tensor size must be a positive integer"),
+])
+def test_an_architecture_no_tensor_can_hold_is_refused_before_loading(tmp_path, tiny_folder, capsys, change,
+                                                                       message):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    err = refused(capsys, ["train", "--model", str(folder), "--log-root", str(tmp_path / "logs")])
+    assert message in err and not (tmp_path / "logs").exists()
+
+
+def test_a_damaged_built_in_cache_names_the_folder_to_delete(tmp_path, monkeypatch, capsys):
+    from rlrunbook.models.registry import resolve_model
+
+    monkeypatch.setenv("RLRUNBOOK_CACHE_DIR", str(tmp_path / "cache"))
+    folder = resolve_model("tiny")
+    (folder / "config.json").write_text("{not json")
+    capsys.readouterr()  # the build's progress lines
+    err = refused(capsys, ["train", "--model", "tiny", "--log-root", str(tmp_path / "logs")])
+    assert "config.json' is not readable JSON" in err and f"rm -r '{folder}'" in err
+
+
+def test_cookbook_with_an_unknown_renderer_names_the_option_and_the_renderers(tmp_path):
+    result = run_command("cookbook", "--renderer", "no_such_renderer", "tinker_cookbook.recipes.rl_loop",
+                         "model_name=tiny", "max_steps=1", f"log_path={tmp_path / 'run'}",
+                         env={"TINKER_BACKEND": "local"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--renderer 'no_such_renderer' is not a renderer" in result.stderr and "qwen3_instruct" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_cookbook_with_an_unknown_recipe(tmp_path):
     result = run_command("cookbook", "tinker_cookbook.recipes.no_such_recipe", env={"TINKER_BACKEND": "local"})
     err = result.stderr

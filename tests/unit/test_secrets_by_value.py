@@ -22,6 +22,7 @@ import pytest
 from keyed_task import KEYED_TASK
 
 from rlrunbook import cli
+from rlrunbook.errors import ConfigError
 from rlrunbook.rl.setup.checkpointing import withheld_keys
 from rlrunbook.rl.setup.config_sources import sweep_name
 from rlrunbook.run import secret_forms
@@ -183,6 +184,15 @@ def test_a_name_holding_a_credential_is_refused_before_any_directory(tmp_path, c
     assert "looks like a credential (OpenAI-style API key (sk-...))" in err and OPENAI_KEY not in err
 
 
+@pytest.mark.parametrize("name", [f"run-{OPENAI_KEY}", f"exp_{PASSPHRASE}", f"v1.{OPENAI_KEY}"])
+def test_a_credential_after_a_separator_in_a_name_is_refused(name):
+    from rlrunbook.run.paths import _check_component
+
+    with pytest.raises(ConfigError, match="looks like a credential"):
+        _check_component("name", name)
+    assert _check_component("name", "grpo_qa_mask-run1") == "grpo_qa_mask-run1"  # "sk-" inside a word is not
+
+
 def test_swept_secrets_are_not_spelled_in_run_names(capsys):
     names = [sweep_name("run", {"extra.openai_key": value, "learning_rate": 0.001})
              for value in (OPENAI_KEY, PASSPHRASE)]
@@ -267,10 +277,14 @@ def test_package_refuses_credentials_by_name_and_form(credential_run, tmp_path, 
         (copy / name).write_text("nothing secret-shaped inside\n")
     for name, (content, _) in FORMS.items():
         (copy / name).write_bytes(content)
+    for place in (".docker/config.json", "home/.kube/config"):  # login stores, known by their place
+        (copy / place).parent.mkdir(parents=True)
+        (copy / place).write_text('{"auths": {"registry.example": {"auth": "dXNlcjpwYXNz"}}}\n')
     out = tmp_path / "run.tar.gz"
     assert cli.main(["package", str(copy), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     missing = [f for f in [f"{name}: credentials file" for name in (".git-credentials", ".npmrc", ".pypirc",
-                                                                      "server.ppk", ".hf_token")]
+                                                                      "server.ppk", ".hf_token",
+                                                                      ".docker/config.json", "home/.kube/config")]
                + [finding for _, finding in FORMS.values()] if f not in err]
     assert not missing and not out.exists()

@@ -126,9 +126,30 @@ def _inside_rlrunbook(error: BaseException) -> bool:
     return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(package + os.sep)
 
 
-def _recipe_failed(error: BaseException, recipe: str) -> int:
+def _renderer_names() -> str:
+    """The renderer names the installed cookbook documents (``get_renderer``'s docstring lists them)."""
+    import inspect
+    import re
+
+    from tinker_cookbook import renderers
+
+    names = re.findall(r'``"([A-Za-z0-9_.-]+)"``', inspect.getdoc(renderers.get_renderer) or "")
+    names += list(renderers.get_registered_renderer_names())
+    return ", ".join(dict.fromkeys(names)) or "see tinker_cookbook.renderers.get_renderer"
+
+
+def _unknown_renderer(error: BaseException, renderer: str | None) -> bool:
+    """Whether ``error`` is the cookbook refusing the renderer that ``--renderer`` named."""
+    return (renderer is not None and type(error).__name__ == "RendererError"
+            and "unknown renderer" in str(error).lower() and renderer in str(error))
+
+
+def _recipe_failed(error: BaseException, recipe: str, renderer: str | None = None) -> int:
     """A recipe's exception: described where anticipated (exit 2), a bug report where rlrunbook raised it
     (exit 70), else the recipe's own traceback and exit 1, as ``python -m RECIPE`` gives."""
+    if _unknown_renderer(error, renderer):  # the runner's own option, not the recipe's failure
+        return cli_errors.refuse(f"--renderer {renderer!r} is not a renderer of the installed tinker-cookbook. "
+                                 f"Pass one of: {_renderer_names()}.", "rlrunbook.cookbook: error")
     message = cli_errors.describe(error)
     if message is not None:
         return cli_errors.refuse(f"{type(error).__name__}: {message}", "rlrunbook.cookbook: error")
@@ -157,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         runpy.run_module(args.recipe, run_name="__main__", alter_sys=True)
     except Exception as error:  # noqa: BLE001 - the recipe's failure, told apart from rlrunbook's
-        return _recipe_failed(error, args.recipe)
+        return _recipe_failed(error, args.recipe, args.renderer)
     return 0
 
 

@@ -79,7 +79,12 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     ``cache_dir`` defaults to :func:`default_cache_dir`.
     """
     if name in BUILTIN_MODELS:
-        return build_atomically(builtin_model_dir(name, cache_dir), BUILTIN_MODELS[name].build)
+        folder = build_atomically(builtin_model_dir(name, cache_dir), BUILTIN_MODELS[name].build)
+        try:
+            return check_model_folder(folder)
+        except ModelNotFoundError as error:  # the cached build was damaged after it was made
+            raise ModelNotFoundError(f"{error} The built-in {name!r} is rebuilt on its next use once its cache "
+                                     f"folder is deleted: rm -r {str(folder)!r}") from None
 
     folder = Path(name).expanduser()
     if folder.is_dir():
@@ -148,7 +153,33 @@ def check_model_folder(folder: Path) -> Path:
             _check_json_file(folder / name)
     for weights in sorted(folder.glob("*.safetensors")):
         _check_safetensors_header(weights)
+    _check_architecture(folder / "config.json")
     return folder
+
+
+# Sizes in a config.json that shape tensors: each a positive integer, at most 2^24 (the largest published
+# vocabularies are ~2^18, hidden sizes ~2^14), so a typo cannot ask for a tensor no machine can hold.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+_MAX_SHAPE = 1 << 24
+
+
+def _check_architecture(path: Path) -> None:
+    """The architecture in ``config.json``: a model type transformers knows, and tensor sizes that can exist."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent))
+    except (OSError, ValueError, KeyError, TypeError) as error:  # an unknown model_type, a bad field
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise _broken(path, f"does not describe a model transformers can build ({first})") from None
+    for key in _SHAPE_KEYS:
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SHAPE:
+            raise _broken(path, f"sets {key} to {value!r}: a tensor size must be a positive integer of at most "
+                                f"{_MAX_SHAPE:,}")
 
 
 def _broken(path: Path, what: str) -> ModelNotFoundError:

@@ -56,7 +56,10 @@ def _check_component(kind: str, value: str) -> str:
             f"run {kind} {value!r} contains a path separator or is a relative path "
             f"({bad or value}): it becomes part of one directory name; use letters, digits, '-', '_'"
         )
-    credential = credential_kind(value)
+    # Each part after a '-', '_' or '.' is read as a word start too: in a name, 'run-sk-proj-...' is a key
+    # after a separator, where in a file '-' continues a token (the scan's own rule, see run.secret_scan).
+    starts = [0] + [i + 1 for i, c in enumerate(value) if c in "-_."]
+    credential = next((kind for kind in map(credential_kind, (value[i:] for i in starts)) if kind), None)
     if credential is not None:  # the value is not repeated: it is the secret
         raise ConfigError(
             f"run {kind} holds what looks like a credential ({credential}): it would become part of the run "

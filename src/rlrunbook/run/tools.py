@@ -47,6 +47,9 @@ TERMINAL_LEGEND = ("-: not recorded (no step logged it); problems: what reading 
 CREDENTIAL_FILE_PATTERNS = (".netrc", "_netrc", "credentials*", "*.pem", "*.key", "*.p12", "*.pfx", "*.ppk", ".env",
                             ".env.*", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", ".git-credentials", ".npmrc",
                             ".pypirc", ".pgpass", ".htpasswd", ".dockercfg", "*.keystore", "*.jks", "*.kdbx")
+# Files whose name alone says nothing but whose place does: a tool's login store (Docker keeps registry passwords
+# base64-encoded in .docker/config.json; kubectl keeps tokens and keys in .kube/config).
+CREDENTIAL_FILE_PLACES = ("*/.docker/config.json", ".docker/config.json", "*/.kube/config", ".kube/config")
 # A file named for a token (`token`, `.hf_token`, `api-token.txt`), not for token ids (`tokens.json`, `tokenizer.json`).
 _TOKEN_FILE = re.compile(r"(?:.*[._-])?token", re.IGNORECASE)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a file swapped for a symlink after the walk is refused
@@ -295,7 +298,8 @@ def find_secrets(run_dir: Path, environ: Mapping[str, str]) -> list[str]:
                for name, value in environ.items() if is_secret_name(name) and len(value) >= MIN_SCRUB_LENGTH}
     findings = []
     for rel, info in _walk(run_dir):
-        if is_credentials_file(Path(rel).name):
+        if is_credentials_file(Path(rel).name) or any(fnmatch.fnmatch(Path(rel).as_posix(), place)
+                                                       for place in CREDENTIAL_FILE_PLACES):
             findings.append(f"{rel}: credentials file")
         if stat.S_ISREG(info.st_mode):
             try:

@@ -40,6 +40,9 @@ def read_jsonl_lines(path: str | Path, schema: Schema) -> list[tuple[int, dict]]
                            "'openai/gsm8k' with the 'data' extra installed.")
     if path.is_dir():
         raise DatasetError(f"{path}: is a directory, expected a .jsonl file. Pass the file inside it.")
+    if not path.is_file():  # a FIFO would block the read until something writes to it; a device never ends
+        raise DatasetError(f"{path}: is not a regular file (a pipe, socket or device), expected a .jsonl file. "
+                           "Write the rows to a file and pass its path.")
     rows = list(iter_rows(path))
     if not rows:
         raise DatasetError(f"{path}: contains no rows. Expected one JSON object per line with "

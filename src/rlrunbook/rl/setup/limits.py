@@ -30,6 +30,8 @@ MAX_HELD_OUT = 1_000_000  # validation problems: more than any of the data sets 
 MAX_SAMPLING_ROUNDS = 64  # dynamic sampling rounds a step; a step still tied after 64 draws is better skipped
 MAX_BATCH_TOKENS = MAX_ROLLOUTS * 2 * MAX_TOKENS  # a step's rows x (prompt + completion) at the limits above
 MAX_RESAMPLES = 1_000_000  # bootstrap resamples of eval's confidence intervals (2,000 by default)
+MAX_TEMPERATURE = 100.0  # logits / 100: every token of a model's vocabulary about equally likely
+MAX_ENTROPY_COEF = 10.0  # a token's entropy is at most ln(vocabulary) (~11 nats); the policy term is ~1 a token
 MAX_SWEEP_POINTS = 1_000  # runs one sweep makes: each point is a whole training run
 
 # Config files (rl.setup.yaml_source): a config is a few kilobytes of at most three levels.
@@ -79,6 +81,12 @@ LIMITS: Mapping[str, Limit] = {
     "summary_max_words": Limit(1, MAX_SUMMARY_WORDS, "--summary-max-words", "the words of the article kept in "
                                "the prompt: 0 asks to summarise nothing, and 100,000 is 50x the longest "
                                "CNN/DailyMail article"),
+    "temperature": Limit(0, MAX_TEMPERATURE, "--temperature", "the logits are divided by it, and at 100 every "
+                         "token of the vocabulary is about equally likely: sampling stops depending on the policy; "
+                         "RL runs use 0.6 to 1.2"),
+    "loss.entropy_coef": Limit(0, MAX_ENTROPY_COEF, "--entropy-coef", "a token's entropy is at most "
+                               "ln(vocabulary size), about 11 nats, while the policy term is about one advantage a "
+                               "token, so above 10 the bonus is the whole objective; runs use 0.001 to 0.01"),
     "checkpoint.every": Limit(0, MAX_STEPS, "--checkpoint-every", "a step count (0 = off)"),
     "validation.every": Limit(0, MAX_STEPS, "--val-every", "a step count (0 = off)"),
     "validation.samples": Limit(1, MAX_ROLLOUTS, "--val-samples", "samples per problem are rows sampled at "

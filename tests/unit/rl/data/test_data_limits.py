@@ -115,3 +115,12 @@ def test_a_reference_is_the_first_non_blank_answer(tmp_path):
                                  '{"question": "r", "answer": [""]}'))
     task = QATask(None, "text", 0)
     assert [task.reference(Problem(r.id, r)) for r in records] == ["4", ""]
+
+
+def test_a_pipe_is_refused_instead_of_read_until_something_writes(tmp_path):
+    import os
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DatasetError, match="is not a regular file"):
+        read_jsonl(fifo, {})

@@ -30,6 +30,8 @@ from rlrunbook.rl.setup.config_sources import build_config, load_config_file, pa
     ({"env": "summary", "summary_max_words": -5}, "summary_max_words) -5 is below its limit of 1"),
     ({"validation.every": 1, "validation.samples": 70_000}, "--val-samples (validation.samples) 70000 is above"),
     ({"dynamic_sampling.max_rounds": 65}, "dynamic_sampling.max_rounds 65 is above its limit of 64"),
+    ({"temperature": 1e6}, "--temperature (temperature) 1000000.0 is above its limit of 100"),
+    ({"loss.entropy_coef": 1e6}, "--entropy-coef (loss.entropy_coef) 1000000.0 is above its limit of 10"),
 ])
 def test_a_number_beyond_its_limit_is_refused_naming_the_limit(values, match):
     with pytest.raises(ConfigError) as error:
@@ -40,7 +42,8 @@ def test_a_number_beyond_its_limit_is_refused_naming_the_limit(values, match):
 def test_the_limits_themselves_are_accepted():
     """The edge values pass: the limits are inclusive, and a refusal is not a blanket ban on big numbers."""
     config = validate(build_config(cli={"seed": 2**63 - 1, "num_rollouts": 65_536, "num_groups": 1,
-                                        "learning_rate": 1.0, "max_tokens": 2**20}).config)
+                                        "learning_rate": 1.0, "max_tokens": 2**20, "temperature": 100.0,
+                                        "loss.entropy_coef": 10.0}).config)
     assert (config.seed, config.num_rollouts, config.learning_rate) == (2**63 - 1, 65_536, 1.0)
 
 
