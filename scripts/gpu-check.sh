@@ -10,7 +10,8 @@
 # A part writes exactly two files to ${OUT:-gpu-check-out}/: NAME.md (its section of docs/gpu-validation.md,
 # written by scripts/gpu_report.py) and NAME.tar.gz (its artifacts: JUnit XML, check-logprobs outputs, benchmark
 # JSON, run directories, each step's log; at most 15 MiB, step records dropped first where it would be larger).
-# Every step runs under the part's time budget (GPU_CHECK_BUDGET_S, default 450 s: 7.5 minutes), so a slow step
+# Every step runs under the part's time budget (GPU_CHECK_BUDGET_S; default: its planned minutes and one more, at
+# least 450 s and at most 540 s, inside the machine's 10 minutes per command), so a slow step
 # is stopped and reported as timed out instead of losing the whole command. --dry-run lists each step instead of
 # running it (nothing measured; the two files are still written), for checking the mechanism without a GPU.
 # --merge DIR... appends the sections found in DIR/*.md to docs/gpu-validation.md (or --doc PATH), skipping any
@@ -33,12 +34,19 @@ PARTS=(
   "debate|3|the runbook's mini debate RS->GRPO at full shape (-n 64, 4 groups, 10 steps) and its rubric"
   "scale|8|one step of the h100-rlvr shape (1.5B config, random weights): peak memory vs the plan, phases, decode ms/step, MFU"
 )
-BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
 ARCHIVE_LIMIT_BYTES=$((15 * 1024 * 1024))
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 2
+}
+
+part_budget() {  # part_budget PLANNED_MINUTES: the part's budget in seconds
+  if [ -n "${GPU_CHECK_BUDGET_S:-}" ]; then echo "$GPU_CHECK_BUDGET_S"; return; fi
+  local seconds=$((($1 + 1) * 60))
+  [ "$seconds" -lt 450 ] && seconds=450
+  [ "$seconds" -gt 540 ] && seconds=540
+  echo "$seconds"
 }
 
 part_field() {  # part_field NAME FIELD(1: name, 2: minutes, 3: what): empty when NAME is not a part
@@ -136,6 +144,7 @@ run_part() {
     list_parts >&2
     exit 2
   fi
+  BUDGET_S=$(part_budget "$planned")
   mkdir -p "$out"
   work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-$part.XXXXXX")
   status=0

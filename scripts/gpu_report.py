@@ -136,24 +136,31 @@ def _debate(work: Path) -> list[str]:
 def _scale(work: Path) -> list[str]:
     path = work / "scale.json"
     if not path.exists():
-        return ["scale: no scale.json (the step did not finish)"]
+        return ["scale: no scale.json (stopped before its plan was made)"]
     r = json.loads(path.read_text())
     gib = 1 << 30
 
     def peak(measured: str, planned: str) -> str:
         if r.get(measured) is None:
-            return f"planned {r[planned] / gib:.1f} GiB"
+            return f"planned {r[planned] / gib:.1f} GiB, not measured"
         return f"{r[measured] / gib:.1f} GiB measured, {r[planned] / gib:.1f} GiB planned"
 
-    return [f"one step of the h100-rlvr shape on {r.get('gpu') or r['device']} ({r['dtype']}): sample "
-            f"{r['sample_s']:.1f} s (prefill {r['prefill_s']:.1f} s, {r['decode_steps']} decode steps), "
-            f"forward_backward {r['forward_backward_s']:.1f} s in {r['micro_batches']} micro-batches, optim "
-            f"{r['optim_s']:.2f} s",
-            f"peak memory: sampling {peak('sampling_peak_bytes', 'planned_sampling_peak')}; training "
-            f"{peak('training_peak_bytes', 'planned_training_peak')}",
-            f"training {r['tokens_per_s']:.0f} tokens/s, MFU {100 * r['mfu']:.1f}% of 989 TFLOP/s; decode "
-            f"{r['decode_ms_per_step']:.2f} ms/step at 64 x 256 (target <= 3 ms)",
-            *(f"plan: {line}" for line in r.get("plan", []))]
+    where = f"{r.get('gpu') or r['device']} ({r['dtype']})"
+    lines = [f"decode {r['decode_ms_per_step']:.2f} ms/step at 64 x 256 on {where} (target <= 3 ms)"
+             if "decode_ms_per_step" in r else f"decode at 64 x 256 on {where}: not finished"]
+    if "sample_s" in r:
+        lines.append(f"one step of the h100-rlvr shape: sample {r['sample_s']:.1f} s (prefill {r['prefill_s']:.1f} s, "
+                     f"{r['decode_steps']} decode steps), peak {peak('sampling_peak_bytes', 'planned_sampling_peak')}")
+    else:
+        lines.append("one step of the h100-rlvr shape: sampling not finished")
+    if "mfu" in r:
+        lines.append(f"training: forward_backward {r['forward_backward_s']:.1f} s in {r['micro_batches']} "
+                     f"micro-batches, optim {r['optim_s']:.2f} s, peak "
+                     f"{peak('training_peak_bytes', 'planned_training_peak')}; {r['tokens_per_s']:.0f} tokens/s, "
+                     f"MFU {100 * r['mfu']:.1f}% of 989 TFLOP/s")
+    else:
+        lines.append("training: not finished")
+    return [*lines, *(f"plan: {line}" for line in r.get("plan", []))]
 
 
 RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _checks, "bench": _bench,

@@ -81,6 +81,11 @@ def main() -> None:
     report["plan"] = format_plan(plan)
     report["planned_sampling_peak"], report["planned_training_peak"] = plan.sampling_peak, plan.training_peak
 
+    def save() -> None:  # after each phase: a run stopped by its time budget still reports what it finished
+        (out / "scale.json").write_text(json.dumps(report, indent=1))
+
+    save()
+
     started = time.perf_counter()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -92,9 +97,26 @@ def main() -> None:
     sizes = model_bytes(model)
     report["weights_bytes"] = sizes.frozen
 
+    generator = torch.Generator().manual_seed(1)
+    decode = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
+                              max_context=config.max_position_embeddings)
+    short = [torch.randint(3, config.vocab_size, (args.decode_window // 2,), generator=generator).tolist()
+             for _ in range(args.decode_rows)]
+    decode_request = GenerationRequest(max_tokens=args.decode_window // 2, filters=SamplingFilters(0.6), stop=(), seed=1)
+    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])  # warm-up: caches, graph captures
+    _sync(args.device)
+    before, steps, prefill = time.perf_counter(), decode.decode_steps, decode.prefill_seconds
+    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])
+    _sync(args.device)
+    elapsed = time.perf_counter() - before - (decode.prefill_seconds - prefill)
+    report["decode_ms_per_step"] = 1000 * elapsed / max(1, decode.decode_steps - steps)
+    del decode  # its cache is not part of the step's peak
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    save()
+
     engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
                               max_context=config.max_position_embeddings, max_batch_rows=256)
-    generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, config.vocab_size, (args.prompt,), generator=generator).tolist()
                for _ in range(args.groups)]
     request = GenerationRequest(max_tokens=args.new, filters=SamplingFilters(0.6), stop=(), seed=0)
@@ -107,6 +129,7 @@ def main() -> None:
     report["sample_s"] = time.perf_counter() - started
     report["prefill_s"], report["decode_steps"] = engine.prefill_seconds, engine.decode_steps
     report["sampling_peak_bytes"] = _peak(args.device)
+    save()
 
     data = []
     for prompt, group in zip(prompts, completions, strict=True):
@@ -136,20 +159,8 @@ def main() -> None:
     report["tokens_per_s"] = tokens / report["forward_backward_s"]
     product_params = sizes.float64_copy // 8  # the frozen matrix-product weights (lm_head included)
     report["mfu"] = 4 * product_params * tokens / report["forward_backward_s"] / H100_BF16_FLOPS
+    save()
 
-    decode = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
-                              max_context=config.max_position_embeddings)
-    short = [torch.randint(3, config.vocab_size, (args.decode_window // 2,), generator=generator).tolist()
-             for _ in range(args.decode_rows)]
-    decode_request = GenerationRequest(max_tokens=args.decode_window // 2, filters=request.filters, stop=(), seed=1)
-    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])  # warm-up: caches, graph captures
-    _sync(args.device)
-    before, steps, prefill = time.perf_counter(), decode.decode_steps, decode.prefill_seconds
-    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])
-    _sync(args.device)
-    elapsed = time.perf_counter() - before - (decode.prefill_seconds - prefill)
-    report["decode_ms_per_step"] = 1000 * elapsed / max(1, decode.decode_steps - steps)
-    (out / "scale.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 
 

@@ -1,5 +1,7 @@
+"""``python -m rlrunbook``: the ``rlrunbook`` command, entered the same way (signal handlers first)."""
+
 import sys
 
-from rlrunbook.cli import main
+from rlrunbook.cli_signals import launch
 
-sys.exit(main())
+sys.exit(launch())

@@ -20,7 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlrunbook.errors import ConfigError, RlrunbookError
+from rlrunbook import cli_errors, cli_signals
+from rlrunbook.errors import ConfigError
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # train's flags (argparse dest) → the config key they set.
@@ -131,7 +132,7 @@ def _train_cli_values(args: argparse.Namespace) -> dict[str, object]:
 def _resolve_runs(args: argparse.Namespace):
     """One resolved config per sweep point (one when there is no sweep), all validated up front."""
     from rlrunbook.rl.setup.config import validate
-    from rlrunbook.rl.setup.config_sources import build_config, sweep_grid, sweep_name
+    from rlrunbook.rl.setup.config_sources import build_config, check_distinct_points, sweep_grid, sweep_name
 
     layers = dict(file=args.config_file, overrides=args.overrides, cli=_train_cli_values(args),
                   strict=args.strict_config)
@@ -143,6 +144,7 @@ def _resolve_runs(args: argparse.Namespace):
         resolved = build_config(**layers, sweep_values=named)
         validate(resolved.config)  # every point is checked before the first run starts
         runs.append(resolved)
+    check_distinct_points(runs, points)
     return runs
 
 
@@ -281,7 +283,14 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 def cmd_package(args: argparse.Namespace) -> int:
     from rlrunbook.run.tools import find_secrets, package_run, verify_package
 
+    from rlrunbook.run.paths import check_run_directory
+
     run_dir = _existing_run_dir(args.run_dir)
+    check_run_directory(run_dir)  # any other folder is not archived as a run
+    if args.out:
+        from rlrunbook.run.outputs import check_not_a_run_file
+
+        check_not_a_run_file(args.out)
     findings = [] if args.allow_secrets else find_secrets(run_dir, os.environ)
     if findings:
         print("refusing to package: possible secrets (file:line: kind; values not shown):", *findings,
@@ -301,7 +310,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlrunbook.rl.evaluation.evaluate import rewards_per_problem
     from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
     from rlrunbook.rl.rollout.paradigms import RolloutContext
-    from rlrunbook.rl.setup.config import TrainConfig
+    from rlrunbook.rl.setup.config_sources import build_config
     from rlrunbook.rl.setup.preflight import check_output_file, preflight
     from rlrunbook.rl.setup.prepare import prepare
     from rlrunbook.run.jsonio import atomic_write_json
@@ -312,9 +321,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)  # before the evaluation, whose results it would otherwise lose
     fields = ("env", "dataset", "model", "seed", "temperature", "max_tokens", "min_p", "reward_fn")
-    config, _, task, problems = prepare(TrainConfig(**{f: getattr(args, f) for f in fields
-                                                       if getattr(args, f) is not None}))
-    preflight(config, writes_run_dir=False)
+    # Validated as train's flags are: a bad value (--temperature nan) is a ConfigError naming it, not a traceback.
+    given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    requested = build_config(cli=given).config
+    preflight(requested, writes_run_dir=False)  # the model before the data (see plan_run)
+    config, _, task, problems = prepare(requested)
     print(f"[data] {task.announcement(problems)}", flush=True)
     for notice in task.notices:
         print(f"[data] notice: {notice}", flush=True)
@@ -333,6 +344,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for k, value in summary.pass_at.items():
         low, high = summary.pass_ci[k]
         print(f"pass@{k}: {value:.4f} [{low:.4f}, {high:.4f}]  (reward >= {summary.threshold:g})")
+    highest = max((r for row in rewards for r in row), default=None)
+    if highest is not None and highest < args.threshold:
+        print(f"warning: no sample reached --threshold {args.threshold:g} (the highest reward was {highest:g}), so "
+              "every pass@k is 0 by the threshold; pass the reward a solved problem gets (1 for this project's "
+              "tasks)", file=sys.stderr, flush=True)
     if args.out:
         document = {**summary.to_dict(), "config": redact_config(config.to_dict()), "weights": args.weights,
                     "problem_ids": [p.id for p in problems], "rewards": rewards}
@@ -363,9 +379,9 @@ def cmd_eval_checkpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_cookbook(args: argparse.Namespace) -> int:
-    from rlrunbook.cookbook.__main__ import main as cookbook_main
+    from rlrunbook.cookbook.__main__ import run
 
-    return cookbook_main(args.recipe_args)
+    return run(args)
 
 
 def cmd_bench_history(args: argparse.Namespace) -> int:
@@ -383,11 +399,31 @@ def cmd_bench_history(args: argparse.Namespace) -> int:
     return 1 if any(row.regression for row in rows) else 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
+def _count(low: int, high: int, why: str):
+    """An argparse type: an integer from ``low`` to ``high`` (a limit of ``rlrunbook.rl.setup.limits``, whose
+    reason ``why`` the refusal states), so 10^20 samples are refused at once instead of sampled until killed."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text if len(text) <= 40 else text[:37] + '...'} is outside "
+                                             f"{low:,}..{high:,} ({why})")
+        return value
+    return parse
+
+
+def _limited():
+    """The bounded integer types of eval, eval-checkpoints and check-logprobs (imported late: the CLI loads fast)."""
+    from rlrunbook.rl.setup import limits
+
+    rows = _count(1, limits.MAX_ROLLOUTS, "rows sampled at once, bounded like train's -n")
+    return {"samples": rows, "problems": _count(1, limits.MAX_HELD_OUT, "problems of a data set"),
+            "resamples": _count(1, limits.MAX_RESAMPLES, "bootstrap resamples; 2,000 give stable 95% intervals"),
+            "seed": _count(0, limits.MAX_SEED, "torch's int64 seeds"),
+            "tokens": _count(1, limits.MAX_TOKENS, "beyond any model's context window"),
+            "rank": _count(1, limits.MAX_LORA_RANK, "wider than any model's layers")}
 
 
 def _positive_float(text: str) -> float:
@@ -404,6 +440,7 @@ def _positive_float(text: str) -> float:
 
 
 def add_run_tool_commands(commands) -> None:
+    limited = _limited()
     summarize = commands.add_parser("summarize", help="one table row per run directory: status, rewards, loss, "
                                                       "tokens, timings; exit 1 if any run is unreadable")
     summarize.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -427,12 +464,12 @@ def add_run_tool_commands(commands) -> None:
     evaluate.add_argument("--env", help="qa (default) | summary | math, or a registered task")
     evaluate.add_argument("--dataset", help="as for train; use problems the policy was not trained on")
     evaluate.add_argument("--reward-fn", help="as for train")
-    evaluate.add_argument("--num-problems", type=_positive_int, default=None, help="first P problems (all)")
-    evaluate.add_argument("--samples", type=_positive_int, default=8, help="completions per problem (8)")
-    evaluate.add_argument("--ks", type=_positive_int, nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
+    evaluate.add_argument("--num-problems", type=limited["problems"], default=None, help="first P problems (all)")
+    evaluate.add_argument("--samples", type=limited["samples"], default=8, help="completions per problem (8)")
+    evaluate.add_argument("--ks", type=limited["samples"], nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
     evaluate.add_argument("--threshold", type=float, default=1.0, help="a sample passes at reward >= this (1.0)")
     evaluate.add_argument("--confidence", type=float, default=0.95, help="bootstrap CI level (0.95)")
-    evaluate.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap resamples (2000)")
+    evaluate.add_argument("--resamples", type=limited["resamples"], default=2000, help="bootstrap resamples (2000)")
     evaluate.add_argument("--seed", type=int, help="data set and sampling seed (0)")
     evaluate.add_argument("--temperature", type=float, help="sampling temperature (1.0)")
     evaluate.add_argument("--max-tokens", type=int, help="tokens per completion (64)")
@@ -444,22 +481,28 @@ def add_run_tool_commands(commands) -> None:
                                                                "model as step 0) on held-out problems: one row per "
                                                                "step, mean reward and pass@k with bootstrap CIs")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
-    checkpoints.add_argument("--samples", type=_positive_int, default=8, help="completions per problem (8)")
-    checkpoints.add_argument("--num-problems", type=_positive_int, default=16, help="held-out problems (16)")
-    checkpoints.add_argument("--ks", type=_positive_int, nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
+    checkpoints.add_argument("--samples", type=limited["samples"], default=8, help="completions per problem (8)")
+    checkpoints.add_argument("--num-problems", type=limited["problems"], default=16, help="held-out problems (16)")
+    checkpoints.add_argument("--ks", type=limited["samples"], nargs="+", default=[1, 4, 8], help="k values (1 4 8)")
     checkpoints.add_argument("--threshold", type=float, default=1.0, help="a sample passes at reward >= this (1.0)")
     checkpoints.add_argument("--confidence", type=float, default=0.95, help="bootstrap CI level (0.95)")
-    checkpoints.add_argument("--resamples", type=_positive_int, default=2000, help="bootstrap resamples (2000)")
+    checkpoints.add_argument("--resamples", type=limited["resamples"], default=2000,
+                             help="bootstrap resamples (2000)")
     checkpoints.add_argument("--no-base", action="store_true", help="leave out step 0 (the base model)")
     checkpoints.add_argument("--dataset", help="evaluate on this data set instead of the run's held-out problems "
                                                "(those its training never drew)")
     checkpoints.add_argument("--out", help="also write the table: .csv, .tsv or .md")
     checkpoints.set_defaults(func=cmd_eval_checkpoints)
 
-    cookbook = commands.add_parser("cookbook", help="run a tinker-cookbook recipe unmodified on the local backend: "
-                                                    "rlrunbook cookbook [--renderer R] [--hf-dataset NAME=FILE] "
-                                                    "<recipe module> [recipe args]")
-    cookbook.add_argument("recipe_args", nargs=argparse.REMAINDER)
+    from rlrunbook.cookbook.__main__ import DESCRIPTION, add_arguments
+
+    cookbook = commands.add_parser("cookbook", description=DESCRIPTION,
+                                   help="run a tinker-cookbook recipe unmodified on the local backend: "
+                                        "rlrunbook cookbook [--renderer R] [--hf-dataset NAME=FILE] "
+                                        "<recipe module> [recipe args]")
+    # The runner's own options, then the recipe and its arguments (one positional taking the rest alone would
+    # refuse a leading option: argparse.REMAINDER does not start at one).
+    add_arguments(cookbook)
     cookbook.set_defaults(func=cmd_cookbook)
 
     history = commands.add_parser("bench-history", help="compare the last saved benchmark run "
@@ -531,10 +574,29 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reward.reject_blocklisted: reward 0 for completions with a blocklisted substring")
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, reading every negative number as a value: ``--learning-rate -1e-4`` or ``--temperature -inf`` is
+    then refused by the option's own check, naming the value, instead of "expected one argument" (argparse
+    takes only ``-1`` and ``-.5`` for numbers, and ``-1e-4``, ``-inf`` for options)."""
+
+    def _parse_optional(self, arg_string):
+        if arg_string.startswith("-") and arg_string not in self._option_string_actions and _is_number(arg_string):
+            return None  # a value (argparse's own answer for the numbers it recognises)
+        return super()._parse_optional(arg_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rlrunbook.models.registry import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="rlrunbook", description="RL post-training of LoRA policies behind the "
+    parser = _Parser(prog="rlrunbook", description="RL post-training of LoRA policies behind the "
                                      "Tinker API, checked by an executable runbook.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -544,13 +606,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, local folder or hub id")
     check.add_argument("--prompt", default="What is 7 * 8?")
-    check.add_argument("--max-tokens", type=int, default=32)
-    check.add_argument("--num-samples", type=int, default=4)
+    limited = _limited()
+    check.add_argument("--max-tokens", type=limited["tokens"], default=32)
+    check.add_argument("--num-samples", type=limited["samples"], default=4)
     check.add_argument("--temperature", type=float, default=1.0)
     check.add_argument("--top-k", type=int, default=-1)
     check.add_argument("--top-p", type=float, default=1.0)
     check.add_argument("--min-p", type=float, default=0.0)
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=limited["seed"], default=0)
     check.add_argument("--dtype", choices=_DTYPE_NAMES, default=None,
                        help="default: what train uses (TINKER_LOCAL_DTYPE, else bfloat16 on cuda, float32 on cpu)")
     check.add_argument("--device", default=None, help="default: TINKER_LOCAL_DEVICE, else cuda if available, else cpu")
@@ -559,7 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "server (TINKER_LOCAL_VLLM_URL, else one started from .venv-vllm)")
     check.add_argument("--numerics", choices=("invariant", "exact", "native"), default=None,
                        help="how sampler and trainer round (default: TINKER_LOCAL_NUMERICS, else invariant)")
-    check.add_argument("--lora-rank", type=int, default=16, help="rank of the (fresh) adapter, as train's default")
+    check.add_argument("--lora-rank", type=limited["rank"], default=16,
+                       help="rank of the (fresh) adapter, as train's default")
     check.add_argument("--tolerance", type=_positive_float, default=None,
                        help="max abs logprob gap allowed (default: the gate of the dtype, 1e-4 in float32, 0.1/T in half "
                             "precision, where the mean must also stay <= 0.01/T)")
@@ -615,57 +679,55 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's or `kill`'s stop), turned into an interrupt so the run stops as cleanly as on Ctrl-C."""
+def _check_text(argv: Sequence[str]) -> None:
+    """``ConfigError`` naming the argument when one holds bytes that are not UTF-8 (Python passes them on as lone
+    surrogates, which no file of a run can record and no tokenizer can read)."""
+    for position, value in enumerate(argv, start=1):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raw = value.encode("utf-8", "surrogateescape")[error.start:error.start + 1]
+            raise ConfigError(f"argument {position} ({value!r}) is not UTF-8 text (byte 0x{raw.hex()} at offset "
+                              f"{error.start}). Pass it as UTF-8 (rename a file whose name is in another "
+                              "encoding, e.g. with `convmv -f latin1 -t utf-8`).") from None
 
-    signal_name = "SIGTERM"
 
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
-def _interrupted(interrupt: KeyboardInterrupt) -> int:
-    """Exit status 130 (SIGINT) or 143 (SIGTERM) after an interrupt, with one line saying what was kept."""
-    import signal
-
-    from rlrunbook.errors import RunInterrupted
-
-    name = getattr(interrupt, "signal_name", "SIGINT")
-    code = 128 + getattr(signal, name)
-    if isinstance(interrupt, RunInterrupted):
-        kept = (f"last checkpoint {interrupt.last_checkpoint}: continue with --resume-from {interrupt.run_dir}"
-                if interrupt.last_checkpoint else "no checkpoint was taken yet (--checkpoint-every N keeps them)")
-        print(f"interrupted ({name}): run {interrupt.run_dir} marked 'interrupted'; {kept}", file=sys.stderr)
-        if not interrupt.backend_stopped:  # the backend thread is still inside torch: do not unwind the runtime
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    else:
-        print(f"interrupted ({name})", file=sys.stderr)
-    return code
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run its command; an anticipated error becomes one paragraph (exit 2), any other
+    exception a bug report (exit 70): see :mod:`rlrunbook.cli_errors`."""
+    try:
+        _check_text(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
+        if argv is not None and getattr(args, "argv", False) is None:
+            args.argv = list(argv)  # an in-process caller's command line is what the run records, not sys.argv
+        return args.func(args)
+    except BrokenPipeError:
+        # `rlrunbook summarize ... | head`: the reader left. Point stdout at nothing so the exit flushes quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # as if killed by SIGPIPE, what a shell reports for the other commands of a pipe
+    except Exception as error:  # noqa: BLE001 - the boundary: anticipated classes are described, the rest reported
+        message = cli_errors.describe(error)
+        return cli_errors.refuse(message) if message is not None else cli_errors.report_bug(error)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import signal
-    import threading
+    """Run one ``rlrunbook`` command; its exit status (docs/cli.md): 0 success, 1 its check failed, 2 refused
+    (one ``error:`` paragraph), 70 a bug (a traceback and where to report it), 128 + N after signal N.
 
-    args = parse_args(argv)
-    if argv is not None and getattr(args, "argv", False) is None:
-        args.argv = list(argv)  # an in-process caller's command line is what the run records, not sys.argv
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    SIGTERM and SIGHUP are handled from this function's first line, Ctrl-C as Python does from start-up: each
+    stops the command as Ctrl-C does (see :mod:`rlrunbook.cli_signals`), without a traceback.
+    """
+    restore = cli_signals.install()
     try:
-        return args.func(args)
-    except RlrunbookError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as interrupt:
-        return _interrupted(interrupt)
+        try:
+            return _run(argv)
+        except KeyboardInterrupt as interrupt:
+            return cli_signals.finish(interrupt)
+    except KeyboardInterrupt as again:  # a second signal while the first was being handled
+        return cli_signals.finish_now(again)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        restore()
 
 
 if __name__ == "__main__":

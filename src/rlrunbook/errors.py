@@ -24,6 +24,10 @@ class ModelNotFoundError(RlrunbookError, FileNotFoundError):
     """A model name resolves to nothing usable (no folder, no built-in, no cached download)."""
 
 
+class ServiceUnreachableError(RlrunbookError, ConnectionError):
+    """The hosted service (``TINKER_BACKEND=api``) did not answer within the stated timeout and attempts."""
+
+
 class NoLearningSignalError(RlrunbookError, RuntimeError):
     """A batch for an advantage-based loss carries no non-zero advantage: training would be a no-op."""
 

@@ -37,4 +37,4 @@ def test_check_logprobs_with_filters_on_tiny():
 def test_bad_option_exits_non_zero_with_the_reason():
     result = run_cli("check-logprobs", "--model", "tiny", "--max-tokens", "0")
     assert result.returncode == 2
-    assert "--max-tokens 0" in result.stderr
+    assert "argument --max-tokens: 0 is outside 1..1,048,576" in result.stderr

@@ -59,7 +59,8 @@ def test_round_trip_is_exact(run_dir):
         assert all(torch.equal(loaded.optimizer["state"][index][k], v) for k, v in state.items())
     assert loaded.optimizer["param_groups"] == original.optimizer["param_groups"]
     manifest = json.loads((folder / "checkpoint.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["data_cursor"] == {"next_step": 2}
+    assert manifest["format_version"] == 2 and manifest["data_cursor"] == {"next_step": 2}
+    assert manifest["manifest_sha256"] == ckpt.manifest_sha256(manifest)
     assert set(manifest["files"]) == {"adapter.safetensors", "optimizer.pt", "rng.json", "rng.safetensors"}
 
 
@@ -148,6 +149,12 @@ def saved(run_dir):
     return save_checkpoint(run_dir, make_checkpoint(2))
 
 
+def rewrite_manifest(folder, manifest: dict) -> None:
+    """Write ``manifest`` with its own checksum recomputed: an edit made on purpose, past the manifest check."""
+    manifest = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    (folder / "checkpoint.json").write_text(json.dumps({**manifest, "manifest_sha256": ckpt.manifest_sha256(manifest)}))
+
+
 def test_flipped_byte_is_refused(saved):
     path = saved / "adapter.safetensors"
     data = bytearray(path.read_bytes())
@@ -170,7 +177,7 @@ def test_truncated_safetensors_with_matching_manifest_is_refused(saved):
     path.write_bytes(path.read_bytes()[:-40])
     manifest = json.loads((saved / "checkpoint.json").read_text())
     manifest["files"]["adapter.safetensors"] = {"sha256": ckpt._sha256(path), "bytes": path.stat().st_size}
-    (saved / "checkpoint.json").write_text(json.dumps(manifest))
+    rewrite_manifest(saved, manifest)
     with pytest.raises(InputError, match="adapter.safetensors cannot be read"):
         load_checkpoint(saved)
 
@@ -190,8 +197,8 @@ def test_missing_manifest_is_refused(saved):
 def test_unknown_format_version_is_refused(saved):
     manifest = json.loads((saved / "checkpoint.json").read_text())
     manifest["format_version"] = 99
-    (saved / "checkpoint.json").write_text(json.dumps(manifest))
-    with pytest.raises(InputError, match="format version 99; this rlrunbook reads version 1"):
+    rewrite_manifest(saved, manifest)
+    with pytest.raises(InputError, match="format version 99; this rlrunbook reads versions 1, 2"):
         load_checkpoint(saved)
 
 
@@ -200,3 +207,77 @@ def test_manifest_step_must_match_the_folder(saved):
     shutil.move(saved, moved)
     with pytest.raises(InputError, match="folder name says step 8, the manifest 2"):
         load_checkpoint(moved)
+
+
+# --- the manifest's own checksum and fields (issue 24) ------------------------------------------------------
+
+def test_a_flipped_digit_in_the_manifest_config_is_refused(run_dir):
+    """The learning rate 0.0001 edited to 0.0009 in checkpoint.json: resumed with before its checksum existed."""
+    checkpoint = Checkpoint(step=2, config={"learning_rate": 0.0001, "seed": 3}, adapter=adam_state()[0],
+                            optimizer=None, rng=capture_rng())
+    folder = save_checkpoint(run_dir, checkpoint)
+    path = folder / "checkpoint.json"
+    text = path.read_text()
+    assert text.count("0.0001") == 1
+    path.write_text(text.replace("0.0001", "0.0009"))
+    with pytest.raises(InputError, match=r"checkpoint.json does not match its own sha256 \(manifest_sha256\).*"
+                                         r"config and step cannot be trusted.*Resume from another"):
+        load_checkpoint(folder)
+
+
+def test_the_manifest_checksum_ignores_key_order_and_spacing(saved):
+    manifest = json.loads((saved / "checkpoint.json").read_text())
+    (saved / "checkpoint.json").write_text(json.dumps(dict(reversed(list(manifest.items()))), indent=4))
+    assert load_checkpoint(saved).step == 2  # the same content, written otherwise: still the same checksum
+
+
+def test_a_format_1_checkpoint_without_a_manifest_checksum_is_still_read(saved):
+    manifest = json.loads((saved / "checkpoint.json").read_text())
+    del manifest["manifest_sha256"]
+    manifest["format_version"] = 1
+    (saved / "checkpoint.json").write_text(json.dumps(manifest, indent=1))
+    assert load_checkpoint(saved).step == 2
+
+
+def test_a_format_2_manifest_without_its_checksum_is_refused(saved):
+    manifest = json.loads((saved / "checkpoint.json").read_text())
+    del manifest["manifest_sha256"]
+    (saved / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="does not match its own sha256"):
+        load_checkpoint(saved)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda m: m.pop("has_optimizer"), r"does not say whether it holds the optimizer"),
+    (lambda m: m.update(step="2"), r"has no step count .*'2'"),
+    (lambda m: m.update(config=[1]), r"holds no config"),
+    (lambda m: m["files"].update({"../../escape": {"sha256": "0" * 64, "bytes": 1}}), r"not a file name inside"),
+    (lambda m: m["files"].update({"rng.json": "abc"}), r"no sha256 and size for rng.json"),
+])
+def test_manifest_fields_are_checked_before_any_file_is_trusted(saved, edit, message):
+    """Found as ``KeyError: 'has_optimizer'`` and the like: a manifest edited with its checksum recomputed."""
+    manifest = json.loads((saved / "checkpoint.json").read_text())
+    edit(manifest)
+    rewrite_manifest(saved, manifest)
+    with pytest.raises(InputError, match=rf"checkpoint .* is corrupted or incomplete: .*{message}"):
+        load_checkpoint(saved)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda rng: rng.pop("python"), r"rng.json cannot be read \(KeyError: 'python'\)"),
+    (lambda rng: rng["numpy"].update(key=[1, 2, 3]), r"rng.json cannot be read \((IndexError|ValueError)"),
+    (lambda rng: rng["python"].update(state=[2**70] * 625), r"rng.json cannot be read \((OverflowError|ValueError)"),
+])
+def test_an_rng_state_the_generators_refuse_is_refused_on_reading(saved, edit, message):
+    """rng.json edited and its sha256 recomputed in the manifest: refused while reading, not at restore."""
+    path = saved / "rng.json"
+    rng = json.loads(path.read_text())
+    edit(rng)
+    path.write_text(json.dumps(rng))
+    manifest = json.loads((saved / "checkpoint.json").read_text())
+    manifest["files"]["rng.json"] = {"sha256": ckpt._sha256(path), "bytes": path.stat().st_size}
+    rewrite_manifest(saved, manifest)
+    state = random.getstate()
+    with pytest.raises(InputError, match=message):
+        load_checkpoint(saved)
+    assert random.getstate() == state  # checked on fresh generators: the global ones untouched

@@ -61,6 +61,15 @@ def test_eval_reports_pass_at_k_with_intervals(tmp_path, capsys):
     assert document["pass@1"] <= document["pass@4"]
 
 
+def test_eval_warns_when_no_sample_can_reach_the_threshold(capsys):
+    assert cli.main(["eval", "--model", "tiny", "--env", "qa", "--dataset", "test", "--num-problems", "2",
+                     "--samples", "2", "--ks", "1", "--threshold", "5", "--max-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "pass@1: 0.0000" in captured.out
+    (warning,) = [line for line in captured.err.splitlines() if line.startswith("warning: no sample reached")]
+    assert "--threshold 5 (the highest reward was" in warning
+
+
 def test_eval_refuses_k_above_samples_before_loading(capsys, monkeypatch):
     from rlrunbook import backend
 

@@ -7,8 +7,9 @@ concrete values must parse. ``python -m rlrunbook.cookbook ...`` is checked agai
 parser. The scripts the pages run, the repository paths they name and the pages they link must exist.
 Placeholders (``<run>``, ``RUN_DIR``, ``N``, ``...``, ``a|b`` alternatives) are tolerated where a value goes.
 
-Everything runs in process on the parser objects, except one call of the installed ``rlrunbook`` entry
-point, as a user types it.
+Everything runs in process on the parser objects, except the calls of the installed ``rlrunbook`` entry
+point, as a user types it: ``--help``, ``<command> -h`` for every command the README shows, and
+``rlrunbook cookbook --renderer R --hf-dataset NAME=FILE <recipe>`` running a recipe.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import io
 import re
 import shlex
 import shutil
+import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -332,10 +335,8 @@ def test_concrete_commands_parse(command: Shown):
     if command.name == "cookbook":
         if command.runner:
             error = _parse(cookbook_runner.parse_args, args)
-        else:
+        else:  # `rlrunbook cookbook` takes the runner's command line itself
             error = _parse(cli.parse_args, args)
-            if error is None:
-                error = _parse(cookbook_runner.parse_args, cli.parse_args(args).recipe_args)
     elif any(_is_placeholder(a) for a in args):
         return
     else:
@@ -446,3 +447,45 @@ def test_installed_entry_point_lists_every_command():
     assert done.stdout.startswith("usage: rlrunbook"), done.stdout
     missing = [name for name in COMMANDS if name not in done.stdout]
     assert not missing, f"`rlrunbook --help` does not list {missing}:\n{done.stdout}"
+
+
+def test_installed_entry_point_takes_every_command_the_readme_shows():
+    """``rlrunbook <command> -h`` through the console script for each command README.md shows (all at once: each
+    is a process of its own)."""
+    shown = sorted({c.name for c in ALL_SHOWN if c.page == "README.md" and c.name in COMMANDS})
+    assert {"train", "check-run", "show-config", "eval", "summarize"} <= set(shown)
+    entry = _installed_entry_point()
+    running = {name: subprocess.Popen([entry, name, "-h"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for name in shown}
+    failed = {}
+    for name, process in running.items():
+        out, err = process.communicate(timeout=300)
+        if process.returncode != 0 or not out.startswith(f"usage: rlrunbook {name}"):
+            failed[name] = (process.returncode, err[-2000:])
+    assert not failed, failed
+
+
+PROBE_RECIPE = """
+import datasets, json, sys
+from tinker_cookbook import model_info
+out = {"argv": sys.argv[1:], "renderers": list(model_info.get_model_attributes("probe-model").recommended_renderers),
+       "rows": list(datasets.load_dataset("probe/set", split="train")["question"])}
+open(sys.argv[1], "w").write(json.dumps(out))
+"""
+
+
+def test_installed_cookbook_command_takes_the_runner_options_before_the_recipe(tmp_path):
+    """The form docs/cli.md shows, typed as a user types it: the runner's options (which once ended in
+    `unrecognized arguments`) take effect, and the recipe gets its own arguments, options included."""
+    (tmp_path / "probe_recipe.py").write_text(PROBE_RECIPE)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"question": "q0", "answer": "0"}\n{"question": "q1", "answer": "1"}\n')
+    result = tmp_path / "result.json"
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+               "TINKER_BACKEND": "local"}
+    done = subprocess.run([_installed_entry_point(), "cookbook", "--renderer", "qwen3_instruct", "--hf-dataset",
+                           f"probe/set={data}", "probe_recipe", str(result), "model_name=tiny", "--flag"],
+                          capture_output=True, text=True, timeout=300, env=environ, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(result.read_text()) == {"argv": [str(result), "model_name=tiny", "--flag"],
+                                              "renderers": ["qwen3_instruct"], "rows": ["q0", "q1"]}

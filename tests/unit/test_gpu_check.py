@@ -55,6 +55,13 @@ def test_the_parts_each_fit_one_command_and_together_the_device_time():
     assert STAGING_MINUTES + sum(listed.values()) + 1 <= 30  # + finish.sh's half minute and transfers
 
 
+def test_each_part_may_run_its_planned_minutes_inside_one_ten_minute_command(tmp_path):
+    for part, minutes in _listed().items():
+        result = _bash("--part", part, "--dry-run", out=tmp_path / part)
+        budget = int(re.search(r"budget (\d+) s", result.stdout)[1])
+        assert minutes * 60 < budget <= 540, (part, minutes, budget)
+
+
 def test_the_record_documents_the_parts_as_the_script_plans_them():
     documented = {m[1]: int(m[2]) for m in re.finditer(r"^\| `(\w+)` \| (\d+) \|", DOC.read_text(), re.MULTILINE)}
     assert documented == _listed()
@@ -162,3 +169,19 @@ def test_a_section_reports_what_the_part_left_and_what_it_did_not(tmp_path):
     debate = report.section("debate", tmp_path, status=0, planned=3, seconds=10, dry_run=False, now=now)
     assert ("2 steps, median 3.00 s/step (sample 2.00 s), mismatch/abs_logprob_diff max 0.002, graph captures 40.0, "
             "cache rebuilds 1.0, rubric failures 0") in debate
+
+
+def test_the_scale_section_reports_the_phases_a_stopped_run_finished(tmp_path):
+    report = _report()
+    gib = 1 << 30
+    figures = {"device": "cuda", "gpu": "NVIDIA H100", "dtype": "bfloat16", "planned_sampling_peak": 30 * gib,
+               "planned_training_peak": 70 * gib, "plan": ["fits: peak 70.00 GiB of 72.00 GiB usable"],
+               "decode_ms_per_step": 2.5}
+    (tmp_path / "scale.json").write_text(json.dumps(figures))
+    lines = report._scale(tmp_path)
+    assert lines[0] == "decode 2.50 ms/step at 64 x 256 on NVIDIA H100 (bfloat16) (target <= 3 ms)"
+    assert lines[1:3] == ["one step of the h100-rlvr shape: sampling not finished", "training: not finished"]
+    figures.update(sample_s=100.0, prefill_s=4.0, decode_steps=1536, sampling_peak_bytes=29 * gib)
+    (tmp_path / "scale.json").write_text(json.dumps(figures))
+    assert report._scale(tmp_path)[1] == ("one step of the h100-rlvr shape: sample 100.0 s (prefill 4.0 s, 1536 decode "
+                                          "steps), peak 29.0 GiB measured, 30.0 GiB planned")

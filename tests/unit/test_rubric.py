@@ -404,6 +404,24 @@ def test_each_mutation_fails_exactly_its_check(fresh_run, mode, mutate, check, e
     assert not rubric_passed(results)
 
 
+@pytest.mark.parametrize(("grad_norm", "passes"), [(16.6, True), (0.0, False), (None, False)])
+def test_a_zero_loss_with_a_gradient_norm_is_an_update(fresh_run, grad_norm, passes):
+    """GRPO on fresh samples sums to 0 (ratio 1, centred advantages); in bfloat16 exactly 0. A run trained with
+    TINKER_LOCAL_DTYPE=bf16 failed here as "no update happened" although its optimizer step saw a gradient."""
+    run_dir = fresh_run("single_turn")
+    _zero_losses(run_dir)
+    if grad_norm is not None:
+        for step in range(STEPS):
+            edit_json(run_dir / f"training_step_{step}.json", lambda doc: doc["results"].update(
+                optim_metrics={"grad_norm:mean": grad_norm, "learning_rate:mean": 1e-4}))
+    (result,) = [r for r in check_run(run_dir) if r.name == "loss.nonzero"]
+    assert result.passed is passes, result.detail
+    if passes:
+        assert "grad_norm:mean > 0 in steps [0, 1]: updated" in result.detail
+    else:
+        assert "no step records results.optim_metrics['grad_norm:mean'] > 0: no update happened" in result.detail
+
+
 def test_corrupt_metadata_fails_without_raising(fresh_run):
     run_dir = fresh_run("debate")
     (run_dir / "run_metadata.json").write_text('{"status": "compl')

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from keyed_task import KEYED_TASK
 from rlrunbook import cli
 from rlrunbook.run.jsonio import REDACTED
 from rlrunbook.run.redaction import redact_argv, redact_config, secret_config_values, secret_env_name
@@ -46,7 +47,8 @@ def test_redact_config_at_any_depth_and_whole_sections():
 
 # --- a run with a secret in its config -------------------------------------------------------------------
 
-TRAIN = ["train", "--model", "tiny", "--env", "qa", "--dataset", "test", "-n", "8", "--num-groups", "2",
+# extra.api_key must be an option the task declares: a plug-in task with credentials among its options.
+TRAIN = ["train", "--model", "tiny", "--env", KEYED_TASK, "--dataset", "test", "-n", "8", "--num-groups", "2",
          "--max-tokens", "32", "--seed", "1", "--checkpoint-every", "1"]
 
 

@@ -1,7 +1,8 @@
-"""Signals and dead runs, with real processes: Ctrl-C (SIGINT to the process group, as a terminal sends it)
-and SIGTERM stop a run cleanly (exit 130 / 143, status ``interrupted``, last checkpoint intact, no
-traceback, no "terminate called", no process left); after ``kill -9`` the run is ``stale`` in
-``summarize`` and ``check-run``.
+"""Signals and dead runs, with real processes: Ctrl-C (SIGINT to the process group, as a terminal sends it),
+SIGTERM and SIGHUP (the terminal closed) stop a run cleanly (exit 130 / 143 / 129, status ``interrupted``,
+last checkpoint intact, no traceback, no "terminate called", no process left); after ``kill -9`` the run is
+``stale`` in ``summarize`` and ``check-run``. The installed ``rlrunbook`` command stops the same way on a
+signal in the first instant of start-up, while its modules load, and ``eval`` on Ctrl-C in mid-sampling.
 
 Each test starts ``rlrunbook train`` on ``tiny`` in its own session through a driver that first starts
 the math checker's worker process, so "no orphan" is checked with a child process present. The signal is
@@ -72,7 +73,7 @@ def _group_gone(pgid: int, timeout: float = 10) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_an_interrupt_stops_the_run_cleanly(tmp_path, signum, code):
     process, run = _start(tmp_path)
     os.killpg(process.pid, signum)  # the whole group, as Ctrl-C in a terminal
@@ -104,3 +105,74 @@ def test_a_run_killed_with_sigkill_shows_as_stale(tmp_path, capsys):
     report = capsys.readouterr().out
     assert f"status is 'running' but it is stale: its process {process.pid} on" in report
     assert "no longer exists" in report
+
+
+# --- the installed command, as users start it -------------------------------------------------------------------
+
+COMMAND = Path(sys.executable).with_name("rlrunbook")  # the console script of this environment
+
+
+def _with_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so Python installs its Ctrl-C handler (see DRIVER)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _caught(pid: int) -> int:
+    """The mask of signals ``pid`` has a handler for (``SigCgt`` of /proc/PID/status); 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+
+
+def test_the_console_script_enters_through_the_signal_handlers():
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="rlrunbook")
+    assert script.value == "rlrunbook.cli_signals:launch"
+    # What the script imports before the handlers are in place: nothing heavy, not the command line itself.
+    probe = ("import sys, rlrunbook.cli_signals; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'transformers', 'numpy', 'pydantic') or m == 'rlrunbook.cli'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_signal_in_the_first_instant_of_start_up(tmp_path, signum, code):
+    """Sent the moment the SIGTERM handler exists: the command is still importing (torch not yet loaded)."""
+    process = subprocess.Popen([str(COMMAND), *TRAIN, "--log-root", str(tmp_path / "logs")], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_with_sigint)
+    bit = 1 << (signal.SIGTERM - 1)
+    deadline = time.monotonic() + 60
+    while not _caught(process.pid) & bit:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-2000:]
+        time.sleep(0.001)
+    maps = Path(f"/proc/{process.pid}/maps").read_text()
+    os.killpg(process.pid, signum)
+    _, err = process.communicate(timeout=120)
+    assert "libtorch" not in maps, "the handler came only after torch was loaded"
+    assert process.returncode == code, err[-3000:]
+    assert "Traceback" not in err and f"interrupted ({signal.Signals(signum).name})" in err, err[-3000:]
+    runs = list((tmp_path / "logs").glob("*/run_metadata.json"))
+    assert all(json.loads(path.read_text())["status"] == "interrupted" for path in runs)
+
+
+def test_ctrl_c_during_eval_exits_130(tmp_path):
+    err_file = tmp_path / "err.txt"
+    with err_file.open("w") as err:
+        process = subprocess.Popen([str(COMMAND), "eval", "--model", "tiny", "--env", "qa", "--dataset", "test",
+                                    "--samples", "8", "--max-tokens", "64"], stdout=subprocess.PIPE, stderr=err,
+                                   text=True, start_new_session=True, preexec_fn=_with_sigint)
+        deadline = time.monotonic() + 300
+        for line in process.stdout:  # "[eval] 256 problems x 8 samples ...": sampling has started
+            if line.startswith("[eval]") or time.monotonic() > deadline:
+                break
+        time.sleep(1.0)
+        assert process.poll() is None, err_file.read_text()[-2000:]
+        os.killpg(process.pid, signal.SIGINT)
+        process.communicate(timeout=120)
+    text = err_file.read_text()
+    assert process.returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "terminate called" not in text and "interrupted (SIGINT)" in text, text[-3000:]
+    assert _group_gone(process.pid)

@@ -20,15 +20,16 @@ def test_writer_mirrors_metadata_rows_and_status(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     environ = {"WANDB_PROJECT": "proj", "OPENAI_API_KEY": "sk-secret-value-123"}
     writer = RunWriter(tmp_path, environ=environ, sink=wandb_sink.from_environ(environ))
+    # openai_key's value is in no variable and its name is not secret: the credential in it is what W&B must not get
     writer.write_metadata({"env": "qa", "api_key": "sk-secret-value-123", "note": "key sk-secret-value-123",
-                           "loss": {"kl_coef": 0.1}}, {}, [], {})
+                           "openai_key": "sk-only-in-config-42", "loss": {"kl_coef": 0.1}}, {}, [], {})
     writer.log_step({"step": 0, "loss/sum": 1.5, "num_datums": 4})
     writer.log_validation({"step": 1, "pass@1": 0.25, "pass@1_ci": [0.0, 0.5], "problem_ids": ["a"], "seed": 3})
     writer.finish("failed", error="boom")
     assert fake.calls == [
         ("init", (), {"project": "proj", "name": tmp_path.name,
-                      "config": {"env": "qa", "api_key": "<redacted>", "note": "key <redacted>",
-                                 "loss": {"kl_coef": 0.1}}}),
+                      "config": {"env": "qa", "api_key": "<redacted>", "note": "<redacted>",
+                                 "openai_key": "<redacted>", "loss": {"kl_coef": 0.1}}}),
         ("log", ({"loss/sum": 1.5, "num_datums": 4},), {"step": 0}),
         ("log", ({"val/pass@1": 0.25, "val/pass@1_ci_low": 0.0, "val/pass@1_ci_high": 0.5, "val/seed": 3},),
          {"step": 1}),

@@ -29,11 +29,18 @@ def backend_name(env: dict[str, str] | None = None) -> str:
 
 
 def create_service_client(**kwargs: object):
-    """A ServiceClient of the selected backend: ``LocalServiceClient`` or ``tinker.ServiceClient``."""
+    """A ServiceClient of the selected backend: ``LocalServiceClient`` or ``tinker.ServiceClient``.
+
+    For ``api`` the credential and the service's answer are checked first, within a stated budget
+    (:mod:`rlrunbook.backend.api_access`): without network the SDK would retry for minutes before saying so.
+    """
     if backend_name() == "local":
         return LocalServiceClient(**kwargs)
     import tinker
 
+    from rlrunbook.backend.api_access import check_api_access
+
+    check_api_access(os.environ)
     return tinker.ServiceClient(**kwargs)
 
 

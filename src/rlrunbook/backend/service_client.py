@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import weakref
 from typing import Any
 
 from tinker import types
@@ -29,6 +30,16 @@ from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.backend.vllm_sampling import VllmSamplers
 from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.errors import ConfigError, ModelNotFoundError
+
+# Every LocalServiceClient of this process not yet closed: what a signal must stop before the process exits.
+_LIVE: weakref.WeakSet[LocalServiceClient] = weakref.WeakSet()
+
+
+def stop_live_services(timeout: float | None = None) -> bool:
+    """Stop every local backend of this process that is not closed (:meth:`LocalServiceClient.stop_now`):
+    what a command does after a signal, so the process never exits while a backend thread is inside torch.
+    True when none computes any more."""
+    return all([service.stop_now(timeout) for service in list(_LIVE)])
 
 
 def micro_batching(host: ModelHost, settings: LocalSettings) -> MicroBatching:
@@ -69,6 +80,7 @@ class LocalServiceClient:
         self._training: dict[str, LocalTrainingClient] = {}
         self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
         self._closed = False
+        _LIVE.add(self)
 
     def result(self, timeout: float | None = None) -> Self:
         return self
@@ -249,6 +261,7 @@ class LocalServiceClient:
         """Stop the worker thread (after the calls already queued). Returns a finished future, as the SDK does."""
         if not self._closed:
             self._closed = True
+            _LIVE.discard(self)
             if self._vllm is not None:  # after the queued calls, on the thread its servers die with
                 self._worker.run(self._vllm.close)
             if self._sampling_worker is not None:
@@ -264,6 +277,7 @@ class LocalServiceClient:
         if self._closed:
             return self._worker.shutdown(timeout=timeout) and (sampling is None or sampling.shutdown(timeout=timeout))
         self._closed = True
+        _LIVE.discard(self)
         self._worker.cancel_pending()
         if sampling is not None:
             sampling.cancel_pending()

@@ -4,17 +4,28 @@ Binds the local backend in this process (see :mod:`rlrunbook.cookbook`), then ru
 module as ``__main__`` with ``sys.argv = [RECIPE, *recipe args]``, exactly as
 ``python -m RECIPE [recipe args]`` would. Exit status: the recipe's; 2 when the runner's own
 options are wrong or when the local backend refuses what the recipe asked for (the message
-names the reason and the fix).
+names the reason and the fix, or when what the recipe needs cannot be had: a recipe module that does not
+exist, the hosted service without a key or out of reach, a folder it cannot write); 70 when the local
+backend itself fails (a bug: its traceback and where to report it); 128 + N after signal N (Ctrl-C,
+SIGTERM, SIGHUP), as ``rlrunbook`` (see :mod:`rlrunbook.cli_signals`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
 
-from rlrunbook.errors import RlrunbookError
+from rlrunbook import cli_errors, cli_signals
+from rlrunbook.errors import ConfigError
+
+
+DESCRIPTION = ("Run a tinker-cookbook recipe unmodified on the rlrunbook local backend "
+               "(TINKER_BACKEND=local, the default; =api runs it against the hosted service).")
 
 
 def _dataset_option(text: str) -> tuple[str, Path]:
@@ -24,12 +35,9 @@ def _dataset_option(text: str) -> tuple[str, Path]:
     return name, Path(file).expanduser()
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlrunbook.cookbook",
-        description="Run a tinker-cookbook recipe unmodified on the rlrunbook local backend "
-                    "(TINKER_BACKEND=local, the default; =api runs it against the hosted service).",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The runner's options, its recipe and the recipe's arguments: shared by ``python -m rlrunbook.cookbook``
+    and ``rlrunbook cookbook``, so both take the same command line."""
     parser.add_argument("--renderer", metavar="NAME",
                         help="renderer for models the cookbook's model table does not know (the built-ins: "
                              "qwen3_instruct, i.e. ChatML)")
@@ -38,6 +46,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(repeatable)")
     parser.add_argument("recipe", help="the recipe's module, e.g. tinker_cookbook.recipes.math_rl.train")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="passed to the recipe unchanged")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlrunbook.cookbook",
+        description=DESCRIPTION,
+    )
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -61,6 +77,9 @@ def prepare(args: argparse.Namespace):
         bind_local_clients(bindings)
         accept_zero_advantage_batches(bindings)
     else:
+        from rlrunbook.backend.api_access import check_api_access
+
+        check_api_access(os.environ)  # a key, and a service that answers: before the recipe's first call
         bindings.lines.append("TINKER_BACKEND=api: the recipe talks to the hosted service")
     register_builtin_tokenizers(bindings)
     answer_model_table(bindings, args.renderer)
@@ -68,18 +87,113 @@ def prepare(args: argparse.Namespace):
     return bindings
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def check_recipe(module: str) -> None:
+    """``ConfigError`` naming the recipes there are unless ``module`` can be run as ``python -m module``."""
+    why = "no such module"
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            spec, why = importlib.util.find_spec(f"{module}.__main__"), "a package without __main__"
+    except (ImportError, ValueError) as error:  # a parent package that does not exist, or an empty name
+        spec, why = None, f"{type(error).__name__}: {error}"
+    if spec is None:
+        raise ConfigError(f"recipe {module!r} cannot be run ({why}). Pass the module of a recipe, e.g. "
+                          f"tinker_cookbook.recipes.math_rl.train; the recipes here: {_recipes()}.")
+
+
+def _recipes() -> str:
+    """The runnable recipe modules of the installed cookbook: its ``recipes`` modules (two levels down) that
+    have a ``__main__`` block."""
+    spec = importlib.util.find_spec("tinker_cookbook")
+    if spec is None or not spec.submodule_search_locations:
+        return "none (tinker-cookbook is not installed: bash scripts/setup.sh installs it)"
+    root = Path(next(iter(spec.submodule_search_locations))) / "recipes"
+    found = []
+    for path in sorted([*root.glob("*.py"), *root.glob("*/*.py")]):
+        try:
+            runnable = "__main__" in path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if runnable and path.name != "__init__.py":
+            found.append(".".join(("tinker_cookbook", *path.relative_to(root.parent).with_suffix("").parts)))
+    return ", ".join(found) or f"none found under {root}"
+
+
+def _inside_rlrunbook(error: BaseException) -> bool:
+    """Whether ``error`` was raised in rlrunbook's own code (the local backend), not in the recipe or a library."""
+    package = str(Path(__file__).resolve().parents[1])
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(package + os.sep)
+
+
+def _renderer_names() -> str:
+    """The renderer names the installed cookbook documents (``get_renderer``'s docstring lists them)."""
+    import inspect
+    import re
+
+    from tinker_cookbook import renderers
+
+    names = re.findall(r'``"([A-Za-z0-9_.-]+)"``', inspect.getdoc(renderers.get_renderer) or "")
+    names += list(renderers.get_registered_renderer_names())
+    return ", ".join(dict.fromkeys(names)) or "see tinker_cookbook.renderers.get_renderer"
+
+
+def _unknown_renderer(error: BaseException, renderer: str | None) -> bool:
+    """Whether ``error`` is the cookbook refusing the renderer that ``--renderer`` named."""
+    return (renderer is not None and type(error).__name__ == "RendererError"
+            and "unknown renderer" in str(error).lower() and renderer in str(error))
+
+
+def _recipe_failed(error: BaseException, recipe: str, renderer: str | None = None) -> int:
+    """A recipe's exception: described where anticipated (exit 2), a bug report where rlrunbook raised it
+    (exit 70), else the recipe's own traceback and exit 1, as ``python -m RECIPE`` gives."""
+    if _unknown_renderer(error, renderer):  # the runner's own option, not the recipe's failure
+        return cli_errors.refuse(f"--renderer {renderer!r} is not a renderer of the installed tinker-cookbook. "
+                                 f"Pass one of: {_renderer_names()}.", "rlrunbook.cookbook: error")
+    message = cli_errors.describe(error)
+    if message is not None:
+        return cli_errors.refuse(f"{type(error).__name__}: {message}", "rlrunbook.cookbook: error")
+    if _inside_rlrunbook(error):
+        return cli_errors.report_bug(error)
+    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    print(f"rlrunbook.cookbook: the recipe {recipe} stopped with {type(error).__name__} (its traceback above).",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the recipe of parsed arguments (``recipe``, ``recipe_args``, ``renderer``, ``hf_dataset``): what the
+    runner cannot do is refused (exit 2), the recipe's own failure told apart from rlrunbook's."""
     try:
         bindings = prepare(args)
         for line in bindings.lines:
             print(f"[rlrunbook.cookbook] {line}", file=sys.stderr, flush=True)
-        sys.argv = [args.recipe, *args.recipe_args]
+        check_recipe(args.recipe)
+    except Exception as error:  # noqa: BLE001 - the runner's own boundary (see rlrunbook.cli_errors)
+        message = cli_errors.describe(error)
+        if message is None:
+            return cli_errors.report_bug(error)
+        return cli_errors.refuse(f"{type(error).__name__}: {message}", "rlrunbook.cookbook: error")
+    sys.argv = [args.recipe, *args.recipe_args]
+    try:
         runpy.run_module(args.recipe, run_name="__main__", alter_sys=True)
-    except RlrunbookError as error:
-        print(f"rlrunbook.cookbook: error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        return 2
+    except Exception as error:  # noqa: BLE001 - the recipe's failure, told apart from rlrunbook's
+        return _recipe_failed(error, args.recipe, args.renderer)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the recipe; the exit status (see the module docstring). Signals stop it as they stop ``rlrunbook``."""
+    restore = cli_signals.install()
+    try:
+        try:
+            return run(parse_args(sys.argv[1:] if argv is None else argv))
+        except KeyboardInterrupt as interrupt:
+            return cli_signals.finish(interrupt)
+    except KeyboardInterrupt as again:
+        return cli_signals.finish_now(again)
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def answer_model_table(bindings: Bindings, renderer: str | None) -> None:
             if renderer is None:
                 raise ConfigError(
                     f"tinker-cookbook's model table does not know {model_name!r}, so it cannot pick a renderer. "
-                    f"Pass one: `python -m rlrunbook.cookbook --renderer {CHATML_RENDERER} <recipe> ...` "
+                    f"Pass one: `rlrunbook cookbook --renderer {CHATML_RENDERER} <recipe> ...` "
                     f"({CHATML_RENDERER} is ChatML, what tiny and smollm2-135m use), or the recipe's own "
                     "renderer_name=... where it has one."
                 ) from None

@@ -7,6 +7,7 @@ simply never read again (delete ``<cache>/models`` to reclaim the space).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,7 +79,12 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
     ``cache_dir`` defaults to :func:`default_cache_dir`.
     """
     if name in BUILTIN_MODELS:
-        return build_atomically(builtin_model_dir(name, cache_dir), BUILTIN_MODELS[name].build)
+        folder = build_atomically(builtin_model_dir(name, cache_dir), BUILTIN_MODELS[name].build)
+        try:
+            return check_model_folder(folder)
+        except ModelNotFoundError as error:  # the cached build was damaged after it was made
+            raise ModelNotFoundError(f"{error} The built-in {name!r} is rebuilt on its next use once its cache "
+                                     f"folder is deleted: rm -r {str(folder)!r}") from None
 
     folder = Path(name).expanduser()
     if folder.is_dir():
@@ -122,10 +128,17 @@ WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+# The JSON files of a model folder that transformers parses on loading (those present are checked).
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "model.safetensors.index.json")
+
+
 def check_model_folder(folder: Path) -> Path:
-    """``folder`` if it holds weights and a tokenizer beside ``config.json``; ``ModelNotFoundError`` naming
-    what is missing otherwise. Checked when the name is resolved, so before any model loads: a folder with
-    only ``config.json`` used to fail inside transformers after the run directory was made."""
+    """``folder`` if it holds weights and a tokenizer beside ``config.json``, its JSON files parse and its
+    safetensors headers read; ``ModelNotFoundError`` naming the file, what is wrong and the fix otherwise.
+    Checked when the name is resolved, so before any model loads: a folder with only ``config.json``, a
+    ``config.json`` that is not JSON or a safetensors file with a bad header used to fail inside transformers
+    or safetensors, with their own exceptions, after the run directory was made."""
     missing = [kind for kind, patterns in (("weights (model.safetensors or pytorch_model.bin)", WEIGHT_FILES),
                                            ("a tokenizer (tokenizer.json or tokenizer_config.json)", TOKENIZER_FILES))
                if not any(any(folder.glob(pattern)) for pattern in patterns)]
@@ -135,7 +148,64 @@ def check_model_folder(folder: Path) -> Path:
             "transformers model. Point --model to a folder written by save_pretrained (model and tokenizer), "
             f"or use a built-in ({_builtin_list()})."
         )
+    for name in JSON_FILES:
+        if (folder / name).is_file():
+            _check_json_file(folder / name)
+    for weights in sorted(folder.glob("*.safetensors")):
+        _check_safetensors_header(weights)
+    _check_architecture(folder / "config.json")
     return folder
+
+
+# Sizes in a config.json that shape tensors: each a positive integer, at most 2^24 (the largest published
+# vocabularies are ~2^18, hidden sizes ~2^14), so a typo cannot ask for a tensor no machine can hold.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+_MAX_SHAPE = 1 << 24
+
+
+def _check_architecture(path: Path) -> None:
+    """The architecture in ``config.json``: a model type transformers knows, and tensor sizes that can exist."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent))
+    except (OSError, ValueError, KeyError, TypeError) as error:  # an unknown model_type, a bad field
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise _broken(path, f"does not describe a model transformers can build ({first})") from None
+    for key in _SHAPE_KEYS:
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SHAPE:
+            raise _broken(path, f"sets {key} to {value!r}: a tensor size must be a positive integer of at most "
+                                f"{_MAX_SHAPE:,}")
+
+
+def _broken(path: Path, what: str) -> ModelNotFoundError:
+    return ModelNotFoundError(f"model file {str(path)!r} {what}: the folder is damaged or incomplete. Rebuild or "
+                              "re-download the model (for a hub model, delete it from the Hugging Face cache and "
+                              f"fetch it again), or use a built-in ({_builtin_list()}).")
+
+
+def _check_json_file(path: Path) -> None:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _broken(path, f"is not readable JSON ({type(error).__name__}: {error})") from None
+    if not isinstance(document, dict):
+        raise _broken(path, f"holds a JSON {type(document).__name__}, not an object")
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """Open ``path`` as safetensors does on loading (the header only: the tensors are not read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            handle.keys()
+    except Exception as error:  # noqa: BLE001 - SafetensorError, OSError and whatever a damaged header raises
+        raise _broken(path, f"is not a readable safetensors file ({type(error).__name__}: {error})") from None
 
 
 def _builtin_list() -> str:

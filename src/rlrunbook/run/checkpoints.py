@@ -10,7 +10,8 @@ A checkpoint taken after ``k`` completed steps holds everything an exact resume 
       sampler_adapters.safetensors   asynchronous runs only: the snapshots the next batches are sampled
                             from, keyed ``<step>/<parameter name>`` (see rl/training/off_policy.py)
       checkpoint.json       manifest, written last: format version, step, data cursor, config
-                            (secret values redacted), sha256 and size of every other file
+                            (secret values redacted; ``withheld`` names them), sha256 and size of every
+                            other file, and the sha256 of the manifest itself (``manifest_sha256``, format 2)
 
 Nothing here unpickles: safetensors, JSON, and ``torch.load(weights_only=True)`` only.
 
@@ -18,7 +19,10 @@ Atomicity: the files go into ``checkpoints/.tmp-step_<k>-<random>/``, each fsync
 is renamed to ``step_<k>`` in one ``os.rename``. A crash (or an error) before the rename leaves a
 hidden temp folder that readers ignore and the next save deletes; the checkpoints before it are
 untouched. A folder counts as a checkpoint when its name is ``step_<k>`` and its manifest is there;
-:func:`verify_checkpoint` also checks every file's checksum, so a truncated or edited file is refused.
+:func:`verify_checkpoint` also checks every file's checksum and the manifest's own, so a truncated or edited
+file, config included, is refused. The manifest's checksum is the sha256 of its canonical JSON
+(:func:`manifest_sha256`: sorted keys, no spaces) without the ``manifest_sha256`` key. Format 1 (before that
+key) is still read: its data files are verified, its manifest cannot be.
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ from safetensors.torch import load_file, save_file
 
 from rlrunbook.errors import InputError
 from rlrunbook.run.jsonio import fsync_dir
-from rlrunbook.run.redaction import redact_config
+from rlrunbook.run.redaction import redact_config, withheld_paths
 
-FORMAT_VERSION = 1  # bump when the layout changes; other versions are refused, not guessed at
+FORMAT_VERSION = 2  # bump when the layout changes; versions not in READABLE_VERSIONS are refused, not guessed at
+READABLE_VERSIONS = (1, 2)  # 1: no manifest_sha256 (its manifest is read unverified)
+MANIFEST_CHECKSUM = "manifest_sha256"
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "checkpoint.json"
 ADAPTER_FILE = "adapter.safetensors"
@@ -74,6 +80,9 @@ class Checkpoint:
     data_cursor: dict[str, int] | None = None
     # An asynchronous run's in-flight sampler weights, by the step whose weights they are (empty: synchronous).
     sampler_adapters: dict[int, dict[str, torch.Tensor]] | None = None
+    # The dotted config keys whose values the manifest withheld (secret-named, or holding a credential): a resume
+    # takes each again. None for a manifest written before the list existed (then only secret-named keys were).
+    withheld: tuple[str, ...] | None = None
 
 
 def step_dir_name(step: int) -> str:
@@ -163,9 +172,17 @@ def _write_payload(folder: Path, checkpoint: Checkpoint) -> list[str]:
     return names
 
 
+def manifest_sha256(manifest: dict[str, Any]) -> str:
+    """The sha256 of ``manifest`` without its ``manifest_sha256`` key, as canonical JSON (sorted keys, no spaces,
+    ASCII): what a format-2 manifest records of itself. Python's JSON round trip keeps every value exact."""
+    body = {key: value for key, value in manifest.items() if key != MANIFEST_CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> None:
     files = {name: {"sha256": _sha256(folder / name), "bytes": (folder / name).stat().st_size} for name in names}
-    _write_json(folder / MANIFEST_FILE, {
+    manifest = {
         "format_version": FORMAT_VERSION,
         "step": checkpoint.step,
         "data_cursor": {"next_step": checkpoint.step, **(checkpoint.data_cursor or {})},
@@ -174,8 +191,10 @@ def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> N
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         # Secrets are never stored: a resume takes them again from the command line or the environment.
         "config": redact_config(checkpoint.config),
+        "withheld": withheld_paths(checkpoint.config),
         "files": files,
-    })
+    }
+    _write_json(folder / MANIFEST_FILE, {**manifest, MANIFEST_CHECKSUM: manifest_sha256(manifest)})
 
 
 def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
@@ -218,30 +237,60 @@ def _corrupt(folder: Path, what: str) -> InputError:
                       f"(pass its folder to --resume-from, or delete this one to fall back to the previous).")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of a manifest (before any file is trusted), or None."""
+    if not _is_int(manifest.get("step")) or manifest["step"] < 0:
+        return f"{MANIFEST_FILE} has no step count (a whole number >= 0): {manifest.get('step')!r}"
+    if not isinstance(manifest.get("has_optimizer"), bool):
+        return f"{MANIFEST_FILE} does not say whether it holds the optimizer (has_optimizer: true or false)"
+    if not isinstance(manifest.get("config"), dict):
+        return f"{MANIFEST_FILE} holds no config (an object)"
+    if not isinstance(manifest.get("data_cursor", {}), (dict, type(None))):
+        return f"{MANIFEST_FILE} has a data_cursor that is not an object"
+    if not _is_int(manifest.get("weights_version", 0)):
+        return f"{MANIFEST_FILE} has a weights_version that is not a whole number"
+    files = manifest.get("files")
+    required = {ADAPTER_FILE, RNG_JSON_FILE, RNG_TENSOR_FILE} | ({OPTIMIZER_FILE} if manifest["has_optimizer"] else set())
+    if not isinstance(files, dict) or not required <= files.keys():
+        return f"{MANIFEST_FILE} lacks the checksums of {sorted(required)}"
+    for name, expected in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+            return f"{MANIFEST_FILE} lists {name!r}, which is not a file name inside the checkpoint"
+        if not (isinstance(expected, dict) and isinstance(expected.get("sha256"), str) and _is_int(expected.get("bytes"))):
+            return f"{MANIFEST_FILE} has no sha256 and size for {name}"
+    return None
+
+
 def verify_checkpoint(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of ``folder`` after checking its format version and every file's size and sha256."""
+    """The manifest of ``folder`` after checking its format version, its own sha256 (format 2), its fields and
+    every file's size and sha256."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file():
         raise _corrupt(folder, f"no {MANIFEST_FILE} (a save that never finished, or not a checkpoint)")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise _corrupt(folder, f"{MANIFEST_FILE} is not readable JSON ({error})") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise InputError(f"checkpoint {folder} has format version {version!r}; this rlrunbook reads version "
-                         f"{FORMAT_VERSION}. Load it with the rlrunbook version that wrote it.")
-    files = manifest.get("files")
-    required = {ADAPTER_FILE, RNG_JSON_FILE, RNG_TENSOR_FILE} | ({OPTIMIZER_FILE} if manifest.get("has_optimizer")
-                                                                 else set())
-    if not isinstance(files, dict) or not required <= files.keys() or not isinstance(manifest.get("step"), int):
-        raise _corrupt(folder, f"{MANIFEST_FILE} lacks the step or the checksums of {sorted(required)}")
-    for name, expected in files.items():
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version not in READABLE_VERSIONS or not _is_int(version):
+        raise InputError(f"checkpoint {folder} has format version {version!r}; this rlrunbook reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))}. Load it with the rlrunbook version that wrote it.")
+    if version >= 2 and manifest.get(MANIFEST_CHECKSUM) != manifest_sha256(manifest):
+        raise _corrupt(folder, f"{MANIFEST_FILE} does not match its own sha256 ({MANIFEST_CHECKSUM}): it was edited "
+                               "or damaged after it was written, so its config and step cannot be trusted")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise _corrupt(folder, problem)
+    for name, expected in manifest["files"].items():
         path = folder / name
         if not path.is_file():
             raise _corrupt(folder, f"{name} is missing")
-        if path.stat().st_size != expected.get("bytes") or _sha256(path) != expected.get("sha256"):
+        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
             raise _corrupt(folder, f"{name} does not match its sha256 in {MANIFEST_FILE} (truncated or modified)")
     match = _STEP_DIR.fullmatch(folder.name)
     if match and int(match.group(1)) != manifest["step"]:
@@ -252,8 +301,18 @@ def verify_checkpoint(folder: str | os.PathLike[str]) -> dict[str, Any]:
 def _read(folder: Path, name: str, reader: Callable[[Path], Any]) -> Any:
     try:
         return reader(folder / name)
-    except (OSError, SafetensorError, RuntimeError, ValueError, KeyError, TypeError) as error:
+    except (OSError, SafetensorError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError,
+            OverflowError) as error:
         raise _corrupt(folder, f"{name} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def _check_rng_json(rng: Any) -> None:
+    """Set fresh generators (never the global ones) to the saved Python and NumPy states: a state they refuse
+    raises here, while the checkpoint is read, not in :func:`restore_rng` after the model has loaded."""
+    python, numpy = rng["python"], rng["numpy"]
+    random.Random().setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    np.random.RandomState().set_state((numpy["bit_generator"], np.asarray(numpy["key"], dtype=np.uint32),
+                                       numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
 
 
 def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> Checkpoint:
@@ -267,14 +326,36 @@ def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.de
                           lambda p: torch.load(p, map_location=map_location, weights_only=True))
     rng = _read(folder, RNG_JSON_FILE, lambda p: json.loads(p.read_text(encoding="utf-8")))
     tensors = _read(folder, RNG_TENSOR_FILE, lambda p: load_file(str(p)))
+    _read(folder, RNG_JSON_FILE, lambda p: _check_rng_json(rng))
+    _read(folder, RNG_TENSOR_FILE, lambda p: torch.Generator().set_state(tensors["torch_cpu"]))
     cuda_count = sum(1 for key in tensors if key.startswith("cuda_"))
     rng.update(torch_cpu=tensors["torch_cpu"], cuda=[tensors[f"cuda_{i}"] for i in range(cuda_count)])
     sampler_adapters: dict[int, dict[str, torch.Tensor]] = {}
     if SAMPLER_ADAPTERS_FILE in manifest["files"]:
-        flat = _read(folder, SAMPLER_ADAPTERS_FILE, lambda p: load_file(str(p), device=str(map_location)))
-        for key, tensor in flat.items():
-            step, name = key.split("/", 1)
-            sampler_adapters.setdefault(int(step), {})[name] = tensor
+        sampler_adapters = _read(folder, SAMPLER_ADAPTERS_FILE,
+                                 lambda p: _by_step(load_file(str(p), device=str(map_location))))
     return Checkpoint(step=manifest["step"], config=manifest["config"], adapter=adapter, optimizer=optimizer,
                       rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder,
-                      data_cursor=manifest.get("data_cursor") or None, sampler_adapters=sampler_adapters or None)
+                      data_cursor=manifest.get("data_cursor") or None, sampler_adapters=sampler_adapters or None,
+                      withheld=_withheld(folder, manifest))
+
+
+def _by_step(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """``{"<step>/<parameter>": tensor}`` as ``{step: {parameter: tensor}}``; ValueError for any other key."""
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in flat.items():
+        step, slash, name = key.partition("/")
+        if not (slash and step.isdigit() and name):
+            raise ValueError(f"tensor {key!r} is not named <step>/<parameter>")
+        snapshots.setdefault(int(step), {})[name] = tensor
+    return snapshots
+
+
+def _withheld(folder: Path, manifest: dict[str, Any]) -> tuple[str, ...] | None:
+    """The manifest's ``withheld`` keys (None where an older manifest has no list)."""
+    withheld = manifest.get("withheld")
+    if withheld is None:
+        return None
+    if not isinstance(withheld, list) or not all(isinstance(key, str) for key in withheld):
+        raise _corrupt(folder, f"{MANIFEST_FILE}'s 'withheld' is {withheld!r}, not a list of config keys")
+    return tuple(withheld)

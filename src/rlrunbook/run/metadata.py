@@ -2,7 +2,8 @@
 
 Everything here is best effort and never raises: a missing package is ``"missing"``, a source
 tree outside git is ``None``. Secrets are the exception to "record everything": the environment
-is filtered to the prefixes that change behaviour, secret-looking names are redacted, and the
+is filtered to the prefixes that change behaviour, secret-looking names are redacted, credentials in
+other values (a URL's ``user:password``, a token shape) are cut out, and the
 values of every secret-looking variable are scrubbed from all strings written (a token passed
 on the command line as well as through the environment).
 """
@@ -25,6 +26,7 @@ from rlrunbook.run.redaction import (  # noqa: F401 - re-exported: the names cal
     is_secret_name,
     redact_argv,
     redact_config,
+    scrub_credentials,
     secret_values,
 )
 
@@ -123,9 +125,10 @@ def seeds(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def filtered_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables that shape a run (see ``ENV_PREFIXES``), secret-named ones redacted."""
+    """The variables that shape a run (see ``ENV_PREFIXES``): secret-named ones redacted, and the credentials in
+    the others cut out (``TINKER_BASE_URL=https://user:pass@host`` is recorded as ``https://<redacted>@host``)."""
     return {
-        k: (REDACTED if is_secret_name(k) else v)
+        k: (REDACTED if is_secret_name(k) else scrub_credentials(v))
         for k, v in sorted(environ.items())
         if k.startswith(ENV_PREFIXES)
     }

@@ -16,6 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.run.redaction import credential_kind
+from rlrunbook.run.schema import METADATA_FILE
 
 LOG_ROOT_ENV_VARS = ("RLRUNBOOK_LOG_ROOT", "TINKER_DEBATE_LOG_ROOT")
 DEFAULT_LOG_ROOT = "logs"
@@ -43,6 +45,10 @@ def _check_component(kind: str, value: str) -> str:
     """``value`` if it can be one piece of a directory name; ConfigError naming it otherwise."""
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"run {kind} {value!r} is empty: give a short name such as 'smoke_qa'")
+    if not value.isprintable():
+        # A newline or carriage return in a directory name breaks every line-based tool that lists runs.
+        raise ConfigError(f"run {kind} {value!r} contains a newline or another control character: it becomes "
+                          "part of a directory name; use letters, digits, '-', '_'")
     separators = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
     bad = sorted(c for c in separators | {"\0"} if c in value)
     if bad or value in {".", ".."}:
@@ -50,6 +56,14 @@ def _check_component(kind: str, value: str) -> str:
             f"run {kind} {value!r} contains a path separator or is a relative path "
             f"({bad or value}): it becomes part of one directory name; use letters, digits, '-', '_'"
         )
+    # Each part after a '-', '_' or '.' is read as a word start too: in a name, 'run-sk-proj-...' is a key
+    # after a separator, where in a file '-' continues a token (the scan's own rule, see run.secret_scan).
+    starts = [0] + [i + 1 for i, c in enumerate(value) if c in "-_."]
+    credential = next((kind for kind in map(credential_kind, (value[i:] for i in starts)) if kind), None)
+    if credential is not None:  # the value is not repeated: it is the secret
+        raise ConfigError(
+            f"run {kind} holds what looks like a credential ({credential}): it would become part of the run "
+            f"directory's name, which every listing, log and archive shows. Use a name without it.")
     return value
 
 
@@ -97,6 +111,15 @@ def name_max(root: str | os.PathLike[str]) -> int:
         return os.pathconf(_existing_ancestor(Path(root)), "PC_NAME_MAX")
     except (OSError, ValueError, AttributeError, ConfigError):
         return _DEFAULT_NAME_MAX
+
+
+def check_run_directory(path: Path) -> None:
+    """``ConfigError`` unless the directory ``path`` is a run directory, one holding ``run_metadata.json``
+    (the commands that act on a run, such as ``package``, would otherwise treat any folder as one)."""
+    if not (path / METADATA_FILE).is_file():
+        raise ConfigError(f"{str(path)!r} is not a run directory: it holds no {METADATA_FILE}. Pass the folder a "
+                          "run wrote, logs/<timestamp>_<mode>_<env>_<name> (train prints it as 'run directory: "
+                          "...').")
 
 
 def check_run_dir_name(root: str | os.PathLike[str], mode: str, env: str, name: str) -> None:

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import re
 import stat
 import tarfile
 import tempfile
@@ -28,7 +29,7 @@ from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.run.jsonio import atomic_write_text, fsync_dir
 from rlrunbook.run.liveness import liveness
 from rlrunbook.run.load import RunFiles, _load_metadata, _load_train_log
-from rlrunbook.run.redaction import MIN_SCRUB_LENGTH, is_secret_name
+from rlrunbook.run.redaction import MIN_SCRUB_LENGTH, is_secret_key, is_secret_name
 from rlrunbook.run.secret_scan import scan_file
 
 MANIFEST_FILE = "MANIFEST.sha256"
@@ -43,8 +44,14 @@ TERMINAL_COLUMNS = ("run", "status", "mode", "env", "model", "steps_logged", "re
 # What the terminal table prints under itself: its two kinds of empty cell.
 TERMINAL_LEGEND = ("-: not recorded (no step logged it); problems: what reading the run found wrong (a stale "
                    "process, the run's error, unreadable log lines), none: nothing; fingerprints cut to 12 characters")
-CREDENTIAL_FILE_PATTERNS = (".netrc", "credentials*", "*.pem", "*.key", "*.p12", "*.pfx", ".env", "id_rsa*",
-                            "id_dsa*", "id_ecdsa*", "id_ed25519*")
+CREDENTIAL_FILE_PATTERNS = (".netrc", "_netrc", "credentials*", "*.pem", "*.key", "*.p12", "*.pfx", "*.ppk", ".env",
+                            ".env.*", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", ".git-credentials", ".npmrc",
+                            ".pypirc", ".pgpass", ".htpasswd", ".dockercfg", "*.keystore", "*.jks", "*.kdbx")
+# Files whose name alone says nothing but whose place does: a tool's login store (Docker keeps registry passwords
+# base64-encoded in .docker/config.json; kubectl keeps tokens and keys in .kube/config).
+CREDENTIAL_FILE_PLACES = ("*/.docker/config.json", ".docker/config.json", "*/.kube/config", ".kube/config")
+# A file named for a token (`token`, `.hf_token`, `api-token.txt`), not for token ids (`tokens.json`, `tokenizer.json`).
+_TOKEN_FILE = re.compile(r"(?:.*[._-])?token", re.IGNORECASE)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a file swapped for a symlink after the walk is refused
 
 
@@ -264,9 +271,20 @@ def _check_manifest(root: Path) -> list[str]:
     return problems
 
 
+def is_credentials_file(name: str) -> bool:
+    """Whether a file name is one that holds credentials: ``CREDENTIAL_FILE_PATTERNS`` (``.netrc``, ``*.pem``,
+    ``.git-credentials``, ``.npmrc``, ``.pypirc``, PuTTY's ``*.ppk``, ...), a name for a token (``token``,
+    ``.hf_token``, ``api-token.txt``), or a secret-named stem (``api_key.txt``, ``client_secret.json``)."""
+    lower = name.lower()
+    stem = lower.lstrip(".").split(".", 1)[0]
+    return (any(fnmatch.fnmatch(lower, pattern) for pattern in CREDENTIAL_FILE_PATTERNS)
+            or _TOKEN_FILE.fullmatch(stem) is not None or is_secret_key(stem.replace("-", "_")))
+
+
 def find_secrets(run_dir: Path, environ: Mapping[str, str]) -> list[str]:
-    """Files of ``run_dir`` holding a secret: named like credentials, holding the value of a secret-named
-    variable, or holding a private key or an API-token-shaped string (``run.secret_scan``, by line).
+    """Files of ``run_dir`` holding a secret: named like credentials (:func:`is_credentials_file`), holding the
+    value of a secret-named variable, or holding a private key, an API-token-shaped string or a URL with a
+    password (``run.secret_scan``, by line), as plain text or compressed, base64 or UTF-16 (``run.secret_forms``).
 
     Secret names and the minimum value length are the writer's (``*_KEY``, ``*_TOKEN``, ``*SECRET*``,
     ``*PASSWORD*``, ``*CREDENTIAL*``, any case). A finding is ``<relative path>: <VARIABLE>``,
@@ -280,13 +298,14 @@ def find_secrets(run_dir: Path, environ: Mapping[str, str]) -> list[str]:
                for name, value in environ.items() if is_secret_name(name) and len(value) >= MIN_SCRUB_LENGTH}
     findings = []
     for rel, info in _walk(run_dir):
-        if any(fnmatch.fnmatch(Path(rel).name.lower(), pattern) for pattern in CREDENTIAL_FILE_PATTERNS):
+        if is_credentials_file(Path(rel).name) or any(fnmatch.fnmatch(Path(rel).as_posix(), place)
+                                                       for place in CREDENTIAL_FILE_PLACES):
             findings.append(f"{rel}: credentials file")
         if stat.S_ISREG(info.st_mode):
             try:
                 if needles:
                     findings += [f"{rel}: {variable}" for variable in sorted(_scan(run_dir / rel, needles))]
-                findings += [str(finding) for finding in scan_file(run_dir / rel, rel)]
+                findings += [str(finding) for finding in scan_file(run_dir / rel, rel, needles)]
             except OSError as exc:
                 findings.append(f"{rel}: not scanned ({exc.__class__.__name__}: {exc})")
     return findings

@@ -19,7 +19,7 @@ from rlrunbook.errors import InputError
 from rlrunbook.run import metadata as meta
 from rlrunbook.run.jsonio import atomic_write_json, atomic_write_text, dumps, redact_text, to_jsonable
 from rlrunbook.run.liveness import HEARTBEAT_S, process_record
-from rlrunbook.run.redaction import redact_argv, redact_config, secret_config_values
+from rlrunbook.run.redaction import redact_argv, redact_config, scrub_credentials, secret_config_values
 from rlrunbook.run.schema import (
     FINAL_STATUSES,
     METADATA_FILE,
@@ -100,7 +100,8 @@ class RunWriter:
 
         ``resumed_from`` (a resumed run only): the checkpoint it started from, ``{"path", "run", "step"}``.
         """
-        # The values of secret config keys (extra.api_key) are scrubbed from everything written from now on.
+        # The values of secret config keys (extra.api_key), and config values holding a credential under any key
+        # (extra.openai_key=sk-...), are scrubbed from everything written from now on.
         self._secrets = sorted({*self._secrets, *secret_config_values(config)}, key=len, reverse=True)
         self._metadata = {
             "schema_version": SCHEMA_VERSION,
@@ -169,6 +170,7 @@ class RunWriter:
                     f"cannot finish {self.metadata_path}: {exc}; call write_metadata() first"
                 ) from exc
         now = _utc_now()
+        error = None if error is None else scrub_credentials(error)  # a message can quote a URL with its password
         path = self._write_metadata_file(status=status, finished_at=now, heartbeat_at=now, error=error)
         if self._sink is not None:
             self._sink.finish(status)
@@ -218,22 +220,10 @@ class RunWriter:
         """Start a resumed run with ``source``'s records of steps ``0..steps-1``: its train-log rows, and its
         ``training_step_<k>.json`` and ``<kind>_<k>.json`` files copied unchanged. ``source`` is only read.
 
-        ``InputError`` if ``source`` lacks any of them: the new run would not be complete.
+        ``InputError`` if ``source`` lacks any of them or one is unreadable (see :func:`step_records`).
         """
         source = Path(source)
-        rows = {}
-        log = source / TRAIN_LOG_FILE
-        if log.is_file():
-            for line in log.read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    rows.setdefault(row.get("step"), row)
-        names = [name for step in range(steps) for name in (f"training_step_{step}.json", f"{kind}_{step}.json")]
-        missing = [f"{TRAIN_LOG_FILE} row {s}" for s in range(steps) if s not in rows]
-        missing += [name for name in names if not (source / name).is_file()]
-        if missing:
-            raise InputError(f"{source} lacks the records of steps before {steps} ({', '.join(missing[:3])}): "
-                             "a resumed run starts with copies of them. Resume from an earlier checkpoint.")
+        rows, names = step_records(source, steps, kind)
         for name in names:  # copied with this run's secrets scrubbed, like everything it writes
             atomic_write_text(self.run_dir / name, redact_text((source / name).read_text(encoding="utf-8"),
                                                                self._secrets))
@@ -258,6 +248,44 @@ class RunWriter:
         path = self.run_dir / REPORT_FILE
         plot_report(self.read_train_log(), path, title=self.run_dir.name, validation_rows=self.read_validation())
         return path
+
+
+def step_records(source: Path, steps: int, kind: str,
+                 complete: bool = True) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """The train-log rows of steps ``0..steps-1`` of the run in ``source`` and the names of its step files that a
+    resumed run copies. ``InputError`` naming the file (and line) and the fix when one is not UTF-8 or does not
+    parse, or (``complete``) is missing: checked before a resumed run starts (``plan_resume``), and again when
+    it copies them."""
+    rows: dict[int, dict[str, Any]] = {}
+    log = source / TRAIN_LOG_FILE
+    names = [name for step in range(steps) for name in (f"training_step_{step}.json", f"{kind}_{step}.json")]
+    fix = "Resume from an earlier checkpoint, or restore the run's files."
+    path = log
+    try:
+        lines = log.read_text(encoding="utf-8").split("\n") if log.is_file() else []
+        for path in (source / name for name in names):
+            if path.is_file():
+                json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"{path}, a record of the steps before {steps}, cannot be read ({error}). {fix}") from None
+    except ValueError as error:
+        raise InputError(f"{path} is not readable JSON ({error}): a resumed run starts with a copy of it. "
+                         f"{fix}") from None
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise InputError(f"{log} line {number} is not readable JSON ({error}): a resumed run starts with "
+                                 f"the rows of the steps before {steps}. {fix}") from None
+            if isinstance(row, dict):
+                rows.setdefault(row.get("step"), row)
+    missing = [f"{TRAIN_LOG_FILE} row {s}" for s in range(steps) if s not in rows]
+    missing += [name for name in names if not (source / name).is_file()]
+    if missing and complete:
+        raise InputError(f"{source} lacks the records of steps before {steps} ({', '.join(missing[:3])}): "
+                         "a resumed run starts with copies of them. Resume from an earlier checkpoint.")
+    return rows, names
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.rollout.tasks import Problem
+from rlrunbook.rl.rollout.tasks import Problem, get_task_class
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import problem_order
 from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint, verify_checkpoint
@@ -108,7 +108,11 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
         pass_at_k(options.samples, 0, k)  # ConfigError for a k above --samples
     config = TrainConfig.from_stored(manifests[-1]["config"])  # the last one's steps cover every checkpoint
     if options.dataset is not None:
-        config = config.replace(dataset=options.dataset)
+        # Options the run's data set read (extra.test_size of the generated set) do not apply to another one.
+        declared = get_task_class(config.env).declared_options
+        extra = {key: value for key, value in config.extra.items()
+                 if key not in declared or declared[key].applies(options.dataset, config.reward_fn)}
+        config = config.replace(dataset=options.dataset, extra=extra)
     config, _, task, problems = prepare(config)
     log(f"[data] {task.announcement(problems)}")
     for notice in task.notices:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -23,6 +24,7 @@ from rlrunbook.rl.rollout.guards import Blocklist, PromptLimit, StepTally, check
 from rlrunbook.rl.rollout.judges import DebateOutcome, Judge
 from rlrunbook.rl.rollout.prompts import TurnSplicer
 from rlrunbook.rl.rollout.rollouts import Rollout
+from rlrunbook.rl.rollout.task_options import TaskOption
 from rlrunbook.rl.rollout.tasks import Problem, Task
 
 ROUNDS = 3
@@ -137,8 +139,12 @@ class RolloutContext:
 
 
 class Paradigm(ABC):
+    """An interaction protocol. ``declared_options`` names the ``extra.*`` options it reads (none of the
+    built-in paradigms reads any); undeclared keys are refused before any work, as for tasks."""
+
     name: ClassVar[str]
     prompt_suffixes: ClassVar[tuple[str, ...]] = ("",)  # what ``rollout`` appends to user messages
+    declared_options: ClassVar[Mapping[str, TaskOption]] = {}
 
     @abstractmethod
     def rollout(self, ctx: RolloutContext, problems: list[Problem], step: int) -> RolloutBatch:
@@ -154,10 +160,15 @@ def register_paradigm(cls: type[Paradigm]) -> type[Paradigm]:
     return cls
 
 
-def get_paradigm(name: str) -> Paradigm:
+def get_paradigm_class(name: str) -> type[Paradigm]:
+    """The paradigm registered as ``name``; ``ConfigError`` naming the registered ones otherwise."""
     if name not in PARADIGMS:
         raise ConfigError(f"--mode {name!r} is not a registered paradigm; registered: {sorted(PARADIGMS)}.")
-    return PARADIGMS[name]()
+    return PARADIGMS[name]
+
+
+def get_paradigm(name: str) -> Paradigm:
+    return get_paradigm_class(name)()
 
 
 @register_paradigm

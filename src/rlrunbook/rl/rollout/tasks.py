@@ -7,9 +7,8 @@ paradigms only see the :class:`Task` interface, so a new task needs no change an
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,6 +25,8 @@ from rlrunbook.rl.data import (
     load_gsm8k,
     load_nq_open,
 )
+from rlrunbook.rl.data.jsonl import first_row
+from rlrunbook.rl.data.limits import MAX_GENERATED_ROWS
 from rlrunbook.rl.data.sources import HUB_SPECS, hub_unreachable, resolve_local
 from rlrunbook.rl.data.synthetic_news import synthetic_news, synthetic_news_name
 from rlrunbook.rl.rewards.base import RewardResult
@@ -34,6 +35,7 @@ from rlrunbook.rl.rewards.multi_signal import BOXED, TRAILING_NUMBER, SignalWeig
 from rlrunbook.rl.rewards.qa import qa_numeric_reward, qa_text_reward
 from rlrunbook.rl.rewards.summary import compression_reward, rouge_reward
 from rlrunbook.rl.rewards.symbolic import DEFAULT_TIMEOUT_S
+from rlrunbook.rl.rollout.task_options import TaskOption
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,17 @@ class Problem:
 
 
 class Task(ABC):
-    """A source of problems with a task reward. Subclasses set the class attributes and register."""
+    """A source of problems with a task reward. Subclasses set the class attributes and register.
+
+    ``declared_options`` names every option the task reads from ``self.options`` (read them with
+    :meth:`option`); an ``extra.<name>`` key that the task does not declare is refused before any work
+    (:mod:`rlrunbook.rl.rollout.task_options`), so a plug-in task declares what it reads.
+    """
 
     name: ClassVar[str]
     reward_fns: ClassVar[tuple[str, ...]]  # the first is the default
+    declared_options: ClassVar[Mapping[str, TaskOption]] = {}
+    reads_references: ClassVar[bool] = False  # whether the reward compares against reference() (see uses_references)
     rollout_kind: ClassVar[str] = "baseline"  # which rollout file single-turn runs write: baseline | summary
     default_dataset: ClassVar[str]
     cache_info: dict | None = None  # set by rl.setup.dataset_cache when the problems came through --cache-dataset
@@ -79,6 +88,15 @@ class Task(ABC):
     @abstractmethod
     def reward(self, problem: Problem, completion_text: str) -> RewardResult:
         """The task reward of a completion, from its decoded text."""
+
+    def option(self, name: str) -> Any:
+        """The value of the declared option ``name``: from ``options``, else its declared default."""
+        return self.options.get(name, self.declared_options[name].default)
+
+    def uses_references(self) -> bool:
+        """Whether this task's reward compares completions against :meth:`reference` (so a data set whose
+        references are all empty gives every completion the same reward)."""
+        return self.reads_references
 
     def system_message(self) -> str | None:
         """An optional system turn; ``None`` keeps the model's default."""
@@ -153,14 +171,18 @@ def _qa_loader(dataset: str) -> Callable[[str | Path], list[QARecord]]:
         return load_nq_open
     path = Path(dataset)
     if path.is_file():
-        with path.open() as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        return load_nq_open if isinstance(json.loads(line).get("answer"), list) else load_gsm8k
-                    except (json.JSONDecodeError, AttributeError):
-                        break  # the loader reports the malformed row with its line number
+        row = first_row(path)  # None when malformed: the loader reports the row with its line number
+        if row is not None and isinstance(row.get("answer"), list):
+            return load_nq_open
     return load_gsm8k
+
+
+# The multi-signal weights come from the reward section (reward.verify_weight ...), read with multi_signal only.
+_SIGNAL_OPTIONS = {
+    f"{signal}_weight": TaskOption(float, default, f"multi_signal weight of the {signal} signal", low=0,
+                                   field=f"reward.{signal}_weight", reward_fns=("multi_signal",))
+    for signal, default in (("verify", SignalWeights.verify), ("format", SignalWeights.format),
+                            ("reflect", SignalWeights.reflect))}
 
 
 def _require_numeric_answers(records: list[QARecord], dataset: str) -> None:
@@ -181,10 +203,19 @@ class QATask(Task):
     name = "qa"
     reward_fns = ("numeric", "text", "multi_signal")
     default_dataset = "test"
+    reads_references = True
+    declared_options = {
+        "test_size": TaskOption(int, 256, "number of generated arithmetic problems", low=1, high=MAX_GENERATED_ROWS,
+                                datasets=("test",)),
+        # Below 1: a correct answer must always outscore a wrong one that states a number.
+        "format_bonus": TaskOption(float, 0.1, "reward of a wrong answer that states a number", low=0, high=1,
+                                   high_open=True, reward_fns=("numeric",)),
+        **_SIGNAL_OPTIONS,
+    }
 
     def load(self) -> list[Problem]:
         if self.dataset == "test":
-            size = int(self.options.get("test_size", 256))
+            size = self.option("test_size")
             records = arithmetic_problems(size, seed=self.seed)
             self.loaded_from = f"generated:single-digit arithmetic ({size} problems, seed {self.seed})"
         else:
@@ -217,11 +248,12 @@ class QATask(Task):
                                        SignalWeights.from_options(self.options))
         if result.reward >= 1.0:
             return result
-        bonus = float(self.options.get("format_bonus", 0.1)) * result.metrics.get("has_number", 0.0)
+        bonus = float(self.option("format_bonus")) * result.metrics.get("has_number", 0.0)
         return RewardResult(bonus, {**result.metrics, "format_bonus": bonus})
 
     def reference(self, problem: Problem) -> str:
-        return problem.record.answers[0]
+        """The first non-blank accepted answer ("" when every one is blank)."""
+        return next((answer for answer in problem.record.answers if answer.strip()), "")
 
 
 @register_task
@@ -231,17 +263,18 @@ class MathTask(Task):
     name = "math"
     reward_fns = ("math", "multi_signal")
     default_dataset = "gsm8k"
+    reads_references = True
+    declared_options = {
+        # At most a minute: the check runs per completion, and a step scores hundreds of them.
+        "math_timeout_s": TaskOption(float, DEFAULT_TIMEOUT_S, "longest a symbolic answer comparison may take, "
+                                     "in seconds", low=0, low_open=True, high=60),
+        **_SIGNAL_OPTIONS,
+    }
 
     def __init__(self, dataset: str | None, reward_fn: str | None, seed: int, options: dict | None = None):
         super().__init__(dataset, reward_fn, seed, options)
-        raw = self.options.get("math_timeout_s", DEFAULT_TIMEOUT_S)
-        try:
-            self.timeout_s = float(raw)
-        except (TypeError, ValueError):
-            self.timeout_s = float("nan")
-        if not 0 < self.timeout_s < float("inf"):
-            raise ConfigError(f"extra.math_timeout_s={raw!r} must be a finite number of seconds > 0 (the longest "
-                              f"a symbolic answer comparison may take; default {DEFAULT_TIMEOUT_S}).")
+        self.declared_options["math_timeout_s"].check("math_timeout_s", self.option("math_timeout_s"))
+        self.timeout_s = float(self.option("math_timeout_s"))
 
     def load(self) -> list[Problem]:
         source = self._from(_local_or_name(self.dataset, "gsm8k"))
@@ -281,6 +314,16 @@ class SummaryTask(Task):
     reward_fns = ("compression", "rouge")
     rollout_kind = "summary"
     default_dataset = "cnn_dailymail"
+    declared_options = {
+        "summary_max_words": TaskOption(int, 150, "words of the article kept in the prompt", low=1,
+                                        field="summary_max_words"),
+        # Read only where the embedded set replaces an unreachable cnn_dailymail.
+        "synthetic_size": TaskOption(int, 200, "number of generated news articles", low=1,
+                                     high=MAX_GENERATED_ROWS, datasets=("cnn_dailymail",)),
+    }
+
+    def uses_references(self) -> bool:
+        return self.reward_fn == "rouge"  # compression is reference-free
 
     def load(self) -> list[Problem]:
         if self.dataset == "cnn_dailymail":  # the kind's name: wherever it can be had (see below)
@@ -300,7 +343,7 @@ class SummaryTask(Task):
                 return load_cnn_dailymail(self._from("cnn_dailymail"))
             except DatasetError as error:
                 why = str(error).split(". Without network", 1)[0]
-        size = int(self.options.get("synthetic_size", 200))
+        size = self.option("synthetic_size")
         self.embedded_source = f"embedded:{synthetic_news_name()} (generated, {size} articles)"
         self.notices.append(
             f"cnn_dailymail: no local copy (../shared/data/cnn_dailymail, or $RLRUNBOOK_DATA_DIR) and the hub "
@@ -309,7 +352,7 @@ class SummaryTask(Task):
         return synthetic_news(size, seed=0)
 
     def _document(self, problem: Problem) -> str:
-        limit = int(self.options.get("summary_max_words", 150))
+        limit = self.option("summary_max_words")
         return " ".join(problem.record.document.split()[:limit])
 
     def user_message(self, problem: Problem) -> str:

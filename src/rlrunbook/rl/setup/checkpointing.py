@@ -19,10 +19,12 @@ A resumed run takes the checkpoint's config. Only ``steps`` (to extend the run),
 with another value is refused. It writes a new run directory that starts with copies of the old
 run's records of the steps before the checkpoint; the old directory is only read.
 
-Secret values (config keys such as ``extra.api_key``; see :mod:`rlrunbook.run.redaction`) are never
-stored in a checkpoint, so they are not compared either: a resumed run takes each one again from the
-command line (``extra.api_key=...``), else from the environment (``RLRUNBOOK_EXTRA_API_KEY``), and
-refuses to start, naming both, when neither gives it.
+Secret values (config keys such as ``extra.api_key``, and values holding a credential under any key, such
+as ``extra.openai_key=sk-...``; see :mod:`rlrunbook.run.redaction`) are never stored in a checkpoint, so
+they are not compared either: a resumed run takes each one again from the command line
+(``extra.api_key=...``), else from the environment (``RLRUNBOOK_EXTRA_API_KEY``), and refuses to start,
+naming both, when neither gives it. The checkpoint lists them (``withheld``); one written before that list
+existed withheld the secret-named keys only.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from rlrunbook.run.checkpoints import (
     save_checkpoint,
 )
 from rlrunbook.run.redaction import (
+    REDACTED,
     is_secret_path,
     redact_config,
     redacted_paths,
@@ -56,6 +59,7 @@ from rlrunbook.run.redaction import (
     secret_from_environment,
 )
 from rlrunbook.run.schema import METADATA_FILE, rollout_kind
+from rlrunbook.run.writer import step_records
 
 RESUMABLE_FIELDS = ("steps", "name", "log_root")  # what a resumed run may change
 
@@ -149,15 +153,23 @@ def _with_value(tree: Mapping[str, Any], dotted: str, value: Any) -> dict[str, A
     return out
 
 
+def withheld_keys(stored: Mapping[str, Any], withheld: tuple[str, ...] | None) -> list[str]:
+    """The keys of the checkpoint's config whose values it withheld: its ``withheld`` list, or for an older
+    checkpoint without one the secret-named keys that read ``<redacted>`` (a value that merely reads so under
+    another name is data, not a withheld secret)."""
+    if withheld is not None:
+        return [key for key in withheld if _value(flatten(stored), key) == REDACTED]
+    return [key for key in redacted_paths(stored) if is_secret_path(key)]
+
+
 def _restore_secrets(stored: Mapping[str, Any], requested: TrainConfig, stated: set[str],
-                     environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The checkpoint's config with each redacted secret filled from the command line or the environment,
+                     environ: Mapping[str, str],
+                     withheld: tuple[str, ...] | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The checkpoint's config with each withheld secret filled from the command line or the environment,
     and the source of each (``cli``/``override``/... or ``env:<NAME>``); ``ConfigError`` if one is missing."""
     new = flatten(requested.to_dict())
     filled, sources = dict(stored), {}
-    for key in redacted_paths(stored):
-        if not is_secret_path(key):
-            continue  # a value that merely reads "<redacted>" is data, not a withheld secret
+    for key in withheld_keys(stored, withheld):
         if any(key == given or key.startswith(f"{given}.") for given in stated):  # extra.api_key, or all of extra
             value, origin = _value(new, key), "cli"
         else:
@@ -172,21 +184,25 @@ def _restore_secrets(stored: Mapping[str, Any], requested: TrainConfig, stated: 
 
 
 def resumed_config(stored: Mapping[str, Any], requested: TrainConfig, sources: Mapping[str, str],
-                   origin: str, environ: Mapping[str, str] | None = None) -> tuple[TrainConfig, dict[str, str]]:
+                   origin: str, environ: Mapping[str, str] | None = None,
+                   withheld: tuple[str, ...] | None = None) -> tuple[TrainConfig, dict[str, str]]:
     """The checkpoint's config with the allowed changes of ``requested`` applied, and each value's source.
 
     ``ConfigError`` naming the field if ``requested`` states another value for any other field. Secret
-    keys the checkpoint redacted are filled from ``requested`` or ``environ`` (default ``os.environ``).
+    keys the checkpoint withheld (``withheld``, the manifest's list; see :func:`withheld_keys`) are filled
+    from ``requested`` or ``environ`` (default ``os.environ``).
     """
     stated = _stated(requested, sources)
+    secret_keys = set(withheld_keys(stored, withheld))
     stored, secret_sources = _restore_secrets(stored, requested, stated, environ if environ is not None
-                                              else os.environ)
+                                              else os.environ, withheld)
     stored_config = TrainConfig.from_stored(stored)
     # Compared redacted: a secret is never stored, so the value given now is the one used.
     old = flatten(redact_config(stored_config.to_dict()))
     new = flatten(redact_config(requested.to_dict()))
     for key in sorted(stated - set(RESUMABLE_FIELDS)):
-        if is_secret_path(key):
+        if is_secret_path(key) or any(key == s or key.startswith(f"{s}.") or s.startswith(f"{key}.")
+                                      for s in secret_keys):
             continue
         if _value(old, key) != _value(new, key):
             raise ConfigError(
@@ -220,7 +236,7 @@ class Resume:
 
     def check_dataset(self, dataset: Mapping[str, Any]) -> None:
         """``ConfigError`` if the data set's fingerprint differs from the one the old run recorded."""
-        old = json.loads((self.source_run / METADATA_FILE).read_text(encoding="utf-8")).get("dataset") or {}
+        old = source_metadata(self.source_run).get("dataset") or {}
         if old.get("fingerprint") and dataset.get("fingerprint") != old["fingerprint"]:
             raise ConfigError(f"the data set changed since {self.source_run} ran (fingerprint "
                               f"{dataset.get('fingerprint')} vs {old['fingerprint']}): the resumed steps would "
@@ -245,6 +261,23 @@ class Resume:
         return ckpt.step
 
 
+def source_metadata(source_run: Path) -> dict[str, Any]:
+    """The ``run_metadata.json`` of the run being resumed; ``InputError`` naming the file and the fix when it is not
+    readable JSON (a resume compares its data set fingerprint, and the new run starts with that run's records)."""
+    path = source_run / METADATA_FILE
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:
+        document, why = None, f"{type(error).__name__}: {error}"
+    else:
+        why = f"it holds {type(document).__name__}, not an object"
+    if not isinstance(document, dict):
+        raise InputError(f"{path} of the run being resumed is not readable JSON ({why}): truncated or edited. Restore "
+                         "it (from a `rlrunbook package` archive or a backup); the checkpoint itself is verified "
+                         "separately.")
+    return document
+
+
 def plan_resume(path: str | Path, requested: TrainConfig, sources: Mapping[str, str] | None) -> Resume:
     """Find and verify the checkpoint, merge the config (see :func:`resumed_config`): all before a model loads."""
     folder = find_checkpoint(path)
@@ -253,7 +286,11 @@ def plan_resume(path: str | Path, requested: TrainConfig, sources: Mapping[str, 
     if not (source_run / METADATA_FILE).is_file():
         raise ConfigError(f"checkpoint {folder} is not inside a run directory ({source_run / METADATA_FILE} is "
                           "missing): the resumed run starts with that run's records. Keep checkpoints in their run.")
-    config, record = resumed_config(checkpoint.config, requested, sources or {}, f"checkpoint:{folder}")
+    source_metadata(source_run)  # the records a resumed run reads, readable before anything loads
+    step_records(source_run, checkpoint.step, rollout_kind(checkpoint.config.get("mode", "single_turn"),
+                                                            checkpoint.config.get("env", "qa")), complete=False)
+    config, record = resumed_config(checkpoint.config, requested, sources or {}, f"checkpoint:{folder}",
+                                    withheld=checkpoint.withheld)
     config = validate(config)
     if checkpoint.step >= config.steps:
         raise ConfigError(f"checkpoint {folder} is at step {checkpoint.step}, so -s {config.steps} has nothing left "

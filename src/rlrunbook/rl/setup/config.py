@@ -11,20 +11,37 @@ the cross-field rules in :func:`validate` each name themselves and their fix.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.models.registry import DEFAULT_MODEL
 from rlrunbook.rl.rollout.guards import Blocklist, PromptLimit
-from rlrunbook.rl.rollout.paradigms import RolloutSettings
+from rlrunbook.rl.rollout.paradigms import RolloutSettings, get_paradigm_class
+from rlrunbook.rl.rollout.task_options import check_extra
 from rlrunbook.rl.rollout.tasks import get_task_class
+from rlrunbook.rl.setup.applicability import CLIP_LOSSES, inapplicable, settle
+from rlrunbook.rl.setup.limits import check_limits, shown
 
 CONFIG_VERSION = 1  # bump when a field changes meaning; files stating another version are refused
 
 DebateTrain = Literal["rejection", "rs_grpo"]
 KlEstimator = Literal["k1", "k3", "low_var_kl"]
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("true/false is not a number here (YAML and Python read it as 1/0); give the number")
+    return value
+
+
+# Strict numbers: ``steps: true`` used to be read as 1 and ``deterministic: 1`` as true. An int field takes
+# only an int (not a bool, not 2.0, not "2"); a float field takes a number or a numeric string (YAML 1.1
+# reads ``1e-4`` as a string), never a bool; a bool field takes only true or false.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
+Bool = Annotated[bool, Strict()]
 
 
 class _Section(BaseModel):
@@ -36,16 +53,17 @@ class _Section(BaseModel):
 class LossSettings(_Section):
     """Regularisers of the policy-gradient loss (the offline GRPO trainer's knobs)."""
 
-    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference policy (base model, "
+    kl_coef: Float = Field(0.0, ge=0, description="weight of the KL to the reference policy (base model, "
                                                    "adapter disabled); 0 = off")
-    kl_estimator: KlEstimator = Field("low_var_kl", description="per-token KL estimator: k1 | k3 | low_var_kl "
-                                                                "(k3 clamped to [-10, 10])")
-    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0 = off")
-    clip_low_threshold: float | None = Field(None, ge=0, description="ppo/cispo: lower bound of the importance "
+    kl_estimator: KlEstimator | None = Field(None, description="per-token KL estimator: k1 | k3 | low_var_kl (k3 "
+                                                               "clamped to [-10, 10]); with kl_coef > 0 only, "
+                                                               "null there: low_var_kl")
+    entropy_coef: Float = Field(0.0, ge=0, description="weight of the entropy bonus; 0 = off")
+    clip_low_threshold: Float | None = Field(None, ge=0, description="ppo/cispo: lower bound of the importance "
                                                                      "ratio (None: the loss's, ppo 0.8, cispo 0)")
-    clip_high_threshold: float | None = Field(None, gt=0, description="ppo/cispo: upper bound of the importance "
+    clip_high_threshold: Float | None = Field(None, gt=0, description="ppo/cispo: upper bound of the importance "
                                                                       "ratio (None: the loss's, ppo 1.2, cispo 4)")
-    grad_clip_norm: float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+    grad_clip_norm: Float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
 
 
 class MismatchSettings(_Section):
@@ -60,40 +78,43 @@ class MismatchSettings(_Section):
     The correction needs the local backend (the hosted service does not know its keys).
     """
 
-    warn: float = Field(0.01, gt=0, description="log a warning when a step's mean mismatch exceeds this")
-    max: float = Field(0.03, gt=0, description="stop the run, before the optimizer step, when it exceeds this")
+    warn: Float = Field(0.01, gt=0, description="log a warning when a step's mean mismatch exceeds this")
+    max: Float = Field(0.03, gt=0, description="stop the run, before the optimizer step, when it exceeds this")
     correction: Literal["none", "truncate", "mask"] | None = Field(
         None, description="none | truncate: advantages x min(p/q, cap) (truncated importance sampling) | "
                           "mask: drop tokens whose p/q lies outside [mask_low, mask_high]; null: truncate "
                           "with off_policy > 0, else none (resolved when the config is validated)")
-    cap: float = Field(2.0, ge=1, description="truncate: the cap of the importance ratio")
-    mask_low: float = Field(0.125, gt=0, lt=1, description="mask: lowest ratio kept")
-    mask_high: float = Field(8.0, gt=1, description="mask: highest ratio kept")
+    cap: Float | None = Field(None, ge=1, description="truncate only: the cap of the importance ratio (null: 2.0)")
+    mask_low: Float | None = Field(None, gt=0, lt=1, description="mask only: lowest ratio kept (null: 0.125)")
+    mask_high: Float | None = Field(None, gt=1, description="mask only: highest ratio kept (null: 8.0)")
 
 
 class CheckpointSettings(_Section):
     """Periodic checkpoints of everything a resume needs."""
 
-    every: int = Field(0, ge=0, description="save a checkpoint every N steps (and after the last); 0 = off")
+    every: Int = Field(0, ge=0, description="save a checkpoint every N steps (and after the last); 0 = off")
 
 
 class ValidationSettings(_Section):
     """The in-training validation hook: pass@k / mean@k on held-out problems."""
 
-    every: int = Field(0, ge=0, description="validate every N steps (and before the first); 0 = off")
-    samples: int = Field(4, ge=1, description="completions per validation problem (k of pass@k)")
-    num_problems: int = Field(16, ge=1, description="held-out problems per validation")
-    threshold: float = Field(1.0, description="a sample passes at reward >= this")
+    every: Int = Field(0, ge=0, description="validate every N steps (and before the first); 0 = off")
+    samples: Int | None = Field(None, ge=1, description="completions per validation problem (k of pass@k); with "
+                                                        "every > 0 only, null there: 4")
+    num_problems: Int | None = Field(None, ge=1, description="held-out problems per validation; with every > 0 "
+                                                             "only, null there: 16")
+    threshold: Float | None = Field(None, description="a sample passes at reward >= this; with every > 0 only, "
+                                                      "null there: 1.0")
 
 
 class DataSettings(_Section):
     """How the data set is loaded and how prompts are bounded."""
 
-    cache: bool = Field(False, description="keep a normalised copy of the data set and train from it")
-    cache_dir: str | None = Field(None, description="where cached data sets live (default: datasets/ under "
-                                                          "the model cache, $RLRUNBOOK_CACHE_DIR)")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt allowed, in tokens; None = no limit")
-    truncate_prompts: bool = Field(False, description="cut over-long prompts to max_prompt_tokens instead of "
+    cache: Bool = Field(False, description="keep a normalised copy of the data set and train from it")
+    cache_dir: str | None = Field(None, description="with cache only: where cached data sets live (default: "
+                                                    "datasets/ under the model cache, $RLRUNBOOK_CACHE_DIR)")
+    max_prompt_tokens: Int | None = Field(None, ge=1, description="longest prompt allowed, in tokens; None = no limit")
+    truncate_prompts: Bool = Field(False, description="cut over-long prompts to max_prompt_tokens instead of "
                                                       "refusing the run")
 
 
@@ -101,19 +122,22 @@ class RewardSettings(_Section):
     """Reward shaping: the blocklist guard and the multi-signal weights."""
 
     blocklist: tuple[str, ...] = Field((), description="substrings that must not appear in a completion")
-    reject_blocklisted: bool = Field(False, description="give reward 0 to completions containing a blocklisted "
+    reject_blocklisted: Bool = Field(False, description="give reward 0 to completions containing a blocklisted "
                                                         "substring (else they are only counted)")
-    verify_weight: float = Field(1.0, ge=0, description="multi_signal α: weight of the verified answer")
-    format_weight: float = Field(0.5, ge=0, description="multi_signal β: weight of the answer format")
-    reflect_weight: float = Field(0.5, ge=0, description="multi_signal γ: weight of the self-check")
+    verify_weight: Float | None = Field(None, ge=0, description="multi_signal only: α, weight of the verified "
+                                                                "answer (null: 1.0)")
+    format_weight: Float | None = Field(None, ge=0, description="multi_signal only: β, weight of the answer format "
+                                                                "(null: 0.5)")
+    reflect_weight: Float | None = Field(None, ge=0, description="multi_signal only: γ, weight of the self-check "
+                                                                 "(null: 0.5)")
 
 
 class DynamicSamplingSettings(_Section):
     """Dynamic sampling (DAPO): tied groups are replaced by new ones (see ``rlrunbook.rl.training.dynamic_sampling``)."""
 
-    max_rounds: int = Field(4, ge=1, description="sampling rounds per step, each drawing the groups still missing "
+    max_rounds: Int = Field(4, ge=1, description="sampling rounds per step, each drawing the groups still missing "
                                                  "after tied ones are dropped; 1 = no refill")
-    max_skipped_steps: int = Field(3, ge=1, description="stop the run (no learning signal) when this many steps in "
+    max_skipped_steps: Int = Field(3, ge=1, description="stop the run (no learning signal) when this many steps in "
                                                         "a row are skipped for lack of groups with reward spread")
 
 
@@ -123,9 +147,9 @@ class BackendSettings(_Section):
     device: str | None = Field(None, description="torch device (default: cuda if available, else cpu)")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
-    load_in_4bit: bool = Field(False, description="load the frozen base model 4-bit (bitsandbytes, cuda only)")
-    grad_accum_steps: int | None = Field(None, ge=1, description="chunks per forward_backward batch (at least)")
-    micro_batch_tokens: int | None = Field(
+    load_in_4bit: Bool = Field(False, description="load the frozen base model 4-bit (bitsandbytes, cuda only)")
+    grad_accum_steps: Int | None = Field(None, ge=1, description="chunks per forward_backward batch (at least)")
+    micro_batch_tokens: Int | None = Field(
         None, ge=0, description="most distinct tokens per forward/backward pass (0: no limit; default "
                                 "TINKER_LOCAL_MICRO_BATCH_TOKENS, else derived from the device's memory)")
     activation_checkpointing: Literal["auto", "on", "off"] | None = Field(
@@ -141,38 +165,40 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
-    version: int = Field(CONFIG_VERSION, description="config schema version")
+    version: Int = Field(CONFIG_VERSION, description="config schema version")
     mode: str = Field("single_turn", description="interaction protocol: single_turn or debate (3 rounds)")
     env: str = Field("qa", description="task: qa, summary, math, or a registered plug-in")
     dataset: str | None = Field(None, description='"test" (built-in arithmetic), a hub name or a JSONL path')
-    num_rollouts: int = Field(16, description="rollouts per step (-n); split evenly into question groups")
-    num_groups: int = Field(1, description="question groups per step; each group shares one question")
-    steps: int = Field(1, description="optimizer steps (-s)")
-    off_policy: int = Field(0, ge=0, description="asynchronous RL: batches sampled ahead while the trainer trains; "
+    num_rollouts: Int = Field(16, description="rollouts per step (-n); split evenly into question groups")
+    num_groups: Int = Field(1, description="question groups per step; each group shares one question")
+    steps: Int = Field(1, description="optimizer steps (-s)")
+    off_policy: Int = Field(0, ge=0, description="asynchronous RL: batches sampled ahead while the trainer trains; "
                                                  "batch i is sampled from the weights after step max(0, i - K). "
                                                  "0 = the synchronous loop")
     name: str = Field("run", description="run name, last part of the run directory's name")
-    seed: int = Field(0, description="seeds data order, LoRA init and sampling")
-    temperature: float = Field(1.0, description="sampling temperature of the policy")
-    max_tokens: int = Field(64, description="tokens per completion (per debate turn)")
-    min_p: float = Field(0.0, description="min-p filter (local backend only)")
+    seed: Int = Field(0, description="seeds data order, LoRA init and sampling")
+    temperature: Float = Field(1.0, description="sampling temperature of the policy")
+    max_tokens: Int = Field(64, description="tokens per completion (per debate turn)")
+    min_p: Float = Field(0.0, description="min-p filter (local backend only)")
     reward_fn: str | None = Field(None, description="qa: numeric|text|multi_signal; summary: compression|rouge; "
                                                     "math: math|multi_signal")
-    mock_judge: bool = Field(False, description="debate: deterministic judge (higher task reward wins)")
-    judge_model: str | None = Field(None, description="debate: model of the model judge (default: the base model)")
+    mock_judge: Bool = Field(False, description="debate: deterministic judge (higher task reward wins)")
+    judge_model: str | None = Field(None, description="debate with a model judge only: the judge's model (null: "
+                                                      "the base model)")
     debate_train: DebateTrain | None = Field(None, description="debate: train on winners (rejection, the default "
                                                                "in debate mode), or RS then GRPO (rs_grpo); "
                                                                "null in single_turn mode")
     debate_grpo_reward: Literal["task"] | None = Field(None, description="rs_grpo's reward: the winners' task reward")
     model: str = Field(DEFAULT_MODEL, description="built-in name, local folder or hub id")
     log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
-    learning_rate: float = Field(1e-4, description="AdamW learning rate")
-    lora_rank: int = Field(16, description="LoRA rank")
-    train_unembed: bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
+    learning_rate: Float = Field(1e-4, description="AdamW learning rate")
+    lora_rank: Int = Field(16, description="LoRA rank")
+    train_unembed: Bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
                                                   "Llama-family models, not for Qwen2 (set false there)")
     loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with")
-    summary_max_words: int = Field(150, description="summary: the article is cut to this many words")
-    deterministic: bool = Field(False, description="seed Python/NumPy/torch, deterministic torch algorithms")
+    summary_max_words: Int | None = Field(None, description="summary only: the article is cut to this many words "
+                                                            "(null: 150)")
+    deterministic: Bool = Field(False, description="seed Python/NumPy/torch, deterministic torch algorithms")
     expected_dataset_hash: str | None = Field(None, description="refuse the run if the data set's fingerprint differs")
     extra: dict[str, Any] = Field(default_factory=dict, description="task plug-in options")
     loss: LossSettings = Field(default_factory=LossSettings)
@@ -204,11 +230,23 @@ class TrainConfig(BaseModel):
         stored = dict(stored)
         if stored.get("mode", "single_turn") != "debate" and stored.get("debate_train") == "rejection":
             stored["debate_train"] = None
-        return cls.model_validate(stored)
+        config = cls.model_validate(stored)
+        return config.with_values(dict.fromkeys(inapplicable(config)))  # see applicability.inapplicable
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A validated copy with top-level fields changed."""
         return TrainConfig.model_validate({**self.model_dump(), **changes})
+
+    def with_values(self, changes: dict[str, Any]) -> TrainConfig:
+        """A validated copy with the dotted keys of ``changes`` set (``loss.kl_estimator``, ``steps``)."""
+        tree = self.model_dump()
+        for dotted, value in changes.items():
+            *sections, leaf = dotted.split(".")
+            node = tree
+            for section in sections:
+                node = node[section]
+            node[leaf] = value
+        return TrainConfig.model_validate(tree)
 
     def rollout_settings(self) -> RolloutSettings:
         """What rollouts need of this run: sampling, group size, seed, prompt limit and blocklist."""
@@ -226,28 +264,34 @@ class TrainConfig(BaseModel):
         config = self._tinker_loss_config()
         if local:
             config.update(sampling_temperature=self.temperature, sampling_min_p=self.min_p)
-            if self.mismatch.correction not in (None, "none"):
-                config.update(is_correction=self.mismatch.correction, is_cap=self.mismatch.cap,
-                              is_mask_low=self.mismatch.mask_low, is_mask_high=self.mismatch.mask_high)
+            if self.mismatch.correction not in (None, "none"):  # knobs left null take the backend's defaults
+                config["is_correction"] = self.mismatch.correction
+                knobs = {"is_cap": self.mismatch.cap, "is_mask_low": self.mismatch.mask_low,
+                         "is_mask_high": self.mismatch.mask_high}
+                config.update({key: value for key, value in knobs.items() if value is not None})
         return config
 
     def _tinker_loss_config(self) -> dict[str, float | str]:
         settings = self.loss
         config: dict[str, float | str] = {}
-        if self.loss_fn in ("ppo", "cispo"):
+        if self.loss_fn in CLIP_LOSSES:
             for key in ("clip_low_threshold", "clip_high_threshold"):
                 if getattr(settings, key) is not None:
                     config[key] = getattr(settings, key)
-        if settings.kl_coef > 0:
-            config.update(kl_coef=settings.kl_coef, kl_estimator=settings.kl_estimator)
+        if settings.kl_coef > 0:  # a null estimator takes the backend's default, low_var_kl
+            config["kl_coef"] = settings.kl_coef
+            if settings.kl_estimator is not None:
+                config["kl_estimator"] = settings.kl_estimator
         if settings.entropy_coef > 0:
             config["entropy_coef"] = settings.entropy_coef
         return config
 
 
 def validate(config: TrainConfig) -> TrainConfig:
-    """Return ``config`` with defaults filled (reward_fn; debate_train in debate mode), or raise ``ConfigError``
-    naming rule and fix."""
+    """Return ``config`` with defaults filled (reward_fn; debate_train in debate mode; the options that apply
+    only in some settings, see :mod:`rlrunbook.rl.setup.applicability`), or raise ``ConfigError`` naming rule
+    and fix: the rules between fields, the limits of :mod:`rlrunbook.rl.setup.limits`, the ``extra`` keys the
+    task and paradigm declare, and options set where nothing reads them."""
     def fail(rule: str, fix: str) -> None:
         raise ConfigError(f"{rule}. {fix}")
 
@@ -255,8 +299,11 @@ def validate(config: TrainConfig) -> TrainConfig:
         fail(f"config version {config.version} is not supported (this rlrunbook reads version {CONFIG_VERSION})",
              "Update the file to the current schema and set version: 1.")
     if config.num_rollouts < 1 or config.num_groups < 1 or config.steps < 1:
-        fail(f"-n {config.num_rollouts}, --num-groups {config.num_groups}, -s {config.steps} must all be >= 1",
-             "Pass positive counts.")
+        fail(f"-n {shown(config.num_rollouts)}, --num-groups {shown(config.num_groups)}, -s {shown(config.steps)} "
+             "must all be >= 1", "Pass positive counts.")
+    if not config.learning_rate > 0:
+        fail(f"--learning-rate {config.learning_rate} must be > 0", "Use e.g. 1e-4.")
+    check_limits(config)  # every count and size within what the code holds and a machine runs
     if config.num_rollouts % config.num_groups:
         fail(f"-n {config.num_rollouts} is not divisible by --num-groups {config.num_groups}",
              f"Every group needs the same size: use -n {config.num_groups * max(1, config.num_rollouts // config.num_groups)}.")
@@ -282,6 +329,7 @@ def validate(config: TrainConfig) -> TrainConfig:
              "Drop --debate-train (debate_train: null in a config file), or add --mode debate.")
     elif config.debate_grpo_reward is not None or config.mock_judge:
         fail("--mock-judge and --debate-grpo-reward apply to --mode debate only", "Drop them or use --mode debate.")
+    paradigm_class = get_paradigm_class(config.mode)  # ConfigError naming the registered paradigms
     task_class = get_task_class(config.env)  # ConfigError naming the registered tasks
     reward = config.reward_fn or task_class.reward_fns[0]
     if reward not in task_class.reward_fns:
@@ -294,12 +342,12 @@ def validate(config: TrainConfig) -> TrainConfig:
         fail(f"--max-tokens {config.max_tokens} must be >= 1", "Pass a positive count.")
     if not 0 <= config.min_p < 1:
         fail(f"--min-p {config.min_p} must be in [0, 1)", "Use 0 to disable it.")
-    if not config.learning_rate > 0:
-        fail(f"--learning-rate {config.learning_rate} must be > 0", "Use e.g. 1e-4.")
     if config.lora_rank < 1:
         fail(f"--lora-rank {config.lora_rank} must be >= 1", "Use e.g. 16.")
-    if not config.name or any(c in config.name for c in "/\\") or config.name in (".", ".."):
-        fail(f"--name {config.name!r} must be a plain name", "Use letters, digits, '-' and '_'.")
+    if (not config.name.strip() or any(c in config.name for c in "/\\") or config.name in (".", "..")
+            or not config.name.isprintable()):
+        fail(f"--name {shown(config.name)} must be a plain name (no path separator, no newline or other control "
+             "character: it becomes part of a directory name)", "Use letters, digits, '-' and '_'.")
     low, high = config.loss.clip_low_threshold, config.loss.clip_high_threshold
     if low is not None and high is not None and low >= high:
         fail(f"loss.clip_low_threshold {config.loss.clip_low_threshold} must be below loss.clip_high_threshold "
@@ -317,7 +365,11 @@ def validate(config: TrainConfig) -> TrainConfig:
     if config.backend.load_in_4bit and config.backend.sampler == "hf":
         fail("backend.load_in_4bit with backend.sampler hf: the in-process engine computes with floating-point "
              "base weights only", "Set backend.sampler: generate (transformers generate on the 4-bit weights) or vllm.")
+    config = config.replace(reward_fn=reward)
     if config.mismatch.correction is None:  # the default: correct what a lag adds, only where there is one
         resolved = "truncate" if config.off_policy > 0 else "none"
         config = config.replace(mismatch=config.mismatch.model_copy(update={"correction": resolved}))
-    return config.replace(reward_fn=reward)
+    dataset = config.dataset or task_class.default_dataset
+    check_extra(config.extra, {**paradigm_class.declared_options, **task_class.declared_options},
+                f"--env {config.env} with --mode {config.mode}", dataset=dataset, reward_fn=reward)
+    return config.with_values(settle(config))  # options read only in some settings: filled, or refused

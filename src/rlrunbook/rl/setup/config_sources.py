@@ -11,7 +11,10 @@ expands into one config per combination.
 from __future__ import annotations
 
 import difflib
+import hmac
 import itertools
+import json
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,10 +25,15 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.limits import MAX_SWEEP_POINTS, shown
+from rlrunbook.rl.setup.yaml_source import load_yaml, parse_yaml, read_config_text
+from rlrunbook.run.redaction import holds_secret, is_secret_path
 
 PRESET_DIR = Path(__file__).resolve().parents[4] / "configs"  # the project's presets (source checkout)
 SWEEP_KEY = "sweep"
+# Tells apart the sweep points of secret values in run names without deriving anything stable from them.
+_NAME_SALT = os.urandom(16)
 
 
 @dataclass(frozen=True)
@@ -69,51 +77,14 @@ def resolve_config_file(name: str | Path) -> Path:
                       f"Presets: {', '.join(list_presets()) or '(none found)'}; or pass a path to a YAML file.")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise ConfigError(f"{Path(self.name)}: key {key!r} is given twice (lines {seen[key]} and {line}); "
-                                  "YAML would silently keep the second. Keep one of them.")
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_text(path: Path) -> str:
-    """The file as text; ``ConfigError`` naming the problem when it is binary or not UTF-8."""
-    data = path.read_bytes()
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise ConfigError(f"{path}: a config file is YAML text, but this one is binary (a NUL byte at offset "
-                          f"{nul}). Pass the YAML file, or a preset name.")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}). "
-                          "Save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or pass another file.") from None
-
-
 def load_config_file(name: str | Path) -> tuple[Path, dict[str, Any]]:
     """Parse a YAML config file into a (nested) mapping; the file must be a mapping at top level.
 
-    Refused with the cause and the fix: a binary or non-UTF-8 file, invalid YAML, a key given twice.
+    Refused with the cause and the fix: a binary, non-UTF-8 or oversized file, invalid YAML, a key given
+    twice or not a string, and the limits of :mod:`rlrunbook.rl.setup.yaml_source` (aliases, nesting).
     """
     path = resolve_config_file(name)
-    text = _read_text(path)
-    try:
-        loader = _UniqueKeyLoader(text)
-        loader.name = str(path)
-        try:
-            data = loader.get_single_data()
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML ({error}).") from None
+    data = load_yaml(read_config_text(path), str(path))
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -147,10 +118,11 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def parse_value(text: str) -> Any:
-    """A command-line value as YAML: ``4`` → int, ``1e-4`` → float, ``true`` → bool, ``null`` → None."""
+def parse_value(text: str, name: str = "a command-line value") -> Any:
+    """A command-line value as YAML: ``4`` → int, ``1e-4`` → float, ``true`` → bool, ``null`` → None; text that
+    is not YAML stays a string. The limits of config files apply (``ConfigError``)."""
     try:
-        value = yaml.safe_load(text)
+        value = parse_yaml(text, name)
     except yaml.YAMLError:
         return text
     if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", text.strip()):
@@ -163,7 +135,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} is not of the form key.sub=value (e.g. loss.kl_coef=0.05 or steps=4).")
-    return key.strip(), parse_value(raw)
+    return key.strip(), parse_value(raw, f"override {key.strip()}")
 
 
 def parse_sweep(text: str) -> tuple[str, list[Any]]:
@@ -171,8 +143,9 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"sweep {text!r} is not of the form key=v1,v2 (e.g. learning_rate=1e-4,3e-4).")
-    value = parse_value(raw)
-    values = value if isinstance(value, list) else [parse_value(part) for part in raw.split(",")]
+    value = parse_value(raw, f"sweep {key.strip()}")
+    values = value if isinstance(value, list) else [parse_value(part, f"sweep {key.strip()}")
+                                                     for part in raw.split(",")]
     if not values:
         raise ConfigError(f"sweep {text!r} lists no values.")
     return key.strip(), values
@@ -211,9 +184,21 @@ def _validation_message(error: ValidationError, sources: Mapping[str, str]) -> s
         key = ".".join(str(part) for part in problem["loc"])
         origin = sources.get(key, "default")
         what = _field_description(key)
-        lines.append(f"{key}: {problem['msg']} (got {problem.get('input')!r}, from {origin})"
+        lines.append(f"{key}: {problem['msg']} (got {shown(problem.get('input'))}, from {origin})"
                      + (f"; it is the {what}" if what else ""))
     return "invalid config: " + "; ".join(lines) + ". Give a valid value where it came from."
+
+
+def _overrides(items: Sequence[str]) -> dict[str, Any]:
+    """The ``key=value`` overrides as a mapping; a key given twice is refused (the first would vanish unseen)."""
+    flat: dict[str, Any] = {}
+    for item in items:
+        key, value = parse_override(item)
+        if key in flat:
+            raise ConfigError(f"override {key!r} is given twice ({key}={shown(flat[key])} and {shown(item)}); "
+                              "only the last would count. Keep one of them.")
+        flat[key] = value
+    return flat
 
 
 def _check_layer(flat: Mapping[str, Any], origin: str) -> None:
@@ -237,7 +222,7 @@ def build_config(*, file: str | Path | None = None, overrides: Sequence[str] = (
         path, tree = load_config_file(file)
         tree = {k: v for k, v in tree.items() if k != SWEEP_KEY}
         layers.append((f"file:{path}", flatten(tree)))
-    layers.append(("override", dict(parse_override(item) for item in overrides)))
+    layers.append(("override", _overrides(overrides)))
     layers.append(("cli", dict(cli or {})))
     layers.append(("sweep", dict(sweep_values or {})))
     merged: dict[str, Any] = {}
@@ -264,21 +249,85 @@ def build_config(*, file: str | Path | None = None, overrides: Sequence[str] = (
     return ResolvedConfig(config, all_sources, path)
 
 
+def _check_distinct(key: str, values: Sequence[Any], origin: str) -> None:
+    """``ConfigError`` if one sweep axis lists a value twice: the two runs would be the same run."""
+    seen: dict[Any, int] = {}
+    for index, value in enumerate(values):
+        try:
+            token: Any = value
+            hash(token)
+        except TypeError:
+            token = ("unhashable", repr(value))
+        if token in seen:
+            raise ConfigError(f"sweep {key!r} ({origin}) lists the value {shown(value)} twice (positions "
+                              f"{seen[token] + 1} and {index + 1}): the two runs would be the same run. List each "
+                              "value once (for repeated runs, sweep the seed).")
+        seen[token] = index
+
+
 def sweep_grid(file: str | Path | None, sweeps: Iterable[str]) -> list[dict[str, Any]]:
-    """Every combination of the sweep values (file's ``sweep:`` then ``--sweep``); ``[{}]`` when none."""
+    """Every combination of the sweep values (file's ``sweep:`` then ``--sweep``); ``[{}]`` when none.
+
+    Refused: a key swept twice (in the file and by ``--sweep``, or by two ``--sweep``), a value listed twice
+    in one key, and more than ``MAX_SWEEP_POINTS`` combinations.
+    """
     axes: dict[str, list[Any]] = {}
+    origins: dict[str, str] = {}
     if file is not None:
         path, tree = load_config_file(file)
         section = tree.get(SWEEP_KEY) or {}
         if not isinstance(section, dict) or not all(isinstance(v, list) and v for v in section.values()):
             raise ConfigError(f"{path}: 'sweep' must map keys to non-empty lists, e.g. sweep: {{learning_rate: [1e-4, 3e-4]}}.")
         axes.update(section)
-    axes.update(parse_sweep(text) for text in sweeps)
+        origins.update(dict.fromkeys(section, f"the sweep: of {path}"))
+    for text in sweeps:
+        key, values = parse_sweep(text)
+        if key in axes:
+            raise ConfigError(f"sweep key {key!r} is given twice ({origins[key]} and --sweep {text}); the second "
+                              f"list would replace the first unseen. List all of its values once, e.g. "
+                              f"--sweep {key}=a,b,c.")
+        axes[key] = values
+        origins[key] = f"--sweep {text}"
     _check_keys(axes, "sweep")
+    points = 1
+    for key, values in axes.items():
+        _check_distinct(key, values, origins[key])
+        points *= len(values)
+    if points > MAX_SWEEP_POINTS:
+        raise ConfigError(f"the sweep makes {points:,} runs ({' x '.join(str(len(v)) for v in axes.values())}), "
+                          f"above the limit of {MAX_SWEEP_POINTS:,}: each point is a whole training run. "
+                          "Sweep fewer values.")
     return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
 
 
+def check_distinct_points(runs: Sequence[ResolvedConfig], points: Sequence[Mapping[str, Any]]) -> None:
+    """``ConfigError`` if two sweep points resolve to the same validated config apart from the run name (a
+    sweep of names alone, or ``reward_fn=numeric,null`` where null means the task's first): they would train
+    the same run twice."""
+    seen: dict[str, int] = {}
+    for index, resolved in enumerate(runs):
+        body = {k: v for k, v in validate(resolved.config).to_dict().items() if k != "name"}
+        token = json.dumps(body, sort_keys=True, default=repr)
+        if token in seen:
+            first = seen[token]
+            raise ConfigError(f"sweep points {first + 1} ({shown(dict(points[first]))}) and {index + 1} "
+                              f"({shown(dict(points[index]))}) give the same config apart from the run name: the "
+                              "same run twice. List each value once (for repeated runs, sweep the seed).")
+        seen[token] = index
+
+
+def _name_value(key: str, value: Any) -> str:
+    """``value`` as it appears in a run name; a secret (a secret-named key, or a value holding a credential)
+    as ``secret-<tag>``, the tag a keyed hash under a key drawn per process: points stay apart, and a
+    directory name says nothing about the value, not even to someone guessing it."""
+    if not (is_secret_path(key) or holds_secret(value)):
+        return str(value)
+    text = repr(value).encode("utf-8", "surrogatepass")
+    return f"secret-{hmac.new(_NAME_SALT, text, 'sha256').hexdigest()[:6]}"
+
+
 def sweep_name(base: str, values: Mapping[str, Any]) -> str:
-    """Run name of one sweep point: ``run-learning_rate-0.0003-kl_coef-0.05``."""
-    parts = [base] + [f"{key.rsplit('.', 1)[-1]}-{value}" for key, value in values.items()]
+    """Run name of one sweep point: ``run-learning_rate-0.0003-kl_coef-0.05`` (secret values as
+    ``api_key-secret-1f2e3d``, see :func:`_name_value`)."""
+    parts = [base] + [f"{key.rsplit('.', 1)[-1]}-{_name_value(key, value)}" for key, value in values.items()]
     return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(parts))

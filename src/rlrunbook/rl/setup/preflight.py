@@ -25,22 +25,11 @@ def check_run_location(config: TrainConfig, environ: Mapping[str, str] | None = 
 
 
 def check_api_credentials(environ: Mapping[str, str]) -> None:
-    """``TINKER_BACKEND=api`` needs a credential: ``TINKER_API_KEY``, ``TINKER_CREDENTIAL_CMD`` or a key
-    stored by ``tinker auth login``. Asked of the SDK's own lookup where it exists, so the answer matches
-    what the ServiceClient would do; its error (``tinker.TinkerError``) came only when the client was made."""
-    if environ.get("TINKER_API_KEY") or environ.get("TINKER_CREDENTIAL_CMD"):
-        return  # the SDK validates the key itself when the client is made
-    fix = ("TINKER_BACKEND=api talks to the hosted Tinker service and needs a key: set TINKER_API_KEY (or "
-           "TINKER_CREDENTIAL_CMD, or run `tinker auth login`), or unset TINKER_BACKEND to train on this "
-           "machine with the local backend.")
-    try:
-        from tinker.lib._auth_token_provider import resolve_auth_provider  # the stored-credential lookup
-    except ImportError:
-        raise ConfigError(fix) from None
-    try:
-        resolve_auth_provider(None, enforce_cmd=False)
-    except Exception as error:  # noqa: BLE001 - tinker.TinkerError and whatever a stored file may raise
-        raise ConfigError(f"{fix} (the SDK says: {error})") from None
+    """``TINKER_BACKEND=api`` needs a credential and a service that answers (see
+    :func:`rlrunbook.backend.api_access.check_api_access`): both checked before anything loads."""
+    from rlrunbook.backend.api_access import check_api_access
+
+    check_api_access(environ)
 
 
 def check_backend(config: TrainConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -69,12 +58,16 @@ def preflight(config: TrainConfig, environ: Mapping[str, str] | None = None, *, 
 
 
 def check_output_file(path: str | os.PathLike[str], flag: str = "--out") -> None:
-    """``ConfigError`` unless a file can be written at ``path``: not a directory, its folder creatable and
-    writable. Checked before the work whose result it holds, so a bad ``--out`` never costs the results."""
+    """``ConfigError`` unless a file can be written at ``path``: not a directory, not a file of a run directory
+    (:func:`rlrunbook.run.outputs.check_not_a_run_file`), its folder creatable and writable. Checked before the
+    work whose result it holds, so a bad ``--out`` never costs the results."""
     from pathlib import Path
+
+    from rlrunbook.run.outputs import check_not_a_run_file
 
     target = Path(path)
     if target.is_dir():
         raise ConfigError(f"{flag} {str(path)!r} is a directory; it names the file to write. Pass a file path, "
                           f"e.g. {flag} {str(target / 'results.json')!r}.")
+    check_not_a_run_file(target, flag)
     check_log_root(target.parent, flag)

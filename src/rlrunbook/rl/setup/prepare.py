@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.rl.data.quality import check_references
 from rlrunbook.rl.rollout.paradigms import Paradigm, get_paradigm
 from rlrunbook.rl.rollout.tasks import Problem, Task, get_task_class
 from rlrunbook.rl.setup.config import TrainConfig, validate
@@ -26,10 +27,17 @@ class Prepared(NamedTuple):
 
 
 def task_options(config: TrainConfig) -> dict:
-    """The options a task is built with: the summary length, the multi-signal weights and ``extra``."""
-    weights = config.reward
-    return {"summary_max_words": config.summary_max_words, "verify_weight": weights.verify_weight,
-            "format_weight": weights.format_weight, "reflect_weight": weights.reflect_weight, **config.extra}
+    """The options a task is built with: those it declares with a config field (``summary_max_words``,
+    ``reward.verify_weight``, ...) where the field is set, then ``extra``."""
+    options = {}
+    for name, option in get_task_class(config.env).declared_options.items():
+        if option.field is not None:
+            value = config
+            for part in option.field.split("."):
+                value = getattr(value, part)
+            if value is not None:
+                options[name] = value
+    return {**options, **config.extra}
 
 
 def prepare(config: TrainConfig) -> Prepared:
@@ -44,6 +52,8 @@ def prepare(config: TrainConfig) -> Prepared:
     paradigm = get_paradigm(config.mode)
     task = get_task_class(config.env)(config.dataset, config.reward_fn, config.seed, task_options(config))
     problems = load_problems(task, config.data)  # task.load(), or its --cache-dataset copy
+    if task.uses_references():
+        check_references(task.dataset, problems, task.reference, config.reward_fn)
     check_held_out(config.validation, len(problems))
     if config.expected_dataset_hash is not None:
         actual = task.dataset_info(problems).get("fingerprint")
@@ -63,7 +73,8 @@ def dataset_record(task: Task, problems: list[Problem]) -> tuple[dict, list[str]
     from rlrunbook.rl.data.quality import data_warnings
 
     warnings = [*task.notices, *data_warnings(task.dataset, problems, task.user_message,
-                                              duplicates_expected=task.repeats_by_design())]
+                                              duplicates_expected=task.repeats_by_design(),
+                                              reference_of=task.reference if task.uses_references() else None)]
     info = task.dataset_info(problems)
     lines = [task.announcement(problems), *(f"notice: {n}" for n in task.notices),
              *(f"warning: {w}" for w in warnings[len(task.notices):])]

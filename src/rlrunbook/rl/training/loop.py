@@ -116,13 +116,16 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
             evaluate("final", training, tokenizer)
         writer.write_report()
         writer.finish("completed")
+        outcome = "success"
     except KeyboardInterrupt as interrupt:
+        outcome = "interrupted"
         raise interrupted(run_dir, writer, owned, interrupt, log) from None
     except BaseException as error:
+        outcome = "errored"
         writer.finish("failed", error=f"{type(error).__name__}: {error}")
         raise
     finally:
         if owned is not None and callable(getattr(owned, "close", None)):
-            owned.close()
+            owned.close(outcome)  # the SDK's ServiceClient.close(status) takes the session's outcome
     distributed.barrier()  # the other ranks return the directory only once rank 0 has completed it
     return run_dir

@@ -21,7 +21,7 @@ from rlrunbook.rl.rollout.paradigms import Paradigm, RolloutSettings
 from rlrunbook.rl.rollout.rollouts import Rollout, advantage_mode
 from rlrunbook.rl.rollout.tasks import Problem, Task
 from rlrunbook.rl.setup.checkpointing import CheckpointSchedule, Resume, plan_resume
-from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config import TrainConfig, validate
 from rlrunbook.rl.setup.data_order import problem_order, split_held_out
 from rlrunbook.rl.setup.memory_plan import MemoryPlan, check_fits, plan_memory
 from rlrunbook.rl.setup.placement import placement
@@ -100,10 +100,12 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
     resume = None if resume_from is None else plan_resume(resume_from, config, sources)
     if resume is not None:
         config, sources = resume.config, resume.sources
+    # Log root, name, backend, device, model folders: before any model, any run directory and the data set, so
+    # a model that cannot be had is named as such, not as the data set's connection error on a machine offline.
+    preflight(validate(config))
     config, paradigm, task, problems = prepare(config)
     if resume is not None:
         resume.check_dataset(task.dataset_info(problems))
-    preflight(config)  # log root, name, backend, device, model folders: before any model and any run directory
     from rlrunbook.backend import backend_name
 
     memory = None

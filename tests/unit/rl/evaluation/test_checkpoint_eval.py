@@ -65,3 +65,23 @@ def test_no_held_out_problem_is_refused(tmp_path):
     _run_with_checkpoint(tmp_path, steps=300)  # 300 steps x 1 group cover the 256 built-in problems
     with pytest.raises(ConfigError, match="none is held out. Pass --dataset"):
         evaluate_checkpoints(tmp_path, service_factory=None)
+
+
+def test_another_data_set_drops_the_options_of_the_generated_one(tmp_path):
+    """extra.test_size sized the run's generated set; on a file given by --dataset nothing reads it, and
+    the check of extra options must not refuse the evaluation for what the run rightly held."""
+    config = TrainConfig(env="qa", dataset="test", num_rollouts=4, extra={"test_size": 8}).to_dict()
+    (tmp_path / "run").mkdir()
+    save_checkpoint(tmp_path / "run", Checkpoint(1, config, {"w": torch.ones(2)}, None, capture_rng()))
+    data = tmp_path / "held.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "2 + 2?", "answer": "#### 4"}\n')
+    seen = []
+
+    def service(config):
+        seen.append((config.dataset, config.extra))
+        raise RuntimeError("the model would load here")
+
+    with pytest.raises(RuntimeError, match="the model would load here"):
+        evaluate_checkpoints(tmp_path / "run", EvalOptions(samples=2, ks=(1,), dataset=str(data)),
+                             service_factory=service)
+    assert seen == [(str(data), {})]

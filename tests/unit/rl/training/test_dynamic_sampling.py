@@ -20,6 +20,7 @@ from rlrunbook.rl.data import QARecord
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rollout.paradigms import RolloutBatch
 from rlrunbook.rl.rollout.rollouts import Rollout, centered_by_group, grpo_advantages, rs_grpo_advantages
+from rlrunbook.rl.rollout.task_options import TaskOption
 from rlrunbook.rl.rollout.tasks import Problem, Task, register_task
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import DataCursor
@@ -180,9 +181,10 @@ class HalfTiedTask(Task):
     name = "half_tied_test"
     reward_fns = ("length",)
     default_dataset = "built-in"
+    declared_options = {"kinds": TaskOption(str, "tf", "one problem per letter: t a tied one, f a free one")}
 
     def load(self):
-        kinds = self.options.get("kinds", "tf")
+        kinds = self.option("kinds")
         ids = [f"{'tie' if kind == 't' else 'free'}-{i}" for i, kind in enumerate(kinds)]
         return [Problem(id_, QARecord(id_, f"Count to {i}.", ("0",))) for i, id_ in enumerate(ids)]
 
