@@ -8,6 +8,7 @@ workers split the CPU's intra-op threads instead of doubling them.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -125,3 +126,67 @@ def test_a_pinned_sampler_ignores_the_trainers_adapter_switch(concurrent):
     with training._host.model.disable_adapter():
         assert _sample(second) == expected
     assert _sample(concurrent.create_sampling_client(base_model="tiny")) != expected, "the adapter changes nothing"
+
+
+def test_a_vllm_adapter_is_written_from_the_snapshot_not_the_live_weights(concurrent, tmp_path):
+    """What a vLLM server loads for a sampler is its snapshot, written while the trainer moves the live
+    adapter (so a vLLM sampler may run on the sampling worker)."""
+    from safetensors.torch import load_file
+
+    from rlrunbook.backend.vllm_sampling import snapshot_adapter
+
+    training = concurrent.create_lora_training_client("tiny", rank=4, seed=0)
+    sampler = training.save_weights_and_get_sampling_client()
+    snapshot = sampler.weights_state()
+    host = training._host
+    with torch.no_grad():  # the trainer moves on: every live LoRA factor changes
+        for name, parameter in host.model.named_parameters():
+            if name in snapshot:
+                parameter.add_(1.0)
+    adapter = snapshot_adapter(host, sampler._weights)
+    adapter.write(tmp_path / "written")
+    written = load_file(str(tmp_path / "written" / "adapter_model.safetensors"))
+    assert len(written) == len(snapshot) > 0
+    for name, tensor in snapshot.items():
+        saved = name.replace(".default.", ".")  # peft drops the adapter's name in the file
+        assert torch.equal(written[saved], tensor), name
+
+
+def test_the_timeline_shows_sampling_while_forward_backward_runs(tmp_path, monkeypatch):
+    """``TINKER_LOCAL_TIMELINE``: one line per worker call; a sample held inside a blocked forward_backward
+    appears inside it."""
+    import dataclasses
+
+    from rlrunbook.backend.timeline import overlap_seconds, read_timeline
+
+    path = tmp_path / "timeline.jsonl"
+    service = LocalServiceClient(dataclasses.replace(LocalSettings.from_env({"TINKER_LOCAL_TIMELINE": str(path)}),
+                                                     device="cpu", dtype=torch.float32,
+                                                     storage_dir=tmp_path / "tinker", concurrent_sampling=True))
+    try:
+        training = service.create_lora_training_client("tiny", rank=4, seed=0)
+        sampler = training.save_weights_and_get_sampling_client()
+        sequences = sampler.sample(types.ModelInput.from_ints(PROMPT), 4, PARAMS).result().sequences
+        release = threading.Event()
+        original = training._trainer.forward_backward
+
+        def blocked(*args, **kwargs):
+            assert release.wait(60)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(training._trainer, "forward_backward", blocked)
+        fb = training.forward_backward(_datums(sequences, [1.0, -1.0, 0.5, -0.5]), "importance_sampling")
+        time.sleep(0.2)
+        try:
+            _sample(sampler)
+        finally:
+            release.set()
+        fb.result(timeout=60)
+    finally:
+        service.close()
+    records = read_timeline(path)
+    calls = {(r["worker"], r["call"]) for r in records}
+    assert ("rlrunbook-sampler", "LocalSamplingClient._sample_batch") in calls, calls
+    assert any(worker == "rlrunbook-local" and "forward_backward" in call for worker, call in calls), calls
+    assert all(r["end"] >= r["start"] for r in records)
+    assert overlap_seconds(records, "rlrunbook-local", "rlrunbook-sampler") > 0

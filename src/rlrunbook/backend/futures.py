@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from rlrunbook.backend.openmp import release_openmp_threads
+from rlrunbook.backend.timeline import Timeline, call_name
 
 T = TypeVar("T")
 
@@ -46,6 +47,7 @@ class _Task:
     item: Any = None
     batch_fn: Callable[[list[Any]], list[Any]] | None = None
     rows: int = 1
+    name: str = ""  # what the call is, for the timeline
 
 
 def _current_cuda_device() -> int | None:
@@ -65,7 +67,7 @@ class OrderedWorker:
     """A single worker thread with a FIFO queue; ``submit`` returns an awaitable SDK future."""
 
     def __init__(self, name: str = "rlrunbook-local", batch_window_s: float = 0.002, max_batch_rows: int = 256,
-                 threads: int | None = None):
+                 threads: int | None = None, timeline: Timeline | None = None):
         self._queue: deque[_Task] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -74,6 +76,8 @@ class OrderedWorker:
         self.batches_run = 0  # engine calls made for batchable tasks (for tests and benchmarks)
         self._holds = 0
         self.threads = threads  # intra-op threads of this worker (None: torch's default)
+        self.name = name
+        self.timeline = timeline  # where each call's start and end are recorded (None: nowhere)
         # The current CUDA device is per thread; a process that picked its GPU (torchrun: cuda:LOCAL_RANK,
         # see rlrunbook.distributed.init) must not have its model land on cuda:0 from this thread.
         self._cuda_device = _current_cuda_device()
@@ -91,12 +95,13 @@ class OrderedWorker:
         return AwaitableConcurrentFuture(task.future)
 
     def submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> AwaitableConcurrentFuture[T]:
-        return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs)))
+        return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs), name=call_name(fn)))
 
     def submit_batchable(self, key: Hashable, item: Any, batch_fn: Callable[[list[Any]], list[Any]],
                          rows: int = 1) -> AwaitableConcurrentFuture:
         """Queue ``item``; consecutive items with the same ``key`` are handed to ``batch_fn`` together."""
-        return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows))
+        return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows,
+                                   name=call_name(batch_fn)))
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -149,12 +154,15 @@ class OrderedWorker:
                 if not self._queue:
                     return
                 task = self._queue.popleft()
+            batch = [task] if task.key is None else self._take_batch(task)
+            start = time.perf_counter()
             if task.key is None:
-                self._resolve([task], lambda: [task.run()])
+                self._resolve(batch, lambda: [task.run()])
             else:
-                batch = self._take_batch(task)
                 self.batches_run += 1
                 self._resolve(batch, lambda: task.batch_fn([t.item for t in batch]))
+            if self.timeline is not None:
+                self.timeline.record(self.name, task.name, start, time.perf_counter(), len(batch))
 
     def _resolve(self, tasks: list[_Task], compute: Callable[[], list[Any]]) -> None:
         live = [t for t in tasks if t.future.set_running_or_notify_cancel()]

@@ -120,6 +120,8 @@ class LocalSettings:
             training worker gets the rest of the process's, so the two never oversubscribe the cores
             (``TINKER_LOCAL_SAMPLER_THREADS``; default 0: half, at least 1). Fixed for the service's life:
             a thread count changes how reductions are split, so it must not follow timing.
+        timeline: a file to which each worker call's start and end are appended, one JSON line each
+            (``TINKER_LOCAL_TIMELINE``; default none). See :mod:`rlrunbook.backend.timeline`.
     """
 
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -141,6 +143,7 @@ class LocalSettings:
     vllm: VllmSettings = field(default_factory=VllmSettings)
     concurrent_sampling: bool = False
     sampler_threads: int = 0
+    timeline: Path | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device, "the local backend's device (TINKER_LOCAL_DEVICE, backend.device or --device)")
@@ -232,6 +235,8 @@ class LocalSettings:
             kwargs["concurrent_sampling"] = concurrent == "1"
         if env.get("TINKER_LOCAL_STORAGE"):
             kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
+        if env.get("TINKER_LOCAL_TIMELINE", "").strip():
+            kwargs["timeline"] = Path(env["TINKER_LOCAL_TIMELINE"].strip())
         return cls(
             seed=_int_env(env, "TINKER_LOCAL_SEED", 0, 0),
             grad_accum_chunks=_int_env(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1),
