@@ -13,7 +13,7 @@ Usage::
 
     python scripts/async_bench.py --out /tmp/async-bench                       # in-process sampler, tiny
     python scripts/async_bench.py --model smollm2-135m --workloads single --steps 5
-    python scripts/async_bench.py --sampler vllm --model tiny-vllm --vllm-url http://127.0.0.1:8000
+    python scripts/async_bench.py --sampler vllm --model tiny-vllm          # a managed vLLM server per run
 
 Writes ``results.json`` and ``results.md`` (a table per workload: median seconds per step, steps per hour,
 ratio to K = 0, mean wait of the trainer for its batch) under ``--out``.
@@ -45,8 +45,8 @@ def run_one(args: argparse.Namespace, workload: str, k: int, repeat: int, out: P
     timeline = out / "timelines" / f"{name}.jsonl"
     timeline.unlink(missing_ok=True)
     env = dict(os.environ, TINKER_LOCAL_TIMELINE=str(timeline), TINKER_LOCAL_DEVICE=args.device)
-    if args.sampler == "vllm":
-        env.update(TINKER_LOCAL_SAMPLER="vllm", TINKER_LOCAL_VLLM_URL=args.vllm_url)
+    if args.sampler == "vllm":  # each run starts its own server unless --vllm-url names one
+        env.update(TINKER_LOCAL_SAMPLER="vllm", **({"TINKER_LOCAL_VLLM_URL": args.vllm_url} if args.vllm_url else {}))
     argv = [sys.executable, "-m", "rlrunbook", "train", "--model", args.model, *WORKLOADS[workload],
             "-s", str(args.steps), "--off-policy", str(k), "--seed", "0", "--name", name,
             "--log-root", str(out / "runs"), "--no-proxy"]
@@ -138,15 +138,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("async-bench"))
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--sampler", choices=("hf", "vllm"), default="hf")
-    parser.add_argument("--vllm-url", default=None, help="an external vLLM server (with --sampler vllm)")
+    parser.add_argument("--vllm-url", default=None, help="an external vLLM server serving --model (with --sampler "
+                        "vllm; default: each run starts its own, see docs/vllm.md)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workloads", default="single,debate")
     parser.add_argument("--ks", default="0,1,2")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    if args.sampler == "vllm" and not args.vllm_url:
-        parser.error("--sampler vllm needs --vllm-url (a server serving --model)")
     ks = [int(k) for k in args.ks.split(",")]
     workloads = [w for w in args.workloads.split(",") if w]
     args.out.mkdir(parents=True, exist_ok=True)
