@@ -9,7 +9,7 @@ torch: libstdc++ aborts it) and returns ``128 + N``; nothing prints a traceback.
 
 The ``rlrunbook`` command enters through :func:`launch`, which installs the handlers before anything heavy
 is imported, so a signal in the first instant of start-up (while torch and transformers load) stops it the
-same way. A process started in the background by a non-interactive shell inherits SIGINT ignored; it stays
+same way; started with the signals blocked, it is covered from ``exec`` on (:func:`unblock`). A process started in the background by a non-interactive shell inherits SIGINT ignored; it stays
 ignored (the shell asked for that), so such a process is stopped with SIGTERM or SIGHUP.
 """
 
@@ -57,6 +57,21 @@ def install() -> Callable[[], None]:
             signal.signal(number, handler)
 
     return restore
+
+
+def unblock() -> None:
+    """Unblock SIGINT, SIGTERM and SIGHUP in this thread, once their handlers are installed.
+
+    The interpreter's own start-up, before the first line of rlrunbook runs, has the operating system's
+    defaults (a signal then ends the process unhandled). A supervisor that must not lose a signal in that
+    window starts the command with these signals blocked (``env --block-signal=INT,TERM,HUP rlrunbook ...``,
+    or ``posix_spawn`` with a signal mask): the mask survives ``exec``, a signal sent meanwhile stays
+    pending, and it is delivered here, to the handlers. Without a blocked mask this changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return
+    numbers = {getattr(signal, name) for name in ("SIGINT", *STOP_SIGNALS) if hasattr(signal, name)}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)
 
 
 def signal_name(interrupt: KeyboardInterrupt) -> str:
@@ -131,11 +146,14 @@ def launch() -> int:
     """The ``rlrunbook`` console script: handlers first, then the command line's imports and ``cli.main``.
 
     A signal while the modules load ends the command as one during it does (``128 + N``, one line, no
-    traceback). Once the command has returned, a late signal is ignored: its status stands.
+    traceback). One that arrived while the signals were blocked (see :func:`unblock`) is handled the same way,
+    right after the handlers are in place. Once the command has returned, a late signal is ignored: its
+    status stands.
     """
     install()
     try:
         try:
+            unblock()
             from rlrunbook.cli import main
 
             code = main()

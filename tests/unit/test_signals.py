@@ -158,6 +158,30 @@ def test_a_signal_in_the_first_instant_of_start_up(tmp_path, signum, code):
     assert all(json.loads(path.read_text())["status"] == "interrupted" for path in runs)
 
 
+def _blocked_from_exec() -> None:
+    """In the child before exec: as a supervisor that must not lose a signal starts the command
+    (``env --block-signal=INT,TERM,HUP``): the three signals blocked, SIGINT at its default."""
+    _with_sigint()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_signal_sent_at_exec_to_a_blocked_start_is_handled(tmp_path, signum, code):
+    """Sent as soon as ``exec`` has happened, before the interpreter runs a line: it waits, blocked, and the
+    command handles it once its handlers are in place. A one-step run: a signal never delivered lets it finish."""
+    argv = [str(COMMAND), *TRAIN, "--log-root", str(tmp_path / "logs"), "-s", "1"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, preexec_fn=_blocked_from_exec)
+    handlers_then = _caught(process.pid)  # Popen returns once exec has succeeded
+    os.killpg(process.pid, signum)
+    _, err = process.communicate(timeout=300)
+    assert not handlers_then & (1 << (signal.SIGTERM - 1)), "the signal came only after the handlers: not at exec"
+    assert process.returncode == code, err[-3000:]
+    assert "Traceback" not in err and f"interrupted ({signal.Signals(signum).name})" in err, err[-3000:]
+    runs = list((tmp_path / "logs").glob("*/run_metadata.json"))
+    assert all(json.loads(path.read_text())["status"] == "interrupted" for path in runs)
+
+
 def test_ctrl_c_during_eval_exits_130(tmp_path):
     err_file = tmp_path / "err.txt"
     with err_file.open("w") as err:
