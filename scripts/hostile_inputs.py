@@ -172,7 +172,7 @@ def classify(*, expect: str, rc: int | None, output: str, timed_out: bool = Fals
         if expect == "refuse_or_warn":
             if warned:
                 return "warned", warned[0]
-            return "silent_accept", "ran without a warning" + (f" (stopped once started)" if stopped_at_run else
+            return "silent_accept", "ran without a warning" + (" (stopped once started)" if stopped_at_run else
                                                                f" ({describe_exit(rc)})")
         return "accepted", (warned[0] if warned else msg)
     if not msg:
