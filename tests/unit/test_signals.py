@@ -200,3 +200,42 @@ def test_ctrl_c_during_eval_exits_130(tmp_path):
     assert process.returncode == 130, text[-3000:]
     assert "Traceback" not in text and "terminate called" not in text and "interrupted (SIGINT)" in text, text[-3000:]
     assert _group_gone(process.pid)
+
+
+def test_a_signal_that_a_library_turned_into_its_own_error_still_ends_as_the_signal(monkeypatch, capsys):
+    """transformers' lazy imports catch the KeyboardInterrupt of a Ctrl-C that lands inside them and raise
+    ModuleNotFoundError: the command still ends as interrupted (130, one line), not as a bug report."""
+    import argparse
+
+    from rlrunbook import cli_signals
+
+    monkeypatch.setattr(cli_signals, "_received", [])
+
+    def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises at the next bytecode
+        except KeyboardInterrupt as error:
+            raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'.") from error
+        return 0
+
+    monkeypatch.setattr(cli, "parse_args", lambda argv: argparse.Namespace(func=command))
+    code = cli.main(["summarize", "x"])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "interrupted (SIGINT)" in err and "Traceback" not in err and "bug" not in err
+
+
+def test_without_a_signal_a_library_error_is_still_a_bug_report(monkeypatch, capsys):
+    import argparse
+
+    from rlrunbook import cli_signals
+
+    monkeypatch.setattr(cli_signals, "_received", [])
+
+    def command(args):
+        raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'.")
+
+    monkeypatch.setattr(cli, "parse_args", lambda argv: argparse.Namespace(func=command))
+    assert cli.main(["summarize", "x"]) == 70
+    assert "This is a bug in rlrunbook" in capsys.readouterr().err
