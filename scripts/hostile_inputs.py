@@ -12,6 +12,9 @@ error                   exit 1 or 2 with a message and no traceback             
 accepted                exit 0 (or a train run that started and only failed its rubric)          yes
 warned                  a "refuse or warn" case that ran and printed a warning line about it      yes
 interrupted             a signal case that ended with exit 128+N                                 yes
+before_start            a signal sent before rlrunbook's handlers existed (the interpreter was    yes
+                        still starting) ended the process as the OS or Python does by default:
+                        no rlrunbook code had run; ``env --block-signal`` closes that window
 traceback               "Traceback (most recent call last)" anywhere in the output                no
 bad_exit                an exit code other than 0, 1, 2 or 128+N of the signal sent              no
 hang                    no exit within the case's time limit (killed)                             no
@@ -22,6 +25,7 @@ misleading              refused, but with a message that names the wrong cause  
 false_refusal           a case that must be accepted (a control, a documented form) was refused   no
 no_message              exit 1 or 2 with no message at all                                        no
 bad_state               after a signal the run still reads ``running`` (will show as stale)        no
+missed_signal           a signal case that ended before its signal was sent: it tested nothing    no
 ======================  ========================================================================  =======
 
 Usage::
@@ -59,9 +63,9 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 
-PASSING = ("error", "accepted", "warned", "interrupted")
+PASSING = ("error", "accepted", "warned", "interrupted", "before_start")
 FAILING = ("traceback", "bad_exit", "hang", "overwrite", "silent_accept", "secret_written", "misleading",
-           "false_refusal", "no_message", "bad_state")
+           "false_refusal", "no_message", "bad_state", "missed_signal")
 OUTCOMES = PASSING + FAILING
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -130,7 +134,7 @@ def describe_exit(rc: int) -> str:
 def classify(*, expect: str, rc: int | None, output: str, timed_out: bool = False, signum: int | None = None,
              stopped_at_run: bool = False, warn_words: tuple[str, ...] = (), bad_msg: str | None = None,
              changed: tuple[str, ...] = (), secrets: tuple[str, ...] = (), extra: tuple[str, str] | None = None,
-             ) -> tuple[str, str]:
+             before_handlers: bool = False) -> tuple[str, str]:
     """Return (outcome, message) for one finished case.
 
     expect: ``no_crash`` (error or accepted both pass), ``accept`` (a refusal fails), ``refuse_or_warn``
@@ -138,10 +142,16 @@ def classify(*, expect: str, rc: int | None, output: str, timed_out: bool = Fals
     judged like ``no_crash``). ``stopped_at_run``: the harness killed a train run once it had started, which
     counts as accepted. ``bad_msg``: a regex that, found in a refusal, makes it misleading. ``extra``: an
     (outcome, message) of a case's own post-check, reported when nothing worse happened.
+    ``before_handlers``: the signal was sent while the process had no handler for SIGTERM yet, i.e. before
+    rlrunbook's first line ran; a default death then (killed by it, or Python's KeyboardInterrupt in its own
+    start-up, nothing written) is ``before_start``.
     """
     msg = first_message(output)
     if timed_out:
         return "hang", f"no exit within the time limit; last line: {msg}"
+    if before_handlers and signum is not None and not changed and not secrets and extra is None and (
+            rc == -signum or (signum == signal.SIGINT and rc == 1 and output_lines(output)[-1:] == ["KeyboardInterrupt"])):
+        return "before_start", f"{describe_exit(rc)} during the interpreter's start-up, before rlrunbook's handlers"
     if TRACEBACK in output:
         return "traceback", msg
     if changed:
@@ -162,7 +172,7 @@ def classify(*, expect: str, rc: int | None, output: str, timed_out: bool = Fals
         if expect == "refuse_or_warn":
             if warned:
                 return "warned", warned[0]
-            return "silent_accept", "ran without a warning" + (f" (stopped once started)" if stopped_at_run else
+            return "silent_accept", "ran without a warning" + (" (stopped once started)" if stopped_at_run else
                                                                f" ({describe_exit(rc)})")
         return "accepted", (warned[0] if warned else msg)
     if not msg:
@@ -208,6 +218,7 @@ class Case:
     stop_at_run: bool = False
     timeout: float | None = None
     sig: tuple | None = None  # (signum, seconds) or (signum, regex, delay)
+    blocked: bool = False  # start with SIGINT/SIGTERM/SIGHUP blocked, as `env --block-signal` does
     warn_words: tuple = ()
     bad_msg: str | None = None
     secret: str | None = None  # must not appear in any file written under logs/ or store/, nor a path name
@@ -225,9 +236,16 @@ def w(path: Path, data: str | bytes) -> Path:
 
 # Cheap train: the tiny-cpu-smoke preset (tiny model, generated news, compression reward), one step.
 T = ["train", "--config-file", "tiny-cpu-smoke", "steps=1", "num_rollouts=4", "max_tokens=8", "checkpoint.every=0"]
+# A train that runs for minutes (a signal 2 s in lands mid-step): 200 steps with enough rows and tokens a step
+# that rewards vary within groups (fewer stop on "no learning signal" after 3 steps).
+T_LONG = [{"steps=1": "steps=200", "num_rollouts=4": "num_rollouts=8", "max_tokens=8": "max_tokens=32",
+           "checkpoint.every=0": "checkpoint.every=1"}.get(a, a)
+          for a in T]
 TQA = ["train", "--model", "tiny", "--env", "qa", "--dataset", "test", "-n", "4", "-s", "1", "--max-tokens", "8"]
 EVAL = ["eval", "--model", "tiny", "--num-problems", "2", "--samples", "2", "--ks", "1", "--max-tokens", "4",
         "--resamples", "50"]
+# An eval that samples for tens of seconds on tiny: a signal 0.3 s after it starts lands while it samples.
+EVAL_MID = EVAL[:4] + ["64", "--samples", "8", "--ks", "1", "--max-tokens", "64"]
 EVAL_CK = ["eval-checkpoints", "--samples", "2", "--num-problems", "2", "--ks", "1", "--resamples", "50"]
 
 
@@ -678,17 +696,20 @@ def cases() -> list[Case]:  # noqa: C901 - one long table, by class
         for when in (0.1, 0.5):
             add("signals", Case(f"train-sig{sname}-{when}s", "", TQA, expect="signal", sig=(signum, when),
                                 post=run_status_check))
-        add("signals", Case(f"train-sig{sname}-mid-run", "", T + ["steps=2"], expect="signal",
+        add("signals", Case(f"train-sig{sname}-at-exec-blocked", "", TQA, expect="signal", sig=(signum, 0.0),
+                            blocked=True, post=run_status_check))
+        add("signals", Case(f"train-sig{sname}-mid-run", "", T_LONG,
+                            expect="signal",
                             sig=(signum, r"^\[data\]", 2.0), post=run_status_check, timeout=240))
         add("signals", Case(f"train-sig{sname}-at-run-start", "", TQA, expect="signal",
                             sig=(signum, r"^\[run\]", 0.0), post=run_status_check))
     add("signals",
-        Case("eval-sigint-mid", "", EVAL[:4] + ["4", "--samples", "4", "--ks", "1", "--max-tokens", "16"],
+        Case("eval-sigint-mid", "", EVAL_MID,
              expect="signal", sig=(signal.SIGINT, r"^\[eval\]|Loading weights", 0.3)),
         Case("eval-sigint-0.5s", "", EVAL, expect="signal", sig=(signal.SIGINT, 0.5)),
-        Case("eval-sigterm-mid", "", EVAL[:4] + ["4", "--samples", "4", "--ks", "1", "--max-tokens", "16"],
+        Case("eval-sigterm-mid", "", EVAL_MID,
              expect="signal", sig=(signal.SIGTERM, r"^\[eval\]|Loading weights", 0.3)),
-        Case("eval-sighup-mid", "", EVAL[:4] + ["4", "--samples", "4", "--ks", "1", "--max-tokens", "16"],
+        Case("eval-sighup-mid", "", EVAL_MID,
              expect="signal", sig=(signal.SIGHUP, r"^\[eval\]|Loading weights", 0.3)),
         Case("eval-checkpoints-sigint", "", EVAL_CK + ["{run}"], expect="signal", needs_run=True,
              sig=(signal.SIGINT, r"Loading weights|^\[data\]", 0.5), timeout=240),
@@ -700,7 +721,7 @@ def cases() -> list[Case]:  # noqa: C901 - one long table, by class
         Case("summarize-sigterm-0.3s", "", ["summarize", "{run}"], expect="signal", needs_run=True,
              sig=(signal.SIGTERM, 0.3)),
         Case("resume-sigint-mid", "", ["train", "--resume-from", "{ck1}"], expect="signal", needs_run=True,
-             sig=(signal.SIGINT, r"^\[data\]", 1.5), post=run_status_check, timeout=240),
+             sig=(signal.SIGINT, r"^\[data\]", 0.0), post=run_status_check, timeout=240),
         Case("cookbook-sigint-0.5s", "", ["cookbook", "tinker_cookbook.recipes.rl_loop", "model_name=tiny"],
              expect="signal", sig=(signal.SIGINT, 0.5)),
         )
@@ -1039,10 +1060,12 @@ def find_secret(ctx: Ctx, secret: str) -> list[str]:
     return hits
 
 
-def preexec(mem_bytes: int) -> Callable[[], None]:
+def preexec(mem_bytes: int, blocked: bool = False) -> Callable[[], None]:
     def fn() -> None:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
             signal.signal(s, signal.SIG_DFL)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         try:
             os.nice(0)
             if mem_bytes:
@@ -1064,6 +1087,16 @@ class Result:
     argv: list
     note: str = ""
     output_tail: str = ""
+
+
+def handles_sigterm(pid: int) -> bool:
+    """Whether ``pid`` has a handler for SIGTERM (``SigCgt`` of /proc/PID/status): rlrunbook's first act."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # gone, or not Linux: not "before the handlers"
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) & (1 << (signal.SIGTERM - 1)))
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -1113,13 +1146,13 @@ def run_case(case: Case, exe: list[str], tmp_root: Path, template: Path | None, 
         timeout = case.timeout or default_timeout
         out_path = root / "output.txt"
         timed_out = stopped = False
-        sig_sent = False
+        sig_sent = before_handlers = False
         run_seen_at: float | None = None
         pattern_seen_at: float | None = None
         with open(out_path, "wb") as out_f:
             proc = subprocess.Popen(argv, cwd=ctx.work, env=envb, stdout=out_f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=preexec(mem_bytes))
+                                    preexec_fn=preexec(mem_bytes, case.blocked))
             start = time.monotonic()
             while True:
                 try:
@@ -1143,6 +1176,7 @@ def run_case(case: Case, exe: list[str], tmp_root: Path, template: Path | None, 
                             pattern_seen_at = now
                         fire = pattern_seen_at is not None and now >= pattern_seen_at + case.sig[2]
                     if fire:
+                        before_handlers = not case.blocked and not handles_sigterm(proc.pid)
                         try:
                             os.kill(proc.pid, case.sig[0])
                         except ProcessLookupError:
@@ -1175,9 +1209,9 @@ def run_case(case: Case, exe: list[str], tmp_root: Path, template: Path | None, 
         outcome, msg = classify(expect=case.expect, rc=proc.returncode, output=output, timed_out=timed_out,
                                 signum=signum if sig_sent else None, stopped_at_run=stopped,
                                 warn_words=case.warn_words, bad_msg=case.bad_msg, changed=tuple(changed),
-                                secrets=secrets, extra=extra)
-        if case.sig is not None and not sig_sent and outcome in PASSING:
-            msg = "(finished before the signal) " + msg
+                                secrets=secrets, extra=extra, before_handlers=before_handlers)
+        if case.sig is not None and not sig_sent and outcome in PASSING:  # the case tested nothing
+            outcome, msg = "missed_signal", f"ended ({describe_exit(proc.returncode)}) before its signal: {msg}"
         return Result(case.id, case.cls, outcome, msg[:300], proc.returncode, round(time.monotonic() - t0, 1),
                       case.expect, [os.fsdecode(a) for a in argv[len(exe):]], case.note,
                       "\n".join(output_lines(output)[-15:])[-3000:])

@@ -707,6 +707,9 @@ def _run(argv: Sequence[str] | None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 128 + 13  # as if killed by SIGPIPE, what a shell reports for the other commands of a pipe
     except Exception as error:  # noqa: BLE001 - the boundary: anticipated classes are described, the rest reported
+        interrupt = cli_signals.interrupted_by(error)
+        if interrupt is not None:  # a signal's KeyboardInterrupt that a library turned into its own error
+            raise interrupt from error
         message = cli_errors.describe(error)
         return cli_errors.refuse(message) if message is not None else cli_errors.report_bug(error)
 

@@ -1,15 +1,15 @@
 """How a command stops on a signal: Ctrl-C (SIGINT), SIGTERM (``kill``, a scheduler) and SIGHUP (the terminal
 closed) end every command the same way, from the first line of ``main`` to its last.
 
-Each one becomes a ``KeyboardInterrupt`` in the main thread (SIGTERM and SIGHUP through :func:`install`,
-SIGINT through Python's own handler), so the code in between unwinds as on Ctrl-C: a training run marks
+Each one becomes a ``KeyboardInterrupt`` in the main thread (through :func:`install`, SIGINT as Python's
+own handler does it), so the code in between unwinds as on Ctrl-C: a training run marks
 itself ``interrupted`` and keeps its last checkpoint (:mod:`rlrunbook.rl.training.interrupt`). :func:`finish`
 then stops every local backend still computing (a process must not exit while a backend thread is inside
 torch: libstdc++ aborts it) and returns ``128 + N``; nothing prints a traceback.
 
 The ``rlrunbook`` command enters through :func:`launch`, which installs the handlers before anything heavy
 is imported, so a signal in the first instant of start-up (while torch and transformers load) stops it the
-same way. A process started in the background by a non-interactive shell inherits SIGINT ignored; it stays
+same way; started with the signals blocked, it is covered from ``exec`` on (:func:`unblock`). A process started in the background by a non-interactive shell inherits SIGINT ignored; it stays
 ignored (the shell asked for that), so such a process is stopped with SIGTERM or SIGHUP.
 """
 
@@ -35,12 +35,39 @@ class Stopped(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+# The signals this process has received through the handlers below, in order. A library may catch the
+# KeyboardInterrupt a signal raised inside it and raise an error of its own instead (transformers' lazy imports
+# turn it into ModuleNotFoundError): this record still tells the command that a signal is what stopped it.
+_received: list[str] = []
+
+
 def _raise_stopped(signum: int, frame: object) -> None:
-    raise Stopped(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    _received.append(name)
+    raise Stopped(name)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    """Python's own Ctrl-C behaviour (``KeyboardInterrupt`` in the main thread), recorded."""
+    _received.append("SIGINT")
+    raise KeyboardInterrupt
+
+
+def interrupted_by(error: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt to handle instead of ``error`` when a signal has been received: ``error`` is then its
+    consequence (a library turned the KeyboardInterrupt into an error of its own), not a failure. None when
+    no signal came."""
+    if not _received:
+        return None
+    interrupt = KeyboardInterrupt() if _received[0] == "SIGINT" else Stopped(_received[0])
+    interrupt.__cause__ = error
+    return interrupt
 
 
 def install() -> Callable[[], None]:
-    """Turn SIGTERM and SIGHUP into :class:`Stopped` in this process; returns what restores the old handlers.
+    """Turn SIGTERM and SIGHUP into :class:`Stopped` in this process, and SIGINT (where Python's own handler
+    has it) into ``KeyboardInterrupt`` as Python does, each recorded for :func:`interrupted_by`; returns what
+    restores the old handlers.
 
     Only the main thread can set handlers: called from another (an in-process test runner), it does nothing.
     """
@@ -51,12 +78,29 @@ def install() -> Callable[[], None]:
         number = getattr(signal, name, None)
         if number is not None:
             previous[number] = signal.signal(number, _raise_stopped)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an inherited "ignore" stays ignored
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupt)
 
     def restore() -> None:
         for number, handler in previous.items():
             signal.signal(number, handler)
 
     return restore
+
+
+def unblock() -> None:
+    """Unblock SIGINT, SIGTERM and SIGHUP in this thread, once their handlers are installed.
+
+    The interpreter's own start-up, before the first line of rlrunbook runs, has the operating system's
+    defaults (a signal then ends the process unhandled). A supervisor that must not lose a signal in that
+    window starts the command with these signals blocked (``env --block-signal=INT,TERM,HUP rlrunbook ...``,
+    or ``posix_spawn`` with a signal mask): the mask survives ``exec``, a signal sent meanwhile stays
+    pending, and it is delivered here, to the handlers. Without a blocked mask this changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return
+    numbers = {getattr(signal, name) for name in ("SIGINT", *STOP_SIGNALS) if hasattr(signal, name)}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)
 
 
 def signal_name(interrupt: KeyboardInterrupt) -> str:
@@ -131,15 +175,23 @@ def launch() -> int:
     """The ``rlrunbook`` console script: handlers first, then the command line's imports and ``cli.main``.
 
     A signal while the modules load ends the command as one during it does (``128 + N``, one line, no
-    traceback). Once the command has returned, a late signal is ignored: its status stands.
+    traceback). One that arrived while the signals were blocked (see :func:`unblock`) is handled the same way,
+    right after the handlers are in place. Once the command has returned, a late signal is ignored: its
+    status stands.
     """
     install()
     try:
         try:
+            unblock()
             from rlrunbook.cli import main
 
             code = main()
         except KeyboardInterrupt as interrupt:
+            code = finish(interrupt)
+        except Exception as error:  # while the modules load: a library's error caused by a signal
+            interrupt = interrupted_by(error)
+            if interrupt is None:
+                raise
             code = finish(interrupt)
         for name in ("SIGINT", *STOP_SIGNALS):
             number = getattr(signal, name, None)

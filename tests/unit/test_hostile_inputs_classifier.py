@@ -114,3 +114,27 @@ def test_case_table_is_well_formed():
                 "cookbook", "api-backend", "overwrite", "silent-accept", "secrets", "misleading", "controls"):
         assert any(case.cls == cls for case in cases), cls
     assert all(case.sig is not None for case in cases if case.expect == "signal")
+
+
+SITE_KI = ("Traceback (most recent call last):\n  File \"/usr/lib/python3.11/site.py\", line 73, in <module>\n"
+           "KeyboardInterrupt\n")
+
+
+@pytest.mark.parametrize(("signum", "rc", "output"), [(signal.SIGTERM, -15, ""), (signal.SIGHUP, -1, ""),
+                                                      (signal.SIGINT, 1, SITE_KI), (signal.SIGINT, -2, "")])
+def test_a_default_death_before_the_handlers_existed_is_before_start(signum, rc, output):
+    outcome, msg = c(expect="signal", rc=rc, output=output, signum=signum, before_handlers=True)
+    assert outcome == "before_start" and "before rlrunbook's handlers" in msg
+
+
+def test_the_same_deaths_once_the_handlers_existed_fail():
+    assert c(expect="signal", rc=-15, signum=signal.SIGTERM)[0] == "bad_exit"
+    assert c(expect="signal", rc=1, output=SITE_KI, signum=signal.SIGINT)[0] == "traceback"
+
+
+def test_before_the_handlers_anything_but_the_default_death_is_judged_as_usual():
+    # another exception in start-up, another exit code, a signal other than the one sent: not before_start
+    assert c(expect="signal", rc=1, output=TB, signum=signal.SIGINT, before_handlers=True)[0] == "traceback"
+    assert c(expect="signal", rc=-9, signum=signal.SIGTERM, before_handlers=True)[0] == "bad_exit"
+    assert c(expect="signal", rc=143, output="interrupted (SIGTERM)\n", signum=signal.SIGTERM,
+             before_handlers=True)[0] == "interrupted"

@@ -158,6 +158,30 @@ def test_a_signal_in_the_first_instant_of_start_up(tmp_path, signum, code):
     assert all(json.loads(path.read_text())["status"] == "interrupted" for path in runs)
 
 
+def _blocked_from_exec() -> None:
+    """In the child before exec: as a supervisor that must not lose a signal starts the command
+    (``env --block-signal=INT,TERM,HUP``): the three signals blocked, SIGINT at its default."""
+    _with_sigint()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_signal_sent_at_exec_to_a_blocked_start_is_handled(tmp_path, signum, code):
+    """Sent as soon as ``exec`` has happened, before the interpreter runs a line: it waits, blocked, and the
+    command handles it once its handlers are in place. A one-step run: a signal never delivered lets it finish."""
+    argv = [str(COMMAND), *TRAIN, "--log-root", str(tmp_path / "logs"), "-s", "1"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, preexec_fn=_blocked_from_exec)
+    handlers_then = _caught(process.pid)  # Popen returns once exec has succeeded
+    os.killpg(process.pid, signum)
+    _, err = process.communicate(timeout=300)
+    assert not handlers_then & (1 << (signal.SIGTERM - 1)), "the signal came only after the handlers: not at exec"
+    assert process.returncode == code, err[-3000:]
+    assert "Traceback" not in err and f"interrupted ({signal.Signals(signum).name})" in err, err[-3000:]
+    runs = list((tmp_path / "logs").glob("*/run_metadata.json"))
+    assert all(json.loads(path.read_text())["status"] == "interrupted" for path in runs)
+
+
 def test_ctrl_c_during_eval_exits_130(tmp_path):
     err_file = tmp_path / "err.txt"
     with err_file.open("w") as err:
@@ -176,3 +200,42 @@ def test_ctrl_c_during_eval_exits_130(tmp_path):
     assert process.returncode == 130, text[-3000:]
     assert "Traceback" not in text and "terminate called" not in text and "interrupted (SIGINT)" in text, text[-3000:]
     assert _group_gone(process.pid)
+
+
+def test_a_signal_that_a_library_turned_into_its_own_error_still_ends_as_the_signal(monkeypatch, capsys):
+    """transformers' lazy imports catch the KeyboardInterrupt of a Ctrl-C that lands inside them and raise
+    ModuleNotFoundError: the command still ends as interrupted (130, one line), not as a bug report."""
+    import argparse
+
+    from rlrunbook import cli_signals
+
+    monkeypatch.setattr(cli_signals, "_received", [])
+
+    def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises at the next bytecode
+        except KeyboardInterrupt as error:
+            raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'.") from error
+        return 0
+
+    monkeypatch.setattr(cli, "parse_args", lambda argv: argparse.Namespace(func=command))
+    code = cli.main(["summarize", "x"])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "interrupted (SIGINT)" in err and "Traceback" not in err and "bug" not in err
+
+
+def test_without_a_signal_a_library_error_is_still_a_bug_report(monkeypatch, capsys):
+    import argparse
+
+    from rlrunbook import cli_signals
+
+    monkeypatch.setattr(cli_signals, "_received", [])
+
+    def command(args):
+        raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'.")
+
+    monkeypatch.setattr(cli, "parse_args", lambda argv: argparse.Namespace(func=command))
+    assert cli.main(["summarize", "x"]) == 70
+    assert "This is a bug in rlrunbook" in capsys.readouterr().err

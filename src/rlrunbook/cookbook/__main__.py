@@ -149,6 +149,9 @@ def _unknown_renderer(error: BaseException, renderer: str | None) -> bool:
 def _recipe_failed(error: BaseException, recipe: str, renderer: str | None = None) -> int:
     """A recipe's exception: described where anticipated (exit 2), a bug report where rlrunbook raised it
     (exit 70), else the recipe's own traceback and exit 1, as ``python -m RECIPE`` gives."""
+    interrupt = cli_signals.interrupted_by(error)
+    if interrupt is not None:  # a signal's KeyboardInterrupt that a library turned into its own error
+        raise interrupt from error
     if _unknown_renderer(error, renderer):  # the runner's own option, not the recipe's failure
         return cli_errors.refuse(f"--renderer {renderer!r} is not a renderer of the installed tinker-cookbook. "
                                  f"Pass one of: {_renderer_names()}.", "rlrunbook.cookbook: error")
@@ -172,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"[rlrunbook.cookbook] {line}", file=sys.stderr, flush=True)
         check_recipe(args.recipe)
     except Exception as error:  # noqa: BLE001 - the runner's own boundary (see rlrunbook.cli_errors)
+        interrupt = cli_signals.interrupted_by(error)
+        if interrupt is not None:
+            raise interrupt from error
         message = cli_errors.describe(error)
         if message is None:
             return cli_errors.report_bug(error)
