@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rlrunbook import distributed
+from rlrunbook import distributed, pending_signal
 from rlrunbook.rl.rollout.guards import check_prompts
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import DataCursor
@@ -94,6 +94,7 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
             validate(0)
         steps = range(first, config.steps) if progress is None else progress(range(first, config.steps))
         for step in steps:
+            pending_signal.raise_pending()  # a signal that a library swallowed stops the run here
             one_step(plan, step, training, tokenizer, judge, writer, log, cursor)
             validate(step + 1)
             if distributed.is_main():  # after validation: a checkpoint at step k implies its validation row
