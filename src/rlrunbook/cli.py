@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlrunbook import cli_errors, cli_signals
+from rlrunbook import cli_errors, cli_signals, pending_signal
 from rlrunbook.errors import ConfigError
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -698,6 +698,7 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         _check_text(sys.argv[1:] if argv is None else argv)
         args = parse_args(argv)
+        pending_signal.raise_pending()  # a signal that a module imported so far swallowed
         if argv is not None and getattr(args, "argv", False) is None:
             args.argv = list(argv)  # an in-process caller's command line is what the run records, not sys.argv
         return args.func(args)
@@ -721,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM and SIGHUP are handled from this function's first line, Ctrl-C as Python does from start-up: each
     stops the command as Ctrl-C does (see :mod:`rlrunbook.cli_signals`), without a traceback.
     """
+    pending_signal.acknowledge()  # what an earlier command of this process left is not this command's
     restore = cli_signals.install()
     try:
         try:

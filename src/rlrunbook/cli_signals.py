@@ -21,46 +21,37 @@ import sys
 import threading
 from collections.abc import Callable
 
+from rlrunbook import pending_signal
+from rlrunbook.pending_signal import Stopped
+
+__all__ = ["Stopped", "exit_code", "finish", "finish_now", "install", "interrupted_by", "launch", "signal_name",
+           "stop_backends", "unblock"]
+
 # The signals that stop a command, besides SIGINT (whose handler Python installs itself).
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")
 # How long a stopping command waits for a backend's running call before it exits without waiting.
 STOP_TIMEOUT_S = 120.0
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised in the main thread so a command stops as cleanly as on Ctrl-C."""
-
-    def __init__(self, signal_name: str):
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-
-
-# The signals this process has received through the handlers below, in order. A library may catch the
-# KeyboardInterrupt a signal raised inside it and raise an error of its own instead (transformers' lazy imports
-# turn it into ModuleNotFoundError): this record still tells the command that a signal is what stopped it.
-_received: list[str] = []
-
-
 def _raise_stopped(signum: int, frame: object) -> None:
     name = signal.Signals(signum).name
-    _received.append(name)
+    pending_signal.record(name)
     raise Stopped(name)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     """Python's own Ctrl-C behaviour (``KeyboardInterrupt`` in the main thread), recorded."""
-    _received.append("SIGINT")
+    pending_signal.record("SIGINT")
     raise KeyboardInterrupt
 
 
 def interrupted_by(error: BaseException) -> KeyboardInterrupt | None:
-    """The interrupt to handle instead of ``error`` when a signal has been received: ``error`` is then its
-    consequence (a library turned the KeyboardInterrupt into an error of its own), not a failure. None when
-    no signal came."""
-    if not _received:
-        return None
-    interrupt = KeyboardInterrupt() if _received[0] == "SIGINT" else Stopped(_received[0])
-    interrupt.__cause__ = error
+    """The interrupt to handle instead of ``error`` when a signal is pending: ``error`` is then its consequence
+    (a library turned the KeyboardInterrupt into an error of its own), not a failure. None when no signal
+    came (see :mod:`rlrunbook.pending_signal`)."""
+    interrupt = pending_signal.pending()
+    if interrupt is not None:
+        interrupt.__cause__ = error
     return interrupt
 
 
@@ -142,6 +133,7 @@ def finish(interrupt: KeyboardInterrupt) -> int:
     """
     from rlrunbook.errors import RunInterrupted
 
+    pending_signal.acknowledge()
     name, code = signal_name(interrupt), exit_code(interrupt)
     stopped = True
     if isinstance(interrupt, RunInterrupted):
@@ -185,6 +177,7 @@ def launch() -> int:
             unblock()
             from rlrunbook.cli import main
 
+            pending_signal.raise_pending()  # one that an imported module swallowed
             code = main()
         except KeyboardInterrupt as interrupt:
             code = finish(interrupt)

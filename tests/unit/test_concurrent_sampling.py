@@ -190,3 +190,29 @@ def test_the_timeline_shows_sampling_while_forward_backward_runs(tmp_path, monke
     assert any(worker == "rlrunbook-local" and "forward_backward" in call for worker, call in calls), calls
     assert all(r["end"] >= r["start"] for r in records)
     assert overlap_seconds(records, "rlrunbook-local", "rlrunbook-sampler") > 0
+
+
+def test_a_timeline_that_cannot_be_written_is_refused_up_front(tmp_path):
+    from rlrunbook.backend.timeline import Timeline
+    from rlrunbook.errors import ConfigError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_TIMELINE"):
+        Timeline(tmp_path / "file" / "timeline.jsonl")  # its folder is a file
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_TIMELINE"):
+        Timeline(tmp_path)  # a folder
+
+
+def test_a_timeline_write_that_fails_later_warns_once_and_the_worker_goes_on(tmp_path, capsys):
+    from rlrunbook.backend.futures import OrderedWorker
+    from rlrunbook.backend.timeline import Timeline
+
+    timeline = Timeline(tmp_path / "t" / "timeline.jsonl")
+    (tmp_path / "t" / "timeline.jsonl").unlink()
+    (tmp_path / "t").rmdir()  # the folder is gone: every write fails
+    worker = OrderedWorker(timeline=timeline)
+    try:
+        assert [worker.run(lambda i=i: i * 2) for i in range(3)] == [0, 2, 4]
+    finally:
+        worker.shutdown()
+    assert capsys.readouterr().err.count("warning: TINKER_LOCAL_TIMELINE") == 1

@@ -207,9 +207,9 @@ def test_a_signal_that_a_library_turned_into_its_own_error_still_ends_as_the_sig
     ModuleNotFoundError: the command still ends as interrupted (130, one line), not as a bug report."""
     import argparse
 
-    from rlrunbook import cli_signals
+    from rlrunbook import pending_signal
 
-    monkeypatch.setattr(cli_signals, "_received", [])
+    monkeypatch.setattr(pending_signal, "_received", [])
 
     def command(args):
         try:
@@ -229,9 +229,9 @@ def test_a_signal_that_a_library_turned_into_its_own_error_still_ends_as_the_sig
 def test_without_a_signal_a_library_error_is_still_a_bug_report(monkeypatch, capsys):
     import argparse
 
-    from rlrunbook import cli_signals
+    from rlrunbook import pending_signal
 
-    monkeypatch.setattr(cli_signals, "_received", [])
+    monkeypatch.setattr(pending_signal, "_received", [])
 
     def command(args):
         raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'.")
@@ -239,3 +239,29 @@ def test_without_a_signal_a_library_error_is_still_a_bug_report(monkeypatch, cap
     monkeypatch.setattr(cli, "parse_args", lambda argv: argparse.Namespace(func=command))
     assert cli.main(["summarize", "x"]) == 70
     assert "This is a bug in rlrunbook" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_signal_that_a_library_swallowed_stops_the_command_where_work_begins(monkeypatch, capsys, signum, code):
+    """A bare ``except:`` in a module being imported eats the KeyboardInterrupt: the command still stops,
+    at its next check point (here: before the command runs), with the signal's status."""
+    import argparse
+
+    from rlrunbook import pending_signal
+
+    monkeypatch.setattr(pending_signal, "_received", [])
+    ran = []
+
+    def parse_args(argv):
+        try:  # what such a module does
+            os.kill(os.getpid(), signum)
+            time.sleep(5)
+        except BaseException:  # noqa: BLE001 - the library's bare except, on purpose
+            pass
+        return argparse.Namespace(func=lambda args: ran.append(True) or 0)
+
+    monkeypatch.setattr(cli, "parse_args", parse_args)
+    assert cli.main(["summarize", "x"]) == code
+    assert not ran, "the command ran although a signal had been sent"
+    assert f"interrupted ({signal.Signals(signum).name})" in capsys.readouterr().err
+    assert pending_signal.pending() is None  # handled: the next command of this process starts clean

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from rlrunbook import pending_signal
 from rlrunbook.backend.lora import clone_adapter, load_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.base import SamplingEngine
@@ -56,6 +57,7 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
     tokenizer = load_tokenizer(folder)
     model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device,
                            load_in_4bit=settings.load_in_4bit)
+    pending_signal.raise_pending()  # a signal swallowed while the model's libraries loaded
     config = model.config
     common = dict(pad_token_id=int(tokenizer.pad_token_id), vocab_size=int(config.vocab_size),
                   max_context=getattr(config, "max_position_embeddings", None), max_batch_rows=settings.max_batch_rows,

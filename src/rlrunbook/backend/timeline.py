@@ -9,8 +9,11 @@ A line is ``{"worker": "rlrunbook-local" | "rlrunbook-sampler", "call": "LocalSa
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
+
+from rlrunbook.errors import ConfigError
 
 
 def call_name(fn: object) -> str:
@@ -20,18 +23,38 @@ def call_name(fn: object) -> str:
 
 
 class Timeline:
-    """Appends call records to ``path`` (created with its folder), from any thread."""
+    """Appends call records to ``path`` (created with its folder), from any thread.
+
+    A path that cannot be written is refused when the timeline is made (``ConfigError`` naming the variable);
+    a write that fails later (a full disk) turns the timeline off with one warning: a record must never
+    stop the worker that computes.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8"):
+                pass
+        except OSError as error:
+            raise ConfigError(f"TINKER_LOCAL_TIMELINE={str(path)!r} cannot be written ({error.strerror or error}). "
+                              "Name a file in a writable folder, or unset it.") from None
         self._lock = threading.Lock()
+        self._failed = False
 
     def record(self, worker: str, call: str, start: float, end: float, items: int = 1) -> None:
         line = json.dumps({"worker": worker, "call": call, "start": round(start, 6), "end": round(end, 6),
                            "items": items})
-        with self._lock, self.path.open("a", encoding="utf-8") as out:
-            out.write(line + "\n")
+        with self._lock:
+            if self._failed:
+                return
+            try:
+                with self.path.open("a", encoding="utf-8") as out:
+                    out.write(line + "\n")
+            except OSError as error:
+                self._failed = True
+                print(f"warning: TINKER_LOCAL_TIMELINE {self.path}: {error.strerror or error}; no more calls are "
+                      "recorded", file=sys.stderr, flush=True)
 
 
 def read_timeline(path: Path) -> list[dict]:

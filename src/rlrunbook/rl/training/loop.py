@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rlrunbook import distributed
+from rlrunbook import distributed, pending_signal
 from rlrunbook.rl.rollout.guards import check_prompts
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import DataCursor
@@ -108,6 +108,7 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
             run_off_policy(plan, steps, first, training, tokenizer, judge, writer, log, cursor, in_flight,
                            validate_with, run_dir_checkpointer(plan, training, run_dir, log))
         for step in steps if config.off_policy == 0 else ():
+            pending_signal.raise_pending()  # a signal that a library swallowed stops the run here
             one_step(plan, step, training, tokenizer, judge, writer, log, cursor)
             validate(step + 1)
             if distributed.is_main():  # after validation: a checkpoint at step k implies its validation row

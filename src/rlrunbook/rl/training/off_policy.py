@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlrunbook import pending_signal
 from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.training.dynamic_sampling import SampledStep
 from rlrunbook.rl.training.lag import Lag, sampling_step, staleness
@@ -90,6 +91,7 @@ def run_off_policy(plan: RunPlan, steps: Iterable[int], first: int, training, to
         for batch in range(first, min(first + k, total - 1) + 1):
             submit_batch(batch)
         for step in steps:
+            pending_signal.raise_pending()  # a signal that a library swallowed stops the run here
             waited = time.perf_counter()
             got = pending.pop(step).result()
             arrived = time.perf_counter()
