@@ -1,12 +1,16 @@
-"""Asynchronous RL with the vLLM sampler: the server samples while the trainer trains, and an asynchronous run
-is still reproducible bit for bit (the server samples a snapshot written from the sampler's own weights)."""
+"""Asynchronous RL with the vLLM sampler: the server samples a snapshot written from the sampler's own weights
+while the trainer trains, on the schedule the config fixes.
+
+Not asserted: bit-for-bit equality of two runs. Two runs through one CPU vLLM server differ in the sampler's
+logprobs from the second step on (measured 2026-11-25: K = 0 and K = 1 alike; the server's prefix cache and
+batch composition change its arithmetic) and sometimes in tokens; runs reproducible at any K need the
+in-process engine (tests/unit/rl/training/test_off_policy.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -57,29 +61,32 @@ def test_vllm_sampling_does_not_wait_behind_forward_backward(vllm_settings, monk
         service.close()
 
 
-def _run(root: Path, monkeypatch, vllm_url: str, slow_sampler: float) -> Path:
-    from rlrunbook.backend.sampling_client import LocalSamplingClient
-
+def _run(root: Path, monkeypatch, vllm_url: str, off_policy: int, timeline: Path | None = None) -> Path:
     monkeypatch.setenv("TINKER_LOCAL_SAMPLER", "vllm")
     monkeypatch.setenv("TINKER_LOCAL_VLLM_URL", vllm_url)
-    original = LocalSamplingClient._sample_batch
-
-    def slowed(self, *args, **kwargs):
-        time.sleep(slow_sampler)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(LocalSamplingClient, "_sample_batch", slowed)
+    if timeline is not None:
+        monkeypatch.setenv("TINKER_LOCAL_TIMELINE", str(timeline))
     config = TrainConfig(model="tiny-vllm", env="summary", num_rollouts=4, num_groups=1, steps=3, max_tokens=16,
-                         seed=0, learning_rate=0.05, off_policy=1, log_root=str(root), name="async-vllm",
+                         seed=0, learning_rate=0.05, off_policy=off_policy, log_root=str(root), name="async-vllm",
                          checkpoint={"every": 3})
     return run_training(config, log=lambda *_: None)
 
 
-def test_an_asynchronous_run_with_the_vllm_sampler_is_reproducible(tmp_path, monkeypatch, vllm_url):
-    runs = [_run(tmp_path / name, monkeypatch, vllm_url, slow) for name, slow in (("a", 0.0), ("b", 0.5))]
-    rows = [[{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)}
-             for line in (run / "train_log.jsonl").read_text().splitlines()] for run in runs]
-    assert [row["async/staleness"] for row in rows[0]] == [0, 1, 1]
-    assert rows[0] == rows[1]
-    adapters = [(run / "checkpoints" / "step_000003" / "adapter_model.safetensors").read_bytes() for run in runs]
-    assert adapters[0] == adapters[1]
+def _rows(run: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)}
+            for line in (run / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_an_asynchronous_run_with_the_vllm_sampler_samples_while_it_trains(tmp_path, monkeypatch, vllm_url):
+    """K = 1 with the vLLM sampler: the lag is the scheduled one, the correction is on, and the server's
+    sampling calls ran while training calls ran (the backend's timeline)."""
+    from rlrunbook.backend.timeline import overlap_seconds, read_timeline
+
+    timeline = tmp_path / "timeline.jsonl"
+    rows = _rows(_run(tmp_path / "run", monkeypatch, vllm_url, 1, timeline))
+    assert [row["async/staleness"] for row in rows] == [0, 1, 1]
+    assert all("mismatch/corrected_fraction" in row for row in rows)
+    records = read_timeline(timeline)
+    sampling = [r for r in records if r["worker"] == "rlrunbook-sampler"]
+    assert sampling and all(r["call"] == "LocalSamplingClient._sample_batch" for r in sampling)
+    assert overlap_seconds(records, "rlrunbook-local", "rlrunbook-sampler") > 0
