@@ -794,7 +794,7 @@ def cases() -> list[Case]:  # noqa: C901 - one long table, by class
         Case("off-policy-api-backend", "", T3 + ["--off-policy", "1"],
              env={"TINKER_BACKEND": "api", "TINKER_API_KEY": "tml-" + "x" * 40,
                   "TINKER_BASE_URL": "http://127.0.0.1:9"}, timeout=150),
-        Case("off-policy-generate-sampler", "", T3 + ["--off-policy", "1", "--sampler", "generate"],
+        Case("off-policy-generate-sampler", "", T3 + ["--off-policy", "1", "backend.sampler=generate"],
              stop_at_run=True),
         Case("off-policy-correction-none", "", T3 + ["--off-policy", "1", "mismatch.correction=none"],
              stop_at_run=True),
@@ -807,7 +807,8 @@ def cases() -> list[Case]:  # noqa: C901 - one long table, by class
         Case("resume-sync-checkpoint-with-off-policy", "", ["train", "--resume-from", "{ck1}", "--off-policy", "1"],
              needs_run=True, timeout=240),
         Case("cookbook-max-steps-off-policy-negative", "",
-             ["cookbook", "tinker_cookbook.recipes.math_rl.train", "model_name=tiny", "env=arithmetic",
+             ["cookbook", "--renderer", "qwen3_instruct", "tinker_cookbook.recipes.math_rl.train", "model_name=tiny",
+              "env=arithmetic",
               "max_steps_off_policy=-1", "loss_fn=importance_sampling", "max_steps=1"], timeout=240),
         Case("ctl-off-policy-1", "", T3 + ["--off-policy", "1"], expect="accept", timeout=300),
         )
