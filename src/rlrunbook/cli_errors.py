@@ -110,6 +110,8 @@ def _describe_library(error: BaseException) -> str | None:
     if module == "tinker":
         return (f"the Tinker service (TINKER_BACKEND=api) failed: {kind}: {error}. Fix: check TINKER_API_KEY, "
                 "TINKER_BASE_URL and the network, or unset TINKER_BACKEND to train on this machine.")
+    if module == "tinker_cookbook" and kind == "ConfigurationError":  # a recipe's own check of its arguments
+        return f"{error} Fix: change that recipe argument (its name=value on the command line)."
     if module == "huggingface_hub":
         return (f"the Hugging Face Hub could not give what was asked ({kind}: {error}). Fix: pass a local folder or "
                 "file, or give network access (unset HF_HUB_OFFLINE) or fill the cache with `hf download`.")

@@ -219,6 +219,18 @@ def test_cookbook_with_an_unknown_renderer_names_the_option_and_the_renderers(tm
     assert "Traceback" not in result.stderr
 
 
+def test_cookbook_a_recipe_argument_the_cookbook_refuses_is_one_paragraph(tmp_path):
+    """tinker-cookbook's own ConfigurationError (its check of a recipe argument) is the user's to fix: exit 2."""
+    result = run_command("cookbook", "--renderer", "qwen3_instruct", "tinker_cookbook.recipes.math_rl.train",
+                         "model_name=tiny", "env=arithmetic", "max_steps_off_policy=-1",
+                         "loss_fn=importance_sampling", "max_steps=1", f"log_path={tmp_path / 'run'}",
+                         env={"TINKER_BACKEND": "local"})
+    err = result.stderr
+    assert result.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "ConfigurationError: AsyncConfig needs max_steps_off_policy >= 0" in err
+    assert "change that recipe argument" in err
+
+
 def test_cookbook_with_an_unknown_recipe(tmp_path):
     result = run_command("cookbook", "tinker_cookbook.recipes.no_such_recipe", env={"TINKER_BACKEND": "local"})
     err = result.stderr
