@@ -781,6 +781,38 @@ def cases() -> list[Case]:  # noqa: C901 - one long table, by class
              unset=("TINKER_API_KEY",), timeout=150),
         )
 
+    # --- asynchronous training ------------------------------------------------------------------------------
+    T3 = TQA[:-4] + ["-s", "3", "--max-tokens", "8"]
+    add("async",
+        Case("off-policy-negative", "", T3 + ["--off-policy", "-1"]),
+        Case("off-policy-not-a-number", "", T3 + ["--off-policy", "one"]),
+        Case("off-policy-1e20", "", T3 + ["--off-policy", str(10 ** 20)]),
+        Case("off-policy-65", "", T3 + ["--off-policy", "65"]),
+        Case("off-policy-at-steps", "", T3 + ["--off-policy", "3"]),
+        Case("off-policy-yaml-float", "", ["train", "--config-file", "{work}/cfg.yaml", "--model", "tiny"],
+             setup=lambda c: w(c.work / "cfg.yaml", "steps: 3\nnum_rollouts: 4\noff_policy: 1.5\n")),
+        Case("off-policy-api-backend", "", T3 + ["--off-policy", "1"],
+             env={"TINKER_BACKEND": "api", "TINKER_API_KEY": "tml-" + "x" * 40,
+                  "TINKER_BASE_URL": "http://127.0.0.1:9"}, timeout=150),
+        Case("off-policy-generate-sampler", "", T3 + ["--off-policy", "1", "backend.sampler=generate"],
+             stop_at_run=True),
+        Case("off-policy-correction-none", "", T3 + ["--off-policy", "1", "mismatch.correction=none"],
+             stop_at_run=True),
+        Case("off-policy-cap-without-truncate", "", T3 + ["--off-policy", "1", "mismatch.correction=mask",
+                                                          "mismatch.cap=3"]),
+        Case("concurrent-sampling-2", "", T3 + ["--off-policy", "1"], env={"TINKER_LOCAL_CONCURRENT_SAMPLING": "2"}),
+        Case("timeline-into-a-file-as-folder", "", T3 + ["--off-policy", "1"],
+             env={"TINKER_LOCAL_TIMELINE": "{work}/f/timeline.jsonl"}, setup=lambda c: w(c.work / "f", "x")),
+        Case("timeline-dev-full", "", T3 + ["--off-policy", "1"], env={"TINKER_LOCAL_TIMELINE": "/dev/full"}),
+        Case("resume-sync-checkpoint-with-off-policy", "", ["train", "--resume-from", "{ck1}", "--off-policy", "1"],
+             needs_run=True, timeout=240),
+        Case("cookbook-max-steps-off-policy-negative", "",
+             ["cookbook", "--renderer", "qwen3_instruct", "tinker_cookbook.recipes.math_rl.train", "model_name=tiny",
+              "env=arithmetic",
+              "max_steps_off_policy=-1", "loss_fn=importance_sampling", "max_steps=1"], timeout=240),
+        Case("ctl-off-policy-1", "", T3 + ["--off-policy", "1"], expect="accept", timeout=300),
+        )
+
     # --- overwrites ----------------------------------------------------------------------------------------
     add("overwrite",
         Case("eval-out-run-metadata", "", EVAL + ["--out", "{run}/run_metadata.json"], needs_run=True),

@@ -26,7 +26,7 @@ from rlrunbook.errors import ConfigError
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # train's flags (argparse dest) → the config key they set.
 TRAIN_FLAGS = {name: name for name in (
-    "mode", "env", "dataset", "num_rollouts", "num_groups", "steps", "name", "seed", "temperature", "max_tokens",
+    "mode", "env", "dataset", "num_rollouts", "num_groups", "steps", "off_policy", "name", "seed", "temperature", "max_tokens",
     "min_p", "reward_fn", "mock_judge", "judge_model", "debate_train", "debate_grpo_reward", "model", "log_root",
     "learning_rate", "lora_rank", "loss_fn", "summary_max_words", "deterministic", "expected_dataset_hash")}
 TRAIN_FLAGS.update({
@@ -533,6 +533,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--num-rollouts", dest="num_rollouts", type=int, help="rollouts per step (16)")
     parser.add_argument("--num-groups", type=int, help="question groups per step; must divide -n (1)")
     parser.add_argument("-s", "--steps", type=int, help="optimizer steps (1)")
+    parser.add_argument("--off-policy", type=int, metavar="K",
+                        help="asynchronous RL: sample up to K batches ahead of training, batch i from the weights "
+                             "after step max(0, i - K) (0 = synchronous, the default)")
     parser.add_argument("--name", help="run name (run)")
     parser.add_argument("--seed", type=int, help="data order, LoRA init and sampling seed (0)")
     parser.add_argument("--temperature", type=float, help="sampling temperature (1.0)")

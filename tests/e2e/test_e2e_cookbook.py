@@ -39,9 +39,9 @@ def conversations() -> Path:
                     pytrace=False)
 
 
-def run_recipe(tmp_path: Path, *args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
+def run_recipe(tmp_path: Path, *args: str, expect_rc: int = 0, **env_vars: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TINKER_LOCAL_STORAGE=str(tmp_path / "tinker"), HF_HUB_OFFLINE="1",
-               HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"), PYTHONUNBUFFERED="1")
+               HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"), PYTHONUNBUFFERED="1", **env_vars)
     env.setdefault("TINKER_LOCAL_DEVICE", "cpu")
     done = subprocess.run([sys.executable, "-m", "rlrunbook.cookbook", *args], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=600, check=False)
@@ -89,17 +89,27 @@ def test_math_rl_arithmetic(tmp_path):
 
 
 def test_math_rl_async_off_policy(tmp_path):
-    """max_steps_off_policy=1: rollouts of step k may come from the step k-1 sampler while k trains."""
-    log = tmp_path / "math_rl_async"
-    run_recipe(tmp_path, "tinker_cookbook.recipes.math_rl.train", *COMMON_RL, "renderer_name=qwen3_instruct",
-               "env=arithmetic", "group_size=8", "groups_per_batch=8", "max_tokens=24", "max_steps=3",
-               "max_steps_off_policy=1", "eval_every=0", "save_every=0", f"log_path={log}",
-               "behavior_if_log_dir_exists=delete")
+    """max_steps_off_policy=1, the recipe unmodified: rollouts of step k may come from the step k-1 sampler
+    while k trains, and the backend's timeline shows sampling calls running while training calls run."""
+    from rlrunbook.backend.timeline import overlap_seconds, read_timeline
+
+    log, timeline = tmp_path / "math_rl_async", tmp_path / "timeline.jsonl"
+    done = run_recipe(tmp_path, "tinker_cookbook.recipes.math_rl.train", *COMMON_RL, "renderer_name=qwen3_instruct",
+                      "env=arithmetic", "group_size=8", "groups_per_batch=8", "max_tokens=24", "max_steps=3",
+                      "max_steps_off_policy=1", "eval_every=0", "save_every=0", f"log_path={log}",
+                      "behavior_if_log_dir_exists=delete", TINKER_LOCAL_TIMELINE=str(timeline))
+    assert "TINKER_LOCAL_CONCURRENT_SAMPLING=1: max_steps_off_policy=1" in done.stderr
     rows = step_rows(log, 3)
     for row in rows:
         finite(row, "loss:sum", "grad_norm:mean", "optim/kl_sample_train_v1", "time/total")
     lags = [row["training_client/step"] - row["sampling_client/step_min"] for row in rows]
     assert max(lags) >= 1, f"no step trained on an older snapshot's rollouts: lags {lags}"
+    records = read_timeline(timeline)
+    training = [r for r in records if r["worker"] == "rlrunbook-local" and ("forward_backward" in r["call"]
+                                                                             or "optim_step" in r["call"])]
+    assert training and any(r["worker"] == "rlrunbook-sampler" for r in records)
+    both = training + [r for r in records if r["worker"] == "rlrunbook-sampler"]
+    assert overlap_seconds(both, "rlrunbook-local", "rlrunbook-sampler") > 0, "sampling never ran during training"
 
 
 @pytest.mark.data("gsm8k")

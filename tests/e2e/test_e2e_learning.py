@@ -37,9 +37,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 MARGIN = 0.10
 
 
-def test_held_out_reward_rises_on_smollm2(tmp_path):
+@pytest.mark.parametrize("off_policy", [0, pytest.param(1, marks=pytest.mark.long)])
+def test_held_out_reward_rises_on_smollm2(tmp_path, off_policy):
+    """``off_policy`` 1: the same run asynchronous (batch i sampled from the weights after step i - 1, the
+    truncated importance correction on); it must learn as well, by the same margin."""
     config = TrainConfig(env="qa", dataset="test", model="smollm2-135m", num_rollouts=16, num_groups=2, steps=8,
-                         max_tokens=32, learning_rate=3e-4, seed=0, log_root=str(tmp_path), name="learning")
+                         max_tokens=32, learning_rate=3e-4, seed=0, log_root=str(tmp_path), name="learning",
+                         off_policy=off_policy)
     validated, _, task, train_problems = prepare(config)
     held_out = [Problem(r.id, r) for r in arithmetic_problems(16, seed=12345)]
     scores: dict[str, float] = {}

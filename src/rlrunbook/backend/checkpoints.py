@@ -24,10 +24,11 @@ STATE_FILE = "rlrunbook_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def write_adapter(host: ModelHost, folder: Path) -> None:
-    """The live adapter as a peft folder, plus the name of its base model."""
+def write_adapter(host: ModelHost, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The live adapter, or the snapshot ``weights`` (keyed like the model's parameters; the live adapter is
+    then only read for its peft config), as a peft folder, plus the name of its base model."""
     folder.mkdir(parents=True, exist_ok=True)
-    host.model.save_pretrained(str(folder), save_embedding_layers=False)
+    host.model.save_pretrained(str(folder), save_embedding_layers=False, state_dict=weights)
     (folder / BASE_MODEL_FILE).write_text(json.dumps({"base_model": host.name}))
 
 

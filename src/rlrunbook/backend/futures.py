@@ -1,8 +1,14 @@
-"""One worker thread per ServiceClient: calls run in submission order; results are SDK futures.
+"""Worker threads of a ServiceClient: calls run in submission order; results are SDK futures.
 
-Every operation of every client made by one ServiceClient goes through the same worker, so
-``forward_backward`` then ``optim_step`` then ``sample`` take effect in that order even when
-the caller does not wait in between, and the device is never used by two calls at once.
+Every training call of every client made by one ServiceClient goes through the same worker, so
+``forward_backward`` then ``optim_step`` then a snapshot for a sampler take effect in that order even
+when the caller does not wait in between. By default sampling calls go through it too, so the device
+is never used by two calls at once. With ``concurrent_sampling`` (backend/settings.py) the sampling
+clients of the in-process engine have a second worker: each samples its own snapshot, copied into the
+engine's pinned adapter (engines/pinned_adapter.py), so nothing the trainer does can change what it
+returns, and its calls need not wait behind ``forward_backward``/``optim_step``. Calls on one client
+still run in submission order (one worker per side, FIFO). On CPU the two workers split the intra-op
+threads (``threads``) instead of each taking all of them.
 
 Batchable calls (``sample``) that sit next to each other in the queue with the same batch key
 run as one engine call: a loop that submits a whole round of sample requests before waiting
@@ -28,6 +34,7 @@ from typing import Any, TypeVar
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from rlrunbook.backend.openmp import release_openmp_threads
+from rlrunbook.backend.timeline import Timeline, call_name
 
 T = TypeVar("T")
 
@@ -40,6 +47,7 @@ class _Task:
     item: Any = None
     batch_fn: Callable[[list[Any]], list[Any]] | None = None
     rows: int = 1
+    name: str = ""  # what the call is, for the timeline
 
 
 def _current_cuda_device() -> int | None:
@@ -58,7 +66,8 @@ def _current_cuda_device() -> int | None:
 class OrderedWorker:
     """A single worker thread with a FIFO queue; ``submit`` returns an awaitable SDK future."""
 
-    def __init__(self, name: str = "rlrunbook-local", batch_window_s: float = 0.002, max_batch_rows: int = 256):
+    def __init__(self, name: str = "rlrunbook-local", batch_window_s: float = 0.002, max_batch_rows: int = 256,
+                 threads: int | None = None, timeline: Timeline | None = None):
         self._queue: deque[_Task] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -66,6 +75,9 @@ class OrderedWorker:
         self.max_batch_rows = max_batch_rows
         self.batches_run = 0  # engine calls made for batchable tasks (for tests and benchmarks)
         self._holds = 0
+        self.threads = threads  # intra-op threads of this worker (None: torch's default)
+        self.name = name
+        self.timeline = timeline  # where each call's start and end are recorded (None: nowhere)
         # The current CUDA device is per thread; a process that picked its GPU (torchrun: cuda:LOCAL_RANK,
         # see rlrunbook.distributed.init) must not have its model land on cuda:0 from this thread.
         self._cuda_device = _current_cuda_device()
@@ -83,12 +95,13 @@ class OrderedWorker:
         return AwaitableConcurrentFuture(task.future)
 
     def submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> AwaitableConcurrentFuture[T]:
-        return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs)))
+        return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs), name=call_name(fn)))
 
     def submit_batchable(self, key: Hashable, item: Any, batch_fn: Callable[[list[Any]], list[Any]],
                          rows: int = 1) -> AwaitableConcurrentFuture:
         """Queue ``item``; consecutive items with the same ``key`` are handed to ``batch_fn`` together."""
-        return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows))
+        return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows,
+                                   name=call_name(batch_fn)))
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -125,6 +138,11 @@ class OrderedWorker:
                 self._cv.wait(remaining)
 
     def _loop(self) -> None:
+        if self.threads is not None:  # per thread in OpenMP: this worker's parallel regions use this many
+            import torch
+
+            torch.get_num_threads()  # torch's lazy per-thread init first: it would reset the count on first use
+            torch.set_num_threads(self.threads)
         if self._cuda_device is not None:
             import torch
 
@@ -136,12 +154,15 @@ class OrderedWorker:
                 if not self._queue:
                     return
                 task = self._queue.popleft()
+            batch = [task] if task.key is None else self._take_batch(task)
+            start = time.perf_counter()
             if task.key is None:
-                self._resolve([task], lambda: [task.run()])
+                self._resolve(batch, lambda: [task.run()])
             else:
-                batch = self._take_batch(task)
                 self.batches_run += 1
                 self._resolve(batch, lambda: task.batch_fn([t.item for t in batch]))
+            if self.timeline is not None:
+                self.timeline.record(self.name, task.name, start, time.perf_counter(), len(batch))
 
     def _resolve(self, tasks: list[_Task], compute: Callable[[], list[Any]]) -> None:
         live = [t for t in tasks if t.future.set_running_or_notify_cancel()]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -75,6 +77,23 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def clone_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of the adapter weights: a sampler snapshot."""
     return {name: p.detach().clone() for name, p in adapter_parameters(model).items()}
+
+
+def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every LoRA factor, trainable or not (an adapter loaded for inference is frozen)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()
+            if ".lora_A." in name or ".lora_B." in name}
+
+
+@contextmanager
+def snapshot_loaded(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside the block the adapter holds ``weights``; the live values (not their gradients) come back after."""
+    live = clone_adapter(model)
+    load_adapter(model, weights)
+    try:
+        yield
+    finally:
+        load_adapter(model, live)
 
 
 @torch.no_grad()

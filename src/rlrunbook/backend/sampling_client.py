@@ -103,10 +103,14 @@ class LocalSamplingClient(ResolvedClient):
     """
 
     def __init__(self, host: ModelHost, weights: SamplerWeights, worker: OrderedWorker,
-                 live_version: Callable[[], int | None], model_path: str | None = None):
+                 live_version: Callable[[], int | None], model_path: str | None = None,
+                 model_worker: OrderedWorker | None = None):
         self._host = host
         self._weights = weights
         self._worker = worker
+        # Where a call that computes with the in-process model runs when ``worker`` must not touch it (a vLLM
+        # sampler on the sampling worker: its prompt logprobs need the live model, on the training worker).
+        self._model_worker = model_worker or worker
         self._live_version = live_version
         self.model_path = model_path
         self._adapter = None  # the vLLM sampler's view of these weights (TINKER_LOCAL_SAMPLER=vllm)
@@ -164,9 +168,9 @@ class LocalSamplingClient(ResolvedClient):
             request = dataclasses.replace(request, seed=self._host.engine.next_seed())
         job = SampleJob(tokens, num_samples, request)
         key = (id(self._host), id(self._weights), request.max_tokens, request.filters, request.stop,
-               request.stop_strings)
-        return self._worker.submit_batchable(key, (job, include_prompt_logprobs), self._sample_batch,
-                                             rows=num_samples)
+               request.stop_strings, include_prompt_logprobs and self._host.vllm is not None)
+        worker = self._model_worker if include_prompt_logprobs and self._host.vllm is not None else self._worker
+        return worker.submit_batchable(key, (job, include_prompt_logprobs), self._sample_batch, rows=num_samples)
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int,
                            sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,
@@ -174,15 +178,29 @@ class LocalSamplingClient(ResolvedClient):
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
                                  topk_prompt_logprobs, **options)
 
+    def _computing_with_weights(self):
+        """The block in which the host computes with this client's weights: the engine's pinned copy of the
+        snapshot where the engine has one (nothing the trainer does touches it; see
+        engines/pinned_adapter.py), else the snapshot copied into the live adapter for the call (which must
+        then run on the training worker)."""
+        pin = getattr(self._host.engine, "pinned_weights", None)
+        if pin is not None and self._host.vllm is None:
+            return pin(self._weights.adapter, self._weights.key)
+        return active_weights(self._host, self._weights, self._live_version())
+
     def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
         """One engine call for every queued request that shares these weights and settings."""
-        with active_weights(self._host, self._weights, self._live_version()):
-            jobs = [job for job, _ in items]
-            if self._host.vllm is None:
+        jobs = [job for job, _ in items]
+        if self._host.vllm is None:
+            with self._computing_with_weights():
                 results = self._host.engine.sample_jobs(jobs, weights_key=self._weights.key)
-            else:  # a vLLM server samples; it loads this client's snapshot, written here while it is live
-                results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
-            prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
+                prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
+        else:  # a vLLM server samples this client's snapshot, written from the snapshot (the live model untouched)
+            results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
+            prompt_lps = [None] * len(items)
+            if any(want for _, want in items):  # in process: these calls run on the model's own worker
+                with self._computing_with_weights():
+                    prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
         return [self._response(completions, prompt_lp)
                 for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
 
@@ -237,14 +255,19 @@ class LocalSamplingClient(ResolvedClient):
             raise InputError("compute_logprobs of an empty prompt: give at least one token.")
 
         def run() -> list[float | None]:
-            with active_weights(self._host, self._weights, self._live_version()):
+            with self._computing_with_weights():
                 values = self._prompt_logprobs(tokens)
             return [None, *values[1:]]
 
-        return self._worker.submit(run)
+        return (self._worker if self._host.vllm is None else self._model_worker).submit(run)
 
     async def compute_logprobs_async(self, prompt: types.ModelInput) -> list[float | None]:
         return await self.compute_logprobs(prompt)
+
+    def weights_state(self) -> dict[str, torch.Tensor] | None:
+        """LOCAL EXTENSION: the adapter tensors this client samples (a snapshot: never changed; do not change
+        them), or ``None`` for the base model. What a checkpoint of an asynchronous run saves of its samplers."""
+        return self._weights.adapter
 
     def get_tokenizer(self):
         return self._host.tokenizer

@@ -18,12 +18,13 @@ from typing_extensions import Self
 from rlrunbook.backend.checkpoints import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.futures import OrderedWorker, completed
 from rlrunbook.backend.host import ModelHost, SamplerWeights, load_host
-from rlrunbook.backend.lora import clone_adapter, load_saved_adapter, wrap_with_lora
+from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
 from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.backend.storage import CheckpointStore, RunRecord, parse_tinker_path
+from rlrunbook.backend.timeline import Timeline
 from rlrunbook.backend.trainer import LoraTrainer
 from rlrunbook.backend.training_client import LocalTrainingClient
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
@@ -73,7 +74,11 @@ class LocalServiceClient:
     def __init__(self, settings: LocalSettings | None = None, **_sdk_kwargs: object):
         self.settings = settings if settings is not None else LocalSettings.from_env()
         self._store = CheckpointStore(self.settings.resolved_storage_dir())
-        self._worker = OrderedWorker(max_batch_rows=self.settings.max_batch_rows)
+        training_threads, self._sampler_threads = self.settings.worker_threads()
+        self._timeline = Timeline(self.settings.timeline) if self.settings.timeline is not None else None
+        self._worker = OrderedWorker(max_batch_rows=self.settings.max_batch_rows, threads=training_threads,
+                                     timeline=self._timeline)
+        self._sampling_worker: OrderedWorker | None = None  # made on first use, with concurrent_sampling
         self._base_hosts: dict[str, ModelHost] = {}
         self._training: dict[str, LocalTrainingClient] = {}
         self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
@@ -193,20 +198,38 @@ class LocalServiceClient:
     def _sampling_client(self, host: ModelHost | None, weights: SamplerWeights | None, model_path: str | None,
                          live_version, *, base_model: str | None = None) -> LocalSamplingClient:
         if host is not None and weights is not None:
-            return LocalSamplingClient(host, weights, self._worker, live_version, model_path)
+            return LocalSamplingClient(host, weights, self._worker_for(host), live_version, model_path,
+                                       self._worker)
         if base_model is not None:
             host = self._worker.run(self._base_host, base_model)
-            return LocalSamplingClient(host, SamplerWeights.base(), self._worker, lambda: None, None)
+            return LocalSamplingClient(host, SamplerWeights.base(), self._worker_for(host), lambda: None, None,
+                                       self._worker)
         assert model_path is not None
         parsed = parse_tinker_path(model_path)
         folder = self._store.existing_folder(parsed)
         live = self._training.get(parsed.model_id)
         if live is not None:  # the run is in this process: share its model, sample the saved snapshot
             weights = SamplerWeights(adapter=self._worker.run(read_adapter, live._host, folder), version=-1)
-            return LocalSamplingClient(live._host, weights, self._worker, live._live_version, model_path)
+            return LocalSamplingClient(live._host, weights, self._worker_for(live._host), live._live_version,
+                                       model_path, self._worker)
         host = self._worker.run(self._host_from_adapter, folder)
-        return LocalSamplingClient(host, SamplerWeights(adapter=clone_adapter(host.model), version=0),
-                                   self._worker, lambda: 0, model_path)
+        return LocalSamplingClient(host, SamplerWeights(adapter=lora_tensors(host.model), version=0),
+                                   self._worker_for(host), lambda: 0, model_path, self._worker)
+
+    def _worker_for(self, host: ModelHost) -> OrderedWorker:
+        """The worker a sampling client of ``host`` runs on: the sampling worker with ``concurrent_sampling``
+        where sampling never touches the live model (the in-process ``hf`` engine samples a pinned copy of the
+        snapshot; a vLLM server samples the snapshot written as an adapter folder), else the one worker.
+
+        The ``generate`` engine computes with the live adapter, so its calls stay on the training worker, in
+        submission order with the training calls (as do a vLLM client's prompt logprobs, computed in process)."""
+        if not self.settings.concurrent_sampling or (
+                host.vllm is None and getattr(host.engine, "pinned_weights", None) is None):
+            return self._worker
+        if self._sampling_worker is None:
+            self._sampling_worker = OrderedWorker(name="rlrunbook-sampler", max_batch_rows=self.settings.max_batch_rows,
+                                                  threads=self._sampler_threads, timeline=self._timeline)
+        return self._sampling_worker
 
     def _base_host(self, base_model: str) -> ModelHost:
         if base_model not in self._base_hosts:
@@ -245,6 +268,8 @@ class LocalServiceClient:
         if not self._closed:
             self._closed = True
             _LIVE.discard(self)
+            if self._sampling_worker is not None:  # its queued calls first: they may sample on a vLLM server
+                self._sampling_worker.shutdown()
             if self._vllm is not None:  # after the queued calls, on the thread its servers die with
                 self._worker.run(self._vllm.close)
             self._worker.shutdown()
@@ -254,14 +279,18 @@ class LocalServiceClient:
         """Local extension, for Ctrl-C: cancel the queued calls, let the running one finish (up to ``timeout``
         seconds), stop a vLLM sampler's servers, stop the worker. True when the worker has ended (nothing runs
         in torch any more); ``close`` afterwards does nothing."""
+        sampling = self._sampling_worker
         if self._closed:
-            return self._worker.shutdown(timeout=timeout)
+            return self._worker.shutdown(timeout=timeout) and (sampling is None or sampling.shutdown(timeout=timeout))
         self._closed = True
         _LIVE.discard(self)
         self._worker.cancel_pending()
+        if sampling is not None:
+            sampling.cancel_pending()
         if self._vllm is not None:  # queued behind the running call, on the thread its servers die with
             self._worker.submit(self._vllm.close)
-        return self._worker.shutdown(timeout=timeout)
+        stopped = sampling is None or sampling.shutdown(timeout=timeout)
+        return self._worker.shutdown(timeout=timeout) and stopped
 
 
 class SdkLocalServiceClient(LocalServiceClient):

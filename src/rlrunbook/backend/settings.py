@@ -112,6 +112,16 @@ class LocalSettings:
             ``backend.load_in_4bit``).
         vllm: the vLLM sampler's server: managed or external, restarts, limits (``TINKER_LOCAL_VLLM_*``;
             see :class:`rlrunbook.backend.vllm_settings.VllmSettings`).
+        concurrent_sampling: sampling clients of the in-process engine run their calls on a second worker
+            thread, on their own pinned snapshot, so they do not wait behind ``forward_backward`` and
+            ``optim_step`` (``TINKER_LOCAL_CONCURRENT_SAMPLING``: 1 | 0; default 0, every call on one
+            worker in submission order). Set by ``train --off-policy K`` with K > 0. See backend/futures.py.
+        sampler_threads: with ``concurrent_sampling`` on CPU, the intra-op threads of the sampling worker; the
+            training worker gets the rest of the process's, so the two never oversubscribe the cores
+            (``TINKER_LOCAL_SAMPLER_THREADS``; default 0: half, at least 1). Fixed for the service's life:
+            a thread count changes how reductions are split, so it must not follow timing.
+        timeline: a file to which each worker call's start and end are appended, one JSON line each
+            (``TINKER_LOCAL_TIMELINE``; default none). See :mod:`rlrunbook.backend.timeline`.
     """
 
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -131,6 +141,9 @@ class LocalSettings:
     zero_advantage_batches: str = "error"
     load_in_4bit: bool = False
     vllm: VllmSettings = field(default_factory=VllmSettings)
+    concurrent_sampling: bool = False
+    sampler_threads: int = 0
+    timeline: Path | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device, "the local backend's device (TINKER_LOCAL_DEVICE, backend.device or --device)")
@@ -153,6 +166,15 @@ class LocalSettings:
                               "(TINKER_LOCAL_MICRO_BATCH_TOKENS; 'auto' derives it from the device's memory).")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
+
+    def worker_threads(self) -> tuple[int | None, int | None]:
+        """Intra-op threads of the (training, sampling) workers: ``(None, None)`` (torch's own count) unless
+        sampling runs concurrently on CPU, where the process's threads are split between the two."""
+        if not self.concurrent_sampling or not self.device.startswith("cpu"):
+            return None, None
+        total = torch.get_num_threads()
+        sampler = min(max(1, total - 1), self.sampler_threads or max(1, total // 2))
+        return max(1, total - sampler), sampler
 
     def decoder_numerics(self) -> Numerics:
         """How the in-process engine and the trainer round (both get the same)."""
@@ -205,14 +227,23 @@ class LocalSettings:
         checkpointing = env.get("TINKER_LOCAL_ACTIVATION_CHECKPOINTING", "").strip().lower()
         if checkpointing:
             kwargs["activation_checkpointing"] = checkpointing
+        concurrent = env.get("TINKER_LOCAL_CONCURRENT_SAMPLING", "").strip()
+        if concurrent:
+            if concurrent not in ("0", "1"):
+                raise ConfigError(f"TINKER_LOCAL_CONCURRENT_SAMPLING={concurrent!r} must be 1 (a second worker "
+                                  "samples while the trainer trains) or 0 (one worker, submission order).")
+            kwargs["concurrent_sampling"] = concurrent == "1"
         if env.get("TINKER_LOCAL_STORAGE"):
             kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
+        if env.get("TINKER_LOCAL_TIMELINE", "").strip():
+            kwargs["timeline"] = Path(env["TINKER_LOCAL_TIMELINE"].strip())
         return cls(
             seed=_int_env(env, "TINKER_LOCAL_SEED", 0, 0),
             grad_accum_chunks=_int_env(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1),
             lora_alpha=_int_env(env, "TINKER_LOCAL_LORA_ALPHA", 32, 1),
             max_batch_rows=_int_env(env, "TINKER_LOCAL_MAX_BATCH_ROWS", 256, 1),
             prefix_cache_tokens=_int_env(env, "TINKER_LOCAL_PREFIX_CACHE_TOKENS", 65536, 0),
+            sampler_threads=_int_env(env, "TINKER_LOCAL_SAMPLER_THREADS", 0, 0),
             sampler=sampler,
             vllm=VllmSettings.from_env(env),
             **kwargs,  # type: ignore[arg-type]

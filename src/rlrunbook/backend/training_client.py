@@ -9,7 +9,7 @@ from tinker import types
 from rlrunbook.backend.checkpoints import load_training_state, save_training_state, write_adapter
 from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
 from rlrunbook.backend.host import ModelHost, SamplerWeights
-from rlrunbook.backend.lora import clone_adapter
+from rlrunbook.backend.lora import clone_adapter, snapshot_loaded
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.storage import CheckpointStore, TinkerPath, checkpoint_name, parse_tinker_path
 from rlrunbook.backend.trainer import LoraTrainer, TrainingState
@@ -59,6 +59,22 @@ class LocalTrainingClient(ResolvedClient):
         rejects them); see ``LoraTrainer.forward_backward`` for their meaning and the metrics they add.
         """
         return self._worker.submit(self._trainer.forward_backward, list(data), loss_fn, loss_fn_config)
+
+    def forward_on_sampler_weights(self, sampler: LocalSamplingClient, data: list[types.Datum], loss_fn: str,
+                                   loss_fn_config: Mapping[str, float | str] | None = None):
+        """LOCAL EXTENSION: ``forward`` computed with the weights ``sampler`` samples (one of this client's
+        snapshots), in order with the other training calls; the live adapter (and any accumulated gradient) is
+        as it was afterwards. An asynchronous loop measures with it the sampler-trainer mismatch at equal
+        weights (numerics alone), apart from the lag of a batch sampled from older weights."""
+        adapter = sampler.weights_state()
+        if adapter is None:
+            raise ConfigError("forward_on_sampler_weights needs a sampler of this client's adapter, not the base model.")
+
+        def run() -> types.ForwardBackwardOutput:
+            with snapshot_loaded(self._host.model, adapter):
+                return self._trainer.forward(list(data), loss_fn, loss_fn_config)
+
+        return self._worker.submit(run)
 
     async def forward_async(self, data, loss_fn, loss_fn_config=None):
         return self.forward(data, loss_fn, loss_fn_config)

@@ -43,7 +43,7 @@ def adapter_rank(host: ModelHost) -> int | None:
 def snapshot_adapter(host: ModelHost, weights: SamplerWeights) -> Adapter | None:
     """The adapter a SamplingClient samples from, named by a digest of its weights (``None``: the base model).
 
-    ``write`` saves the *live* adapter: call it where ``weights`` are active (inside ``active_weights``).
+    ``write`` saves the snapshot itself (never the live adapter), so it may run while the trainer trains.
     """
     if weights.adapter is None:
         return None
@@ -55,7 +55,7 @@ def snapshot_adapter(host: ModelHost, weights: SamplerWeights) -> Adapter | None
     return Adapter(
         name=digest.hexdigest()[:24],
         rank=adapter_rank(host) or 1,
-        write=lambda folder: write_adapter(host, folder),
+        write=lambda folder: write_adapter(host, folder, weights.adapter),
     )
 
 

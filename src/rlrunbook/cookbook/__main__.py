@@ -67,6 +67,7 @@ def prepare(args: argparse.Namespace):
         answer_model_table,
         bind_local_clients,
         register_builtin_tokenizers,
+        sample_concurrently_when_off_policy,
         serve_datasets_locally,
     )
 
@@ -76,6 +77,7 @@ def prepare(args: argparse.Namespace):
     if backend_name() == "local":  # before any cookbook module binds the name
         bind_local_clients(bindings)
         accept_zero_advantage_batches(bindings)
+        sample_concurrently_when_off_policy(bindings, args.recipe_args)
     else:
         from rlrunbook.backend.api_access import check_api_access
 

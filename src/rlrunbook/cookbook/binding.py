@@ -7,7 +7,7 @@ has an ``undo`` for tests. None of them is imported by the library: only the run
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +17,8 @@ logger = logging.getLogger("rlrunbook.cookbook")
 
 # The built-in models speak ChatML (<|im_start|>role ... <|im_end|>): the cookbook's qwen3_instruct renderer.
 CHATML_RENDERER = "qwen3_instruct"
+# The local backend's switch for a second, sampling worker (rlrunbook.backend.settings).
+CONCURRENT_SAMPLING_ENV = "TINKER_LOCAL_CONCURRENT_SAMPLING"
 
 
 @dataclass
@@ -68,6 +70,26 @@ def accept_zero_advantage_batches(bindings: Bindings) -> None:
     os.environ[ZERO_ADVANTAGES_ENV] = "accept"
     bindings.add(f"{ZERO_ADVANTAGES_ENV}=accept: an all-tied batch is a zero-gradient step, as on the hosted "
                  "service (set it to 'error' to refuse such batches)", lambda: os.environ.pop(ZERO_ADVANTAGES_ENV))
+
+
+def sample_concurrently_when_off_policy(bindings: Bindings, recipe_args: Sequence[str]) -> None:
+    """A recipe run with ``max_steps_off_policy`` > 0 samples while it trains (the cookbook's asynchronous
+    loop): let the local backend run sampling on a worker of its own (``TINKER_LOCAL_CONCURRENT_SAMPLING``),
+    unless the user chose otherwise. A synchronous recipe keeps one worker (on CPU, splitting the threads
+    would only slow its sampling)."""
+    import os
+
+    values = [arg.split("=", 1)[1] for arg in recipe_args if arg.startswith("max_steps_off_policy=")]
+    if not values or not values[-1].strip().isdigit() or int(values[-1]) == 0:
+        return
+    chosen = os.environ.get(CONCURRENT_SAMPLING_ENV)
+    if chosen:
+        bindings.add(f"{CONCURRENT_SAMPLING_ENV}={chosen} (as set)", lambda: None)
+        return
+    os.environ[CONCURRENT_SAMPLING_ENV] = "1"
+    bindings.add(f"{CONCURRENT_SAMPLING_ENV}=1: max_steps_off_policy={values[-1]}, so the backend samples on a "
+                 "worker of its own while the trainer trains (set it to 0 for one worker)",
+                 lambda: os.environ.pop(CONCURRENT_SAMPLING_ENV))
 
 
 def register_builtin_tokenizers(bindings: Bindings) -> None:

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.float64_weights import float64_weights
-from rlrunbook.engines.lora_groups import GroupFactors, active_adapter_names, add_group_updates, group_factors
+from rlrunbook.engines.lora_groups import GroupFactors, adapter_names, adapter_weights, add_group_updates, group_factors
+from rlrunbook.engines.pinned_adapter import PinnedAdapter
 from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_applies
 from rlrunbook.engines.stacking import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
@@ -189,6 +190,16 @@ class Decoder:
         self._fixed_depth = 0
         self.onednn_products = onednn_applies(self.numerics.name, self.numerics.cpu_products, weight.device,
                                               weight.dtype)
+        # Where set (a sampling engine's call), LoRA factors and whether the adapter is on are read from these
+        # engine-owned copies, not from the modules the trainer updates (engines/pinned_adapter.py).
+        self.pinned: PinnedAdapter | None = None
+
+    def adapter_state(self) -> tuple:
+        """What decides which adapters a pass adds, for caches keyed by it (captured graphs)."""
+        if self.pinned is not None:
+            return ("pinned", self.pinned.enabled)
+        lora = next((m for m in self.model.modules() if hasattr(m, "lora_A")), None)
+        return ("live", lora is not None and bool(lora.disable_adapters))
 
     @property
     def lm(self) -> torch.nn.Module:
@@ -272,7 +283,7 @@ class Decoder:
         plan = None
         if not self.numerics.float64_matmuls and stackable(bases):
             weight, bias = stacked_weights(bases)
-            factors = group_factors(modules) if self.grouped_adapters and self._fixed_depth else None
+            factors = group_factors(modules, self.pinned) if self.grouped_adapters and self._fixed_depth else None
             plan = _GroupPlan(weight, bias, [b.out_features for b in bases], bases, factors)
         if self._fixed_depth:
             self._plans[key] = (self._epoch, plan)
@@ -281,11 +292,11 @@ class Decoder:
     def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A peft LoRA module's output from its base layer's ``result`` on input ``x``."""
         result_dtype = result.dtype
-        for name in active_adapter_names(module):
+        for name in adapter_names(module, self.pinned):
             if name in getattr(module, "lora_variant", {}):
                 raise ConfigError(f"LoRA variant {type(module.lora_variant[name]).__name__} (DoRA, ...) "
                                   "is not supported by this engine; use plain LoRA.")
-            a, b = module.lora_A[name].weight, module.lora_B[name].weight
+            a, b = adapter_weights(module, name, self.pinned)
             scaling = module.scaling[name]
             if self.numerics.float64_matmuls:
                 delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling

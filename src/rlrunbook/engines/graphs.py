@@ -5,8 +5,10 @@ an H100 for SmolLM2-135M under ``generate``, whose weights take 0.09 ms to read)
 captured graph launches the whole step at once. Everything a step reads lives in buffers that
 outlive the capture: the engine's reused :class:`~rlrunbook.engines.layouts.RowCache` (keys, values,
 lengths), the token buffer below, and the model's parameters, which optimizer steps and sampler
-snapshots change in place, so a graph captured once serves every later step of the run. peft's
-``disable_adapter()`` is a Python-side switch, so the base model and the adapted one get separate graphs.
+snapshots change in place (or the engine's pinned copies of them, :mod:`rlrunbook.engines.pinned_adapter`,
+whose addresses never change either), so a graph captured once serves every later step of the run. Whether
+the adapter is on is a Python-side switch (peft's ``disable_adapter()``, or the pinned state's flag), so the
+base model and the adapted one get separate graphs.
 """
 
 from __future__ import annotations
@@ -34,18 +36,14 @@ class DecodeGraphs:
         self.decoder = decoder
         self._captured: dict[tuple, _Captured] = {}
         self._memory_pool = torch.cuda.graph_pool_handle()
-        self._lora = next((m for m in decoder.model.modules() if hasattr(m, "lora_A")), None)
         self.captures = 0
-
-    def _adapter_state(self) -> bool:
-        return self._lora is not None and bool(self._lora.disable_adapters)
 
     def _run(self, cache: RowCache, tokens: torch.Tensor) -> torch.Tensor:
         return self.decoder.logits(self.decoder.hidden(tokens, cache.lengths, cache))
 
     def step(self, cache: RowCache, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, V]`` of one decode step over every row of ``cache`` fed ``tokens`` (``[rows]``)."""
-        key = (id(cache.keys[0]), cache.window, self._adapter_state())
+        key = (id(cache.keys[0]), cache.window, self.decoder.adapter_state())
         captured = self._captured.get(key)
         if captured is None:
             captured = self._capture(cache, tokens)

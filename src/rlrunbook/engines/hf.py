@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -39,6 +40,7 @@ from rlrunbook.engines.filters import apply_filters
 from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
 from rlrunbook.engines.noise import mix_seed
+from rlrunbook.engines.pinned_adapter import PinnedAdapter
 from rlrunbook.engines.stops import DecodeBatch, StopTracker
 from rlrunbook.errors import GenerationLeakError, InputError
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
@@ -129,6 +131,7 @@ class HFSamplingEngine(InProcessEngine):
         self.decoder = Decoder(model, numerics)
         self.prefix_cache_tokens = prefix_cache_tokens
         self._pool: _PrefixPool | None = None
+        self._pinned: PinnedAdapter | None = None
         self._caches: dict[int, RowCache] = {}  # by rows, all of capacity self._capacity
         self._capacity = 0
         self._graphs = None
@@ -149,6 +152,7 @@ class HFSamplingEngine(InProcessEngine):
     def model(self, model: torch.nn.Module) -> None:
         self.decoder = Decoder(model, self.decoder.numerics)
         self._pool = None
+        self._pinned = None
         self._drop_caches()
         self._capacity = 0
 
@@ -161,6 +165,21 @@ class HFSamplingEngine(InProcessEngine):
         """Counters a training loop logs per step: graph captures and decode cache rebuilds since the engine began."""
         return {"engine/graph_captures": float(self.graph_captures),
                 "engine/cache_rebuilds": float(self.cache_rebuilds)}
+
+    @contextmanager
+    def pinned_weights(self, adapter: Mapping[str, torch.Tensor] | None, key: Hashable) -> Iterator[None]:
+        """Inside the block this engine computes with ``adapter`` (a sampler snapshot's tensors by parameter
+        name; ``None``: the base model), copied into its own buffers (:mod:`rlrunbook.engines.pinned_adapter`),
+        whatever the trainer does meanwhile to the model's adapter. Not reentrant across threads: one
+        sampling worker uses an engine."""
+        if self._pinned is None:
+            self._pinned = PinnedAdapter(self.decoder.model)
+        self._pinned.load(adapter, key)
+        self.decoder.pinned = self._pinned
+        try:
+            yield
+        finally:
+            self.decoder.pinned = None
 
     def _drop_caches(self) -> None:
         self._dropped_captures = self.graph_captures

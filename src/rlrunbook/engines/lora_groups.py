@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlrunbook.engines.pinned_adapter import PinnedAdapter
+
 
 @dataclass(frozen=True)
 class GroupFactors:
@@ -43,24 +45,38 @@ def active_adapter_names(module: torch.nn.Module) -> list[str]:
     return [name for name in module.active_adapters if name in module.lora_A]
 
 
-def _single_adapter(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+def adapter_names(module: torch.nn.Module, pinned: PinnedAdapter | None = None) -> list[str]:
+    """The adapters a peft LoRA layer adds: as the module is now, or as ``pinned`` holds them."""
+    return active_adapter_names(module) if pinned is None else pinned.adapter_names(module)
+
+
+def adapter_weights(module: torch.nn.Module, name: str,
+                    pinned: PinnedAdapter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` of adapter ``name`` of ``module``: its live parameters, or ``pinned``'s copies."""
+    if pinned is None:
+        return module.lora_A[name].weight, module.lora_B[name].weight
+    return pinned.factors(module, name)
+
+
+def _single_adapter(module: torch.nn.Module,
+                    pinned: PinnedAdapter | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """``(A, B, scaling)`` of a peft LoRA layer computing exactly one plain adapter, else ``None``."""
     if getattr(module, "base_layer", None) is None:
         return None
-    active = active_adapter_names(module)
+    active = adapter_names(module, pinned)
     if len(active) != 1:
         return None
     name = active[0]
     if name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None:
         return None
-    return module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name])
+    return (*adapter_weights(module, name, pinned), float(module.scaling[name]))
 
 
-def group_factors(modules: Sequence[torch.nn.Module]) -> GroupFactors | None:
+def group_factors(modules: Sequence[torch.nn.Module], pinned: PinnedAdapter | None = None) -> GroupFactors | None:
     """The factors of ``modules`` (peft LoRA layers with one active plain adapter each, of one dtype and
-    device), copied as they are now; ``None`` when the group cannot be computed this way (the caller
-    then goes module by module)."""
-    adapters = [_single_adapter(module) for module in modules]
+    device), copied as they are now (or as ``pinned`` holds them); ``None`` when the group cannot be
+    computed this way (the caller then goes module by module)."""
+    adapters = [_single_adapter(module, pinned) for module in modules]
     if any(adapter is None for adapter in adapters):
         return None
     if len({(a.dtype, a.device, b.dtype) for a, b, _ in adapters}) != 1:

@@ -7,6 +7,8 @@ A checkpoint taken after ``k`` completed steps holds everything an exact resume 
       optimizer.pt          AdamW state_dict (tensors and plain numbers; read with weights_only=True)
       rng.json              Python ``random`` and NumPy MT19937 states
       rng.safetensors       torch CPU generator state, and one tensor per CUDA device (``cuda_<i>``)
+      sampler_adapters.safetensors   asynchronous runs only: the snapshots the next batches are sampled
+                            from, keyed ``<step>/<parameter name>`` (see rl/training/off_policy.py)
       checkpoint.json       manifest, written last: format version, step, data cursor, config
                             (secret values redacted; ``withheld`` names them), sha256 and size of every
                             other file, and the sha256 of the manifest itself (``manifest_sha256``, format 2)
@@ -56,6 +58,7 @@ ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_JSON_FILE = "rng.json"
 RNG_TENSOR_FILE = "rng.safetensors"
+SAMPLER_ADAPTERS_FILE = "sampler_adapters.safetensors"
 TEMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 
@@ -75,6 +78,8 @@ class Checkpoint:
     # Where the data order stands (``rl.setup.data_order.DataCursor``): with dynamic sampling a step may
     # draw more problems than it trains on, so the step index alone no longer says which problem is next.
     data_cursor: dict[str, int] | None = None
+    # An asynchronous run's in-flight sampler weights, by the step whose weights they are (empty: synchronous).
+    sampler_adapters: dict[int, dict[str, torch.Tensor]] | None = None
     # The dotted config keys whose values the manifest withheld (secret-named, or holding a credential): a resume
     # takes each again. None for a manifest written before the list existed (then only secret-named keys were).
     withheld: tuple[str, ...] | None = None
@@ -158,7 +163,13 @@ def _write_payload(folder: Path, checkpoint: Checkpoint) -> list[str]:
     _write_json(folder / RNG_JSON_FILE, {"python": rng["python"], "numpy": rng["numpy"]})
     tensors = {"torch_cpu": rng["torch_cpu"], **{f"cuda_{i}": s for i, s in enumerate(rng["cuda"])}}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / RNG_TENSOR_FILE))
-    return names + [RNG_JSON_FILE, RNG_TENSOR_FILE]
+    names += [RNG_JSON_FILE, RNG_TENSOR_FILE]
+    if checkpoint.sampler_adapters:
+        save_file({f"{step}/{name}": t.detach().to("cpu").contiguous()
+                   for step, adapter in checkpoint.sampler_adapters.items() for name, t in adapter.items()},
+                  str(folder / SAMPLER_ADAPTERS_FILE))
+        names.append(SAMPLER_ADAPTERS_FILE)
+    return names
 
 
 def manifest_sha256(manifest: dict[str, Any]) -> str:
@@ -319,9 +330,25 @@ def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.de
     _read(folder, RNG_TENSOR_FILE, lambda p: torch.Generator().set_state(tensors["torch_cpu"]))
     cuda_count = sum(1 for key in tensors if key.startswith("cuda_"))
     rng.update(torch_cpu=tensors["torch_cpu"], cuda=[tensors[f"cuda_{i}"] for i in range(cuda_count)])
+    sampler_adapters: dict[int, dict[str, torch.Tensor]] = {}
+    if SAMPLER_ADAPTERS_FILE in manifest["files"]:
+        sampler_adapters = _read(folder, SAMPLER_ADAPTERS_FILE,
+                                 lambda p: _by_step(load_file(str(p), device=str(map_location))))
     return Checkpoint(step=manifest["step"], config=manifest["config"], adapter=adapter, optimizer=optimizer,
                       rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder,
-                      data_cursor=manifest.get("data_cursor") or None, withheld=_withheld(folder, manifest))
+                      data_cursor=manifest.get("data_cursor") or None, sampler_adapters=sampler_adapters or None,
+                      withheld=_withheld(folder, manifest))
+
+
+def _by_step(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """``{"<step>/<parameter>": tensor}`` as ``{step: {parameter: tensor}}``; ValueError for any other key."""
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in flat.items():
+        step, slash, name = key.partition("/")
+        if not (slash and step.isdigit() and name):
+            raise ValueError(f"tensor {key!r} is not named <step>/<parameter>")
+        snapshots.setdefault(int(step), {})[name] = tensor
+    return snapshots
 
 
 def _withheld(folder: Path, manifest: dict[str, Any]) -> tuple[str, ...] | None:

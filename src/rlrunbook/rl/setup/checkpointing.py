@@ -89,17 +89,21 @@ class CheckpointSchedule:
         """Whether a checkpoint is taken after ``completed`` steps: every ``every``, and after the last."""
         return self.every > 0 and (completed % self.every == 0 or completed == self.steps)
 
-    def save_if_due(self, training, run_dir: Path, completed: int, cursor: DataCursor, log=print) -> Path | None:
+    def save_if_due(self, training, run_dir: Path, completed: int, cursor: DataCursor, log=print,
+                    sampler_adapters: dict[int, dict] | None = None) -> Path | None:
         """Save ``<run_dir>/checkpoints/step_<completed>`` when :meth:`due`; the saved folder or None.
 
-        ``cursor``: where the data order stands after ``completed`` steps."""
+        ``cursor``: where the data order stands after ``completed`` steps (an asynchronous run: before the
+        batch of step ``completed``, which may have been sampled already). ``sampler_adapters`` (an asynchronous
+        run): the snapshots its next batches are sampled from, by step (rl/training/off_policy.py)."""
         if not self.due(completed):
             return None
         state = _exporter(training).export_training_state()
         folder = save_checkpoint(run_dir, Checkpoint(step=completed, config=self.config_record, adapter=state.adapter,
                                                      optimizer=state.optimizer, rng=capture_rng(),
                                                      weights_version=state.weights_version,
-                                                     data_cursor=cursor.to_dict()))
+                                                     data_cursor=cursor.to_dict(),
+                                                     sampler_adapters=sampler_adapters or None))
         log(f"[checkpoint] {folder}")
         return folder
 

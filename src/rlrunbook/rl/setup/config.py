@@ -67,7 +67,8 @@ class LossSettings(_Section):
 
 
 class MismatchSettings(_Section):
-    """The sampler-trainer mismatch: a gate (on by default) and a correction (off by default).
+    """The sampler-trainer mismatch: a gate (on by default) and a correction (off by default on-policy; truncate
+    with ``off_policy`` > 0).
 
     The mismatch is a step's mean |sampler - trainer| logprob over the trained tokens, like with like:
     both under the sampled distribution (logits / T and the filters). Thresholds are stated at T = 1
@@ -79,9 +80,10 @@ class MismatchSettings(_Section):
 
     warn: Float = Field(0.01, gt=0, description="log a warning when a step's mean mismatch exceeds this")
     max: Float = Field(0.03, gt=0, description="stop the run, before the optimizer step, when it exceeds this")
-    correction: Literal["none", "truncate", "mask"] = Field(
-        "none", description="none | truncate: advantages x min(p/q, cap) (truncated importance sampling) | "
-                            "mask: drop tokens whose p/q lies outside [mask_low, mask_high]")
+    correction: Literal["none", "truncate", "mask"] | None = Field(
+        None, description="none | truncate: advantages x min(p/q, cap) (truncated importance sampling) | "
+                          "mask: drop tokens whose p/q lies outside [mask_low, mask_high]; null: truncate "
+                          "with off_policy > 0, else none (resolved when the config is validated)")
     cap: Float | None = Field(None, ge=1, description="truncate only: the cap of the importance ratio (null: 2.0)")
     mask_low: Float | None = Field(None, gt=0, lt=1, description="mask only: lowest ratio kept (null: 0.125)")
     mask_high: Float | None = Field(None, gt=1, description="mask only: highest ratio kept (null: 8.0)")
@@ -170,6 +172,9 @@ class TrainConfig(BaseModel):
     num_rollouts: Int = Field(16, description="rollouts per step (-n); split evenly into question groups")
     num_groups: Int = Field(1, description="question groups per step; each group shares one question")
     steps: Int = Field(1, description="optimizer steps (-s)")
+    off_policy: Int = Field(0, ge=0, description="asynchronous RL: batches sampled ahead while the trainer trains; "
+                                                 "batch i is sampled from the weights after step max(0, i - K). "
+                                                 "0 = the synchronous loop")
     name: str = Field("run", description="run name, last part of the run directory's name")
     seed: Int = Field(0, description="seeds data order, LoRA init and sampling")
     temperature: Float = Field(1.0, description="sampling temperature of the policy")
@@ -259,7 +264,7 @@ class TrainConfig(BaseModel):
         config = self._tinker_loss_config()
         if local:
             config.update(sampling_temperature=self.temperature, sampling_min_p=self.min_p)
-            if self.mismatch.correction != "none":  # knobs left null take the backend's defaults
+            if self.mismatch.correction not in (None, "none"):  # knobs left null take the backend's defaults
                 config["is_correction"] = self.mismatch.correction
                 knobs = {"is_cap": self.mismatch.cap, "is_mask_low": self.mismatch.mask_low,
                          "is_mask_high": self.mismatch.mask_high}
@@ -361,6 +366,9 @@ def validate(config: TrainConfig) -> TrainConfig:
         fail("backend.load_in_4bit with backend.sampler hf: the in-process engine computes with floating-point "
              "base weights only", "Set backend.sampler: generate (transformers generate on the 4-bit weights) or vllm.")
     config = config.replace(reward_fn=reward)
+    if config.mismatch.correction is None:  # the default: correct what a lag adds, only where there is one
+        resolved = "truncate" if config.off_policy > 0 else "none"
+        config = config.replace(mismatch=config.mismatch.model_copy(update={"correction": resolved}))
     dataset = config.dataset or task_class.default_dataset
     check_extra(config.extra, {**paradigm_class.declared_options, **task_class.declared_options},
                 f"--env {config.env} with --mode {config.mode}", dataset=dataset, reward_fn=reward)

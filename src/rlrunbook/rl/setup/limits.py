@@ -33,6 +33,7 @@ MAX_RESAMPLES = 1_000_000  # bootstrap resamples of eval's confidence intervals 
 MAX_TEMPERATURE = 100.0  # logits / 100: every token of a model's vocabulary about equally likely
 MAX_ENTROPY_COEF = 10.0  # a token's entropy is at most ln(vocabulary) (~11 nats); the policy term is ~1 a token
 MAX_SWEEP_POINTS = 1_000  # runs one sweep makes: each point is a whole training run
+MAX_OFF_POLICY = 64  # batches in flight: 8x prime-rl's default lag; each holds a copy of the adapter
 
 # Config files (rl.setup.yaml_source): a config is a few kilobytes of at most three levels.
 MAX_CONFIG_BYTES = 1_048_576
@@ -70,6 +71,9 @@ LIMITS: Mapping[str, Limit] = {
                           "hundreds a step, and the memory plan refuses far fewer on one device"),
     "num_groups": Limit(1, MAX_ROLLOUTS, "--num-groups", "each group holds at least one rollout"),
     "steps": Limit(1, MAX_STEPS, "-s", "a million optimizer steps outlasts any run this project plans"),
+    "off_policy": Limit(0, MAX_OFF_POLICY, "--off-policy", "each batch in flight holds a snapshot of the "
+                        "adapter, and a lag of 64 steps is 8x the widest that asynchronous RL stacks default to "
+                        "(prime-rl, 8)"),
     "max_tokens": Limit(1, MAX_TOKENS, "--max-tokens", "2^20 tokens is beyond any published model's context "
                         "window, and the sampler's cache is sized rows x tokens"),
     "lora_rank": Limit(1, MAX_LORA_RANK, "--lora-rank", "a rank above a layer's width adds no capacity, and "

@@ -50,6 +50,9 @@ class MemoryPlan:
     batch_tokens: int
     shape: str
     notes: list[str] = field(default_factory=list)
+    # off_policy K > 0: sampling and training run at once, and K + 2 more adapter copies are held (the
+    # engine's pinned copy and the snapshots of the batches in flight); 0: one after the other.
+    concurrent_snapshots: int = 0
 
     @property
     def usable(self) -> int:
@@ -72,8 +75,16 @@ class MemoryPlan:
         return self.resident + self.training_state // 4 + self.training_activations
 
     @property
+    def peak(self) -> int:
+        """The most the run holds at once: the larger phase's peak, or both phases together when they overlap."""
+        if not self.concurrent_snapshots:
+            return max(self.sampling_peak, self.training_peak)
+        adapter = self.training_state // 4  # one copy of the adapter's weights
+        return self.training_peak + self.sampling_activations + self.concurrent_snapshots * adapter
+
+    @property
     def fits(self) -> bool:
-        return max(self.sampling_peak, self.training_peak) <= self.usable
+        return self.peak <= self.usable
 
     @property
     def micro_batches(self) -> int:
@@ -169,8 +180,11 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None) -> Memory
         total=total, model=f"{config.model} ({source})", sampler=sampler, weights=weights,
         training_state=sizes.training_state, float64_copy=float64, kv_cache=kv_cache, prefix_pool=pool,
         sampling_activations=activations, vllm_share=vllm_share, micro_batch_tokens=None, recompute_layers=False,
-        training_activations=0, batch_tokens=batch_tokens, shape=shape_text, notes=notes)
+        training_activations=0, batch_tokens=batch_tokens, shape=shape_text, notes=notes,
+        concurrent_snapshots=config.off_policy + 2 if config.off_policy > 0 else 0)
     available = plan.usable - plan.resident - plan.training_state // 4
+    if plan.concurrent_snapshots:  # a micro-batch trains while the sampler holds its activations and snapshots
+        available -= plan.sampling_activations + plan.concurrent_snapshots * (plan.training_state // 4)
     where = (f"{total / GIB:.1f} GiB {device_type} memory, {available / GIB:.1f} GiB left for a micro-batch "
              "after the weights, the training state and the sampler's caches")
     batching = memory.choose_micro_batching(
@@ -202,8 +216,8 @@ def format_plan(plan: MemoryPlan) -> list[str]:
                  f"{batching}{', activation checkpointing' if plan.recompute_layers else ''}; gradient "
                  f"{gib(plan.training_state // 4)}, activations {gib(plan.training_activations)}; peak "
                  f"{gib(plan.training_peak)}")
-    lines.append(("fits" if plan.fits else "DOES NOT FIT") + f": peak {gib(max(plan.sampling_peak, plan.training_peak))} "
-                 f"of {gib(plan.usable)} usable")
+    lines.append(("fits" if plan.fits else "DOES NOT FIT") + f": peak {gib(plan.peak)} of {gib(plan.usable)} usable"
+                 + (" (sampling and training at once: --off-policy)" if plan.concurrent_snapshots else ""))
     lines += [f"note: {note}" for note in plan.notes]
     return lines
 
@@ -212,7 +226,7 @@ def check_fits(plan: MemoryPlan) -> None:
     """``ConfigError`` naming the largest consumer's knob when ``plan`` does not fit its device."""
     if plan.fits:
         return
-    peak = max(plan.sampling_peak, plan.training_peak)
+    peak = plan.peak
     consumers = {
         "the decode KV cache": (plan.kv_cache, "fewer rows per sampling call (-n, or TINKER_LOCAL_MAX_BATCH_ROWS) "
                                               "or shorter sequences (--max-tokens, data.max_prompt_tokens), or "

@@ -43,14 +43,17 @@ def training_device(stated: BackendSettings) -> str | None:
     return local_settings(stated).device if backend_name() == "local" else None
 
 
-def default_service(stated: BackendSettings, micro_batching=None):
+def default_service(stated: BackendSettings, micro_batching=None, *, concurrent_sampling: bool = False):
     """A service client of the selected backend (the local one with :func:`local_settings`). ``micro_batching``:
     a run's memory plan (:class:`rlrunbook.rl.setup.memory_plan.MemoryPlan`), whose micro-batch size and
-    activation checkpointing the trainer then uses instead of deriving its own."""
+    activation checkpointing the trainer then uses instead of deriving its own. ``concurrent_sampling``
+    (an asynchronous run): the local backend samples on a worker of its own, beside the trainer's."""
     from rlrunbook.backend import backend_name, create_service_client
 
     if backend_name() == "local":
         settings = local_settings(stated)
+        if concurrent_sampling:
+            settings = dataclasses.replace(settings, concurrent_sampling=True)
         if micro_batching is not None:
             settings = dataclasses.replace(settings, micro_batch_tokens=micro_batching.micro_batch_tokens or 0,
                                            activation_checkpointing="on" if micro_batching.recompute_layers else "off")

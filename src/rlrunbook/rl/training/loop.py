@@ -1,6 +1,7 @@
 """The training loop: a run planned once, then step after step (see :mod:`rlrunbook.rl.training.step`).
 
-Each step: sample → score → advantages → datums → forward_backward → optim_step → sync → log. It talks
+Each step: sample → score → advantages → datums → forward_backward → optim_step → sync → log; with
+``off_policy`` K > 0 the sampling of the next K steps overlaps the training (:mod:`rlrunbook.rl.training.off_policy`). It talks
 only to the Tinker-style clients, so it runs on the local backend and on the hosted service alike. Everything a run can get wrong in its options or data fails before a model loads;
 a run that fails later is marked ``failed`` in its metadata, so its directory never passes the rubric.
 """
@@ -19,6 +20,7 @@ from rlrunbook.rl.setup.memory_plan import format_plan
 from rlrunbook.rl.setup.service import default_service, seed_everything
 from rlrunbook.rl.training import data_parallel as dp
 from rlrunbook.rl.training.interrupt import interrupted
+from rlrunbook.rl.training.off_policy import restore_samplers, run_dir_checkpointer, run_off_policy
 from rlrunbook.rl.training.plan import RunPlan, plan_run
 from rlrunbook.rl.training.step import one_step
 from rlrunbook.run import RunWriter, wandb_sink
@@ -75,7 +77,8 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
     try:
         if resume is not None:
             resume.begin(writer)
-        service = service_factory() if service_factory is not None else (owned := default_service(config.backend, plan.memory))
+        service = service_factory() if service_factory is not None else (owned := default_service(
+            config.backend, plan.memory, concurrent_sampling=config.off_policy > 0))
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
                                                        train_unembed=config.train_unembed)
         tokenizer = training.get_tokenizer()
@@ -86,6 +89,10 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
             if distributed.is_main():
                 plan.validator(steps_done, training, tokenizer, writer, log)
 
+        in_flight = {}  # an asynchronous run resumed: the snapshots its next batches are sampled from
+        if resume is not None and config.off_policy > 0:
+            in_flight = restore_samplers(training, resume.checkpoint.sampler_adapters or {}, resume.step,
+                                         config.off_policy)
         first = 0 if resume is None else resume.restore(training)  # a resumed run has copied its validation rows
         cursor = DataCursor() if resume is None else resume.cursor()
         if evaluate is not None:
@@ -93,7 +100,14 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
         if first == 0:
             validate(0)
         steps = range(first, config.steps) if progress is None else progress(range(first, config.steps))
-        for step in steps:
+        if config.off_policy > 0:  # asynchronous: batches sampled ahead on a rollout thread (off_policy.py)
+            def validate_with(steps_done: int, snapshot) -> None:
+                if distributed.is_main():
+                    plan.validator(steps_done, snapshot, tokenizer, writer, log)
+
+            run_off_policy(plan, steps, first, training, tokenizer, judge, writer, log, cursor, in_flight,
+                           validate_with, run_dir_checkpointer(plan, training, run_dir, log))
+        for step in steps if config.off_policy == 0 else ():
             pending_signal.raise_pending()  # a signal that a library swallowed stops the run here
             one_step(plan, step, training, tokenizer, judge, writer, log, cursor)
             validate(step + 1)

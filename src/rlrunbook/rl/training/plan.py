@@ -63,6 +63,24 @@ class RunPlan:
         return new_run_dir(log_root(config.log_root), config.run_mode, config.env, config.name)
 
 
+def check_off_policy(config: TrainConfig, backend: str, world_size: int) -> None:
+    """Refuse, before any model loads, what an asynchronous run (``off_policy`` > 0) does not support yet."""
+    from rlrunbook.errors import ConfigError
+
+    if config.off_policy == 0:
+        return
+    if world_size > 1:
+        raise ConfigError(f"--off-policy {config.off_policy} under torchrun ({world_size} processes): asynchronous "
+                          "training is single-process for now. Run one process, or --off-policy 0.")
+    if backend != "local":
+        raise ConfigError(f"--off-policy {config.off_policy} with TINKER_BACKEND={backend}: the lag's measures and "
+                          "the importance correction (mismatch.correction) are local-backend extensions. Use "
+                          "TINKER_BACKEND=local, or --off-policy 0.")
+    if config.off_policy >= config.steps:
+        raise ConfigError(f"--off-policy {config.off_policy} is not below -s {config.steps}: every batch would be "
+                          "sampled from the initial weights. Use a smaller K (1 or 2 is typical) or more steps.")
+
+
 def judge_choice(config: TrainConfig) -> JudgeChoice:
     """The judge of a debate run (mock, or a model judge of ``judge_model``, default the policy's base model)."""
     if config.mode != "debate":
@@ -97,6 +115,7 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
     dataset, data_lines = dataset_record(task, problems)
     layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
+    check_off_policy(config, backend_name(), layout.world_size)
     # With validation on, the last validation.num_problems of the seeded order are held out of training.
     training_problems, order, held_out = split_held_out(problems, problem_order(problems, config.seed),
                                                         config.validation)

@@ -22,6 +22,7 @@ from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.setup.service import is_local
 from rlrunbook.rl.training import data_parallel as dp
 from rlrunbook.rl.training.dynamic_sampling import SampledStep, count_skip, sample_step, skip_reason
+from rlrunbook.rl.training.lag import Lag
 from rlrunbook.rl.training.plan import RunPlan
 from rlrunbook.rl.training.step_guards import check_mismatch, finite_optim_step
 from rlrunbook.run import RunWriter
@@ -73,10 +74,10 @@ def _memory_mb() -> float:
     return round(peak, 1)
 
 
-def _sample(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None, log,
-            cursor: DataCursor) -> SampledStep:
-    """Sample the step's groups with dynamic sampling (tied groups replaced; see rl/training/dynamic_sampling.py)."""
-    sampler = training.save_weights_and_get_sampling_client()
+def sample_batch(plan: RunPlan, step: int, sampler, tokenizer, judge: Judge | None, log,
+                 cursor: DataCursor) -> SampledStep:
+    """Sample step ``step``'s groups from ``sampler`` with dynamic sampling (tied groups replaced; see
+    rl/training/dynamic_sampling.py); ``cursor.next_problem`` advances by the groups drawn."""
 
     def rollout(chosen, group_ids):
         ctx = RolloutContext(sampler, tokenizer, plan.task, plan.rollout, [tokenizer.eos_token_id], judge, log,
@@ -88,7 +89,7 @@ def _sample(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None, 
 
 
 def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, cursor: DataCursor,
-               started: float) -> None:
+               started: float, lag: Lag | None = None) -> None:
     """A step without enough groups with spread: no update; a step file and a log row marked ``skipped``."""
     count_skip(config, step, cursor, sampled, sampled.drawn.rollouts)  # NoLearningSignalError at the limit
     reason = skip_reason(config, sampled)
@@ -104,7 +105,7 @@ def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, 
         "time/sample_s": done - started - batch.metrics.get("time/score_s", 0.0),
         "time/score_s": batch.metrics.get("time/score_s", 0.0), "time/step_s": done - started,
         "throughput/sampled_tokens_per_s": batch.sampled_tokens / max(1e-9, done - started),
-        "memory/rss_mb": _memory_mb(),
+        "memory/rss_mb": _memory_mb(), **(lag.row({}) if lag is not None else {}),
     })
     log(f"warning: step {step} skipped, no update: {reason}. {cursor.skipped_in_a_row} step(s) skipped in a row; "
         f"the run stops at {config.dynamic_sampling.max_skipped_steps}.")
@@ -113,14 +114,24 @@ def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, 
 def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None, writer: RunWriter, log,
               cursor: DataCursor) -> None:
     """One optimizer step: sample, score, advantages, datums, forward_backward, optim_step, log."""
-    config = plan.config
     started = time.perf_counter()
-    sampled = _sample(plan, step, training, tokenizer, judge, log, cursor)
+    sampler = training.save_weights_and_get_sampling_client()
+    sampled = sample_batch(plan, step, sampler, tokenizer, judge, log, cursor)
+    train_batch(plan, step, sampled, training, writer, log, cursor, started=started, sampled_at=time.perf_counter())
+
+
+def train_batch(plan: RunPlan, step: int, sampled: SampledStep, training, writer: RunWriter, log, cursor: DataCursor,
+                *, started: float, sampled_at: float, lag: Lag | None = None) -> None:
+    """Train step ``step`` on ``sampled``: advantages, datums, forward_backward, the gates, optim_step, log.
+
+    ``cursor``: its ``skipped_in_a_row`` is counted here. ``lag`` (an asynchronous run): the batch was sampled
+    from older weights; the mismatch gate then reads the mismatch at the sampler's weights (numerics alone)
+    and the row also gets the lag's own measures (see :class:`Lag`)."""
+    config = plan.config
     batch = sampled.drawn
-    sampled_at = time.perf_counter()
     writer.write_rollouts(batch.kind, step, batch.payload)
     if sampled.skipped:
-        _skip_step(config, step, sampled, writer, log, cursor, started)
+        _skip_step(config, step, sampled, writer, log, cursor, started, lag)
         return
     cursor.skipped_in_a_row = 0
     advantages = sampled.advantages
@@ -128,11 +139,16 @@ def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None,
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
     datums = [to_datum(r, a) for r, a in dp.own_share(chosen, sampled.own_groups)]
     loss_config = config.loss_fn_config(local=is_local(training)) or None
-    fb = training.forward_backward(datums, config.loss_fn, loss_config).result() if datums else None
+    fb_future = training.forward_backward(datums, config.loss_fn, loss_config) if datums else None
+    lag_metrics: dict[str, float] = {}
+    if lag is not None and fb_future is not None:
+        lag_metrics = lag.measure(training, datums, config.loss_fn, loss_config, fb_future)
+    fb = fb_future.result() if fb_future is not None else None
     fb_done = time.perf_counter()
     single = distributed.world_size() == 1
     if single and fb is not None:  # before optim_step: a refused step leaves the weights unchanged
-        check_mismatch(step, fb.metrics, config.mismatch, config.temperature, writer, log)
+        check_mismatch(step, {**fb.metrics, **lag.gated(lag_metrics)} if lag is not None else fb.metrics,
+                       config.mismatch, config.temperature, writer, log)
     # A NaN/inf loss or gradient norm is refused before it reaches the weights (step_guards.py). Every rank
     # submits optim_step (its gradient all-reduce needs all of them); a NaN on one rank makes the summed
     # gradient norm NaN everywhere, so the trainer refuses the step on every rank alike.
@@ -168,6 +184,7 @@ def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None,
         "advantage/min": min(advantages), "advantage/max": max(advantages),
         "loss/sum": loss, "num_datums": len(chosen), "num_trained_tokens": trained,
         **{name: float(fb_metrics[key]) for key, name in TRAINER_METRICS.items() if key in fb_metrics},
+        **(lag.row(lag_metrics) if lag is not None else {}),
         "completion_length/mean": statistics.fmean(lengths),
         "grad_norm": float((optim.metrics or {}).get("grad_norm:mean", float("nan"))),
         "time/sample_s": sampled_at - started - batch.metrics.get("time/score_s", 0.0),

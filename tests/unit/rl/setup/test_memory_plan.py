@@ -88,6 +88,14 @@ def test_peaks_add_up_as_stated():
     assert format_plan(plan)[-1].startswith("fits: peak 69.00 GiB of 72.00 GiB usable")
 
 
+def test_an_asynchronous_run_plans_both_phases_at_once():
+    # off_policy 2: training 69 + sampling activations 2 + (2 + 2) adapter copies of 1 GiB = 75 > 72 usable.
+    plan = _plan(concurrent_snapshots=4)
+    assert plan.peak == 75 * GIB and not plan.fits
+    assert format_plan(plan)[-1].startswith("DOES NOT FIT: peak 75.00 GiB of 72.00 GiB usable (sampling and training")
+    assert _plan().peak == 69 * GIB, "synchronous: the larger phase alone"
+
+
 def test_a_plan_that_does_not_fit_names_its_largest_part_and_the_knob():
     with pytest.raises(ConfigError, match=r"largest part is the decode KV cache \(60.0 GiB\).*--max-tokens"):
         check_fits(_plan(kv_cache=60 * GIB))
