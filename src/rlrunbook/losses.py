@@ -74,8 +74,8 @@ _NOT_SUPPORTED = {
     "(token-level clipped ratio) and 'importance_sampling'",
     "stable_reinforce": "the nearest supported losses are 'cispo' (bounded, detached importance weight) "
     "and 'importance_sampling'",
-    "custom": "server-registered losses do not exist locally; compute the loss client-side with "
-    "forward_backward_custom (which runs on 'cross_entropy')",
+    "custom": "server-registered losses do not exist locally; pass the loss itself to "
+    "forward_backward_custom (a callable, or a LossHandle of ServiceClient.create_custom_loss)",
 }
 
 

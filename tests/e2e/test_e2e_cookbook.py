@@ -144,6 +144,31 @@ def test_rl_loop_default_loss_is_refused_naming_the_nearest(tmp_path):
     assert "stable_reinforce" in done.stderr and "'cispo'" in done.stderr and "'importance_sampling'" in done.stderr
 
 
+# Preference pairs in Anthropic/hh-rlhf's format (a "chosen" and a "rejected" dialogue), written for this test.
+HH_PAIRS = [("What is 2 + 2?", "2 + 2 is 4.", "It is 5."), ("Name a colour.", "Blue is a colour.", "I will not say."),
+            ("Say hello.", "Hello!", "No."), ("What is the capital of France?", "Paris.", "London."),
+            ("Is water wet?", "Water makes things wet.", "Maybe."), ("Count to three.", "1, 2, 3.", "3, 2."),
+            ("What is 3 * 3?", "9.", "6."), ("Spell cat.", "C-A-T.", "K-A-T.")]
+
+
+def test_dpo_runs_on_forward_backward_custom(tmp_path):
+    """The DPO recipe unmodified: its loss is a forward_backward_custom callable. The first step starts at the
+    reference (loss ln 2); the second has moved toward the chosen answers."""
+    pairs = tmp_path / "hh.jsonl"
+    pairs.write_text("".join(json.dumps({"chosen": f"\n\nHuman: {q}\n\nAssistant: {good}",
+                                         "rejected": f"\n\nHuman: {q}\n\nAssistant: {bad}"}) + "\n"
+                             for q, good, bad in HH_PAIRS))
+    log = tmp_path / "dpo"
+    run_recipe(tmp_path, "--renderer", "qwen3_instruct", "--hf-dataset", f"Anthropic/hh-rlhf={pairs}",
+               "tinker_cookbook.recipes.preference.dpo.train", "model_name=tiny", "dataset=hhh", "batch_size=4",
+               "max_length=256", "max_steps=2", f"log_path={log}", "behavior_if_log_dir_exists=delete")
+    first, second = step_rows(log, 2)
+    for row in (first, second):
+        finite(row, "dpo_loss", "margin", "loss:sum")
+    assert abs(first["dpo_loss"] - math.log(2)) < 1e-5, first["dpo_loss"]
+    assert second["dpo_loss"] < math.log(2) and second["margin"] > 0, second
+
+
 def test_sl_loop_cross_entropy(tmp_path, conversations):
     log = tmp_path / "sl_loop"
     run_recipe(tmp_path, "--renderer", "qwen3_instruct", "--hf-dataset", f"HuggingFaceH4/no_robots={conversations}",

@@ -83,6 +83,7 @@ class LocalServiceClient:
         self._training: dict[str, LocalTrainingClient] = {}
         self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
         self._closed = False
+        self.session_id = f"local-session-{uuid.uuid4().hex[:12]}"  # what LossHandles of this client name
         _LIVE.add(self)
 
     def result(self, timeout: float | None = None) -> Self:
@@ -138,7 +139,8 @@ class LocalServiceClient:
             self._store.write_run(record)
             return LocalTrainingClient(host, trainer, self._worker, model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,
-                                       sampling_client_factory=self._sampling_client)
+                                       sampling_client_factory=self._sampling_client,
+                                       session_id=self.session_id)
 
         client = self._worker.run(build)
         self._training[client.model_id] = client
@@ -255,6 +257,18 @@ class LocalServiceClient:
     def create_rest_client(self) -> LocalRestClient:
         """Run and checkpoint queries over this backend's storage folder."""
         return LocalRestClient(self._store)
+
+    def create_custom_loss(self, fn, input_ranks):
+        """An APIFuture of a ``LossHandle`` for ``TrainingClient.forward_backward_custom``, as the SDK makes it:
+        ``fn(logprobs, <loss_fn_inputs it reads>...) -> (loss, metrics)`` per datum, traced with torch.fx and
+        checked by the SDK's own rules (``input_ranks`` gives each parameter's rank). It runs in process;
+        only training clients of this ServiceClient accept it."""
+        from tinker.lib.public_interfaces.custom_loss import trace_loss
+
+        return completed(trace_loss(fn, input_ranks, self.session_id))
+
+    async def create_custom_loss_async(self, fn, input_ranks):
+        return self.create_custom_loss(fn, input_ranks).result()
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         """The built-in models; any local folder or cached hub id works as well."""

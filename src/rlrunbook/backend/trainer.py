@@ -255,6 +255,18 @@ class LoraTrainer:
         """
         return self._run(data, loss_fn, loss_fn_config, backward=True)
 
+    def forward_backward_custom(self, data: Sequence[types.Datum], loss_fn) -> types.ForwardBackwardOutput:
+        """Gradients of a caller's loss of the targets' logprobs, added to those already accumulated
+        (see :mod:`rlrunbook.backend.custom_loss`)."""
+        from rlrunbook.backend.custom_loss import forward_backward_custom
+
+        return forward_backward_custom(self, data, loss_fn)
+
+    def note_gradients(self, loss: float) -> None:
+        """A backward pass added ``loss``'s gradients: the next ``optim_step`` applies them."""
+        self._has_gradients = True
+        self._pending_loss += loss
+
     def _run(self, data: Sequence[types.Datum], loss_fn: str,
              loss_fn_config: Mapping[str, float | str] | None, *, backward: bool) -> types.ForwardBackwardOutput:
         spec = get_loss(loss_fn)

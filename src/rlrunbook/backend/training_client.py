@@ -25,7 +25,8 @@ class LocalTrainingClient(ResolvedClient):
     """
 
     def __init__(self, host: ModelHost, trainer: LoraTrainer, worker: OrderedWorker, *,
-                 model_id: str, rank: int, store: CheckpointStore, sampling_client_factory):
+                 model_id: str, rank: int, store: CheckpointStore, sampling_client_factory,
+                 session_id: str = ""):
         self._host = host
         self._trainer = trainer
         self._worker = worker
@@ -34,6 +35,8 @@ class LocalTrainingClient(ResolvedClient):
         self._store = store
         self._make_sampling_client = sampling_client_factory
         self._snapshots = 0
+        self.session_id = session_id  # LossHandles of this session only (ServiceClient.create_custom_loss)
+        self._custom_loss_failure: Exception | None = None  # after it, training calls are refused (the SDK's rule)
 
     def __getattr__(self, name: str):
         from tinker.lib.public_interfaces.training_client import TrainingClient
@@ -48,7 +51,7 @@ class LocalTrainingClient(ResolvedClient):
     # -- training -------------------------------------------------------------------------
     def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, float | str] | None = None):
         """APIFuture of the loss and per-datum logprobs, without gradients."""
-        return self._worker.submit(self._trainer.forward, list(data), loss_fn, loss_fn_config)
+        return self._worker.submit(self._training_call(self._trainer.forward), list(data), loss_fn, loss_fn_config)
 
     def forward_backward(self, data: list[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float | str] | None = None):
@@ -58,7 +61,60 @@ class LocalTrainingClient(ResolvedClient):
         accepts ``kl_coef``, ``kl_estimator`` and ``entropy_coef`` (a LOCAL EXTENSION: the hosted service
         rejects them); see ``LoraTrainer.forward_backward`` for their meaning and the metrics they add.
         """
-        return self._worker.submit(self._trainer.forward_backward, list(data), loss_fn, loss_fn_config)
+        return self._worker.submit(self._training_call(self._trainer.forward_backward), list(data), loss_fn,
+                                   loss_fn_config)
+
+    def forward_backward_custom(self, data: list[types.Datum], loss_fn, *, loss_type_input: str | None = None):
+        """APIFuture of a ForwardBackwardOutput for a loss computed by ``loss_fn`` (the SDK's contract): a callable
+        ``loss_fn(data, logprobs_list) -> (loss, metrics)`` or a ``LossHandle`` of
+        ``ServiceClient.create_custom_loss``, given one float32 tensor of target logprobs per datum; its
+        gradient accumulates until ``optim_step``, like ``forward_backward``'s. ``metrics`` holds the loss's
+        own metrics and ``loss:sum``, the loss's value.
+
+        In process the loss's gradient reaches the adapter through autograd (one forward and one backward where
+        the batch is one micro-batch; see :mod:`rlrunbook.backend.custom_loss`). A loss that raises or returns
+        anything but a finite scalar fails this call, naming the cause; as with the SDK, this client then
+        refuses its queued and later training calls.
+        """
+        from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs
+
+        if loss_type_input not in (None, "logprobs"):
+            raise ConfigError(f"loss_type_input={loss_type_input!r}: the loss always receives logprobs (the SDK "
+                              "deprecated this argument); leave it out.")
+        data = list(data)
+        if isinstance(loss_fn, LossHandle):
+            if loss_fn.session_id != self.session_id:
+                raise ConfigError(f"LossHandle {loss_fn.name!r} was created by another ServiceClient (session "
+                                  f"{loss_fn.session_id}); create it with this client's ServiceClient.")
+            check_loss_inputs(loss_fn, data)
+        elif not callable(loss_fn):
+            raise ConfigError(f"loss_fn must be a callable (data, logprobs_list) -> (loss, metrics) or a LossHandle, "
+                              f"got {type(loss_fn).__name__}.")
+        return self._worker.submit(self._training_call(self._custom_step), data, loss_fn)
+
+    async def forward_backward_custom_async(self, data, loss_fn, *, loss_type_input=None):
+        return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
+
+    def _custom_step(self, data: list[types.Datum], loss_fn) -> types.ForwardBackwardOutput:
+        from rlrunbook.backend.custom_loss import CustomLossError
+
+        try:
+            return self._trainer.forward_backward_custom(data, loss_fn)
+        except CustomLossError as error:
+            self._custom_loss_failure = error
+            raise
+
+    def _training_call(self, fn):
+        """``fn``, refused when it runs if a custom loss failed before it (queued calls included)."""
+        def run(*args, **kwargs):
+            if self._custom_loss_failure is not None:
+                raise ConfigError(f"this training client stopped after a failed forward_backward_custom "
+                                  f"({self._custom_loss_failure}); as with the Tinker SDK its later training calls "
+                                  "are refused. Create a new training client (load_state restores saved weights).")
+            return fn(*args, **kwargs)
+
+        run.__qualname__ = getattr(fn, "__qualname__", "training_call")
+        return run
 
     def forward_on_sampler_weights(self, sampler: LocalSamplingClient, data: list[types.Datum], loss_fn: str,
                                    loss_fn_config: Mapping[str, float | str] | None = None):
@@ -93,7 +149,7 @@ class LocalTrainingClient(ResolvedClient):
         params = optim_params if optim_params is not None else adam_params
         if not isinstance(params, types.AdamParams):
             raise ConfigError(f"the local backend optimizes with AdamW: pass types.AdamParams, got {params!r}.")
-        return self._worker.submit(self._trainer.optim_step, params)
+        return self._worker.submit(self._training_call(self._trainer.optim_step), params)
 
     async def optim_step_async(self, optim_params=None, *, adam_params=None):
         return self.optim_step(optim_params, adam_params=adam_params)

@@ -1,0 +1,140 @@
+"""``forward_backward_custom``: a loss the caller computes from the logprobs of each datum's targets.
+
+The SDK's contract: the loss gets the data and one float32 tensor of target logprobs per datum (shaped like
+the datum's ``target_tokens``), returns ``(loss, metrics)``, and its gradient accumulates into the adapter
+exactly as ``forward_backward``'s does, until ``optim_step``. The hosted service needs two passes for it
+(a forward, the loss on the client, then a backward of the linear surrogate ``sum(-dL/dlp * lp)``); in
+process autograd reaches the adapter directly, so a batch that fits one micro-batch takes one forward and
+one backward. A batch split into micro-batches (a token budget, see ``backend/micro_batches.py``) cannot keep
+every micro-batch's graph alive, and a custom loss may couple datums (DPO pairs a chosen and a rejected
+one): it is scored without gradient first, the loss's gradient with respect to each logprob is taken on those
+values, and each micro-batch is then run again with that gradient as the weights of a linear surrogate,
+which gives the same parameter gradient.
+
+A loss that raises, or returns something other than a finite scalar tensor, fails the call with the cause;
+nothing is added to the gradients then (the caller's training client refuses its later training calls, as
+the SDK's does after a failed custom loss).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tinker import types
+
+from rlrunbook.backend.micro_batches import micro_batches
+from rlrunbook.backend.mismatch import split_mismatch_config
+from rlrunbook.errors import InputError
+from rlrunbook.tokens import check_token_ids
+
+CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+class CustomLossError(InputError):
+    """The caller's loss raised, or returned something that is not a finite scalar tensor."""
+
+
+def _items(data: Sequence[types.Datum], vocab_size: int, item_type) -> list[Any]:
+    """Every datum as a trainer item whose loss sees every target position."""
+    items = []
+    for index, datum in enumerate(data):
+        tokens = datum.model_input.to_ints()
+        check_token_ids(tokens, vocab_size, f"datum {index} model_input")
+        if "target_tokens" not in datum.loss_fn_inputs:
+            raise InputError(f"datum {index} has no loss_fn_inputs['target_tokens'] (forward_backward_custom needs "
+                             "them: the logprobs it hands the loss are those of the targets).")
+        targets = datum.loss_fn_inputs["target_tokens"].to_torch().long().reshape(-1)
+        check_token_ids(targets.tolist(), vocab_size, f"datum {index} target_tokens")
+        if len(targets) != len(tokens):
+            raise InputError(f"datum {index}: {len(tokens)} model_input tokens but {len(targets)} target_tokens; "
+                             "there is one target per input position (see rlrunbook.tokens.build_datum_arrays).")
+        everywhere = torch.ones(len(tokens), dtype=torch.bool)
+        items.append(item_type(tokens, targets, {}, everywhere, everywhere))
+    return items
+
+
+def _shaped(values: torch.Tensor, datum: types.Datum) -> torch.Tensor:
+    """``values`` (one per position) in the shape of the datum's ``target_tokens``, as the SDK hands them."""
+    shape = datum.loss_fn_inputs["target_tokens"].shape
+    return values.reshape(shape) if shape is not None else values
+
+
+def _call(loss_fn, data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Run the caller's loss (a callable or a client-side ``LossHandle``) and check what it returns."""
+    from tinker.lib.public_interfaces.custom_loss import LossHandle, run_loss_handle
+
+    name = loss_fn.name if isinstance(loss_fn, LossHandle) else getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    try:
+        result = run_loss_handle(loss_fn, data, logprobs) if isinstance(loss_fn, LossHandle) else loss_fn(data, logprobs)
+    except Exception as error:  # noqa: BLE001 - the caller's code: its failure is this call's, named
+        raise CustomLossError(f"the custom loss {name!r} raised {type(error).__name__}: {error}") from error
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise CustomLossError(f"the custom loss {name!r} returned {type(result).__name__}; it must return "
+                              "(loss, metrics): a scalar tensor and a dict of numbers.")
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CustomLossError(f"the custom loss {name!r} returned a loss of shape {shape}; it must be a scalar tensor "
+                              "(sum or average the per-token terms).")
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise CustomLossError(f"the custom loss {name!r} is {value} on this batch; nothing was trained. Check it for "
+                              "log(0), division by zero or an overflow.")
+    if not loss.requires_grad:
+        raise CustomLossError(f"the custom loss {name!r} does not depend on the logprobs it was given (no gradient "
+                              "flows from it): compute it from them, without .detach() or .item().")
+    if not isinstance(metrics, dict):
+        raise CustomLossError(f"the custom loss {name!r} returned metrics of type {type(metrics).__name__}; "
+                              "return a dict of numbers.")
+    checked = {}
+    for key, metric in metrics.items():
+        try:
+            checked[str(key)] = float(metric.detach()) if isinstance(metric, torch.Tensor) else float(metric)
+        except (TypeError, ValueError, RuntimeError):
+            raise CustomLossError(f"the custom loss {name!r} returned metric {key!r} = {metric!r}, not a number."
+                                  ) from None
+    return loss.reshape(()), checked
+
+
+def forward_backward_custom(trainer, data: Sequence[types.Datum], loss_fn) -> types.ForwardBackwardOutput:
+    """Score ``data``, compute ``loss_fn`` on the targets' logprobs, and add its gradient to the adapter's."""
+    from rlrunbook.backend.trainer import _Item
+
+    data = list(data)
+    if not data:
+        raise InputError("empty batch: forward_backward_custom needs at least one Datum.")
+    items = _items(data, trainer.vocab_size, _Item)
+    filters = split_mismatch_config({})[0].filters
+    batches = micro_batches([item.input_tokens for item in items], trainer.micro_batch_tokens,
+                            trainer.grad_accum_chunks)
+
+    def scored(batch, grad: bool) -> list[torch.Tensor]:
+        chunk = items[batch.start:batch.stop]
+        with torch.set_grad_enabled(grad):
+            flat = trainer.scoring.score(chunk, filters, with_entropy=False, with_reference=False).seen_logprobs
+        return list(torch.split(flat.float(), [len(item.input_tokens) for item in chunk]))
+
+    if len(batches) == 1:  # one forward, and autograd from the loss straight into the adapter
+        logprobs = [_shaped(lp, d) for lp, d in zip(scored(batches[0], grad=True), data, strict=True)]
+        loss, metrics = _call(loss_fn, data, logprobs)
+        loss.backward()
+    else:  # see the module docstring: the loss's gradient per logprob, then a linear surrogate per micro-batch
+        values = [lp for batch in batches for lp in scored(batch, grad=False)]
+        leaves = [_shaped(v.detach().clone(), d).requires_grad_(True) for v, d in zip(values, data, strict=True)]
+        loss, metrics = _call(loss_fn, data, leaves)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        weights = [torch.zeros_like(v) if g is None else g.reshape(-1).to(v.device) for v, g in zip(values, grads)]
+        for batch in batches:
+            surrogate = sum((lp * w).sum() for lp, w in zip(scored(batch, grad=True), weights[batch.start:batch.stop]))
+            surrogate.backward()
+        logprobs = leaves
+    trainer.note_gradients(float(loss.detach()))
+    metrics = {**metrics, "loss:sum": float(loss.detach()),
+               "num_tokens:sum": float(sum(len(item.input_tokens) for item in items)),
+               "micro_batches:sum": float(len(batches)),
+               "micro_batch_tokens:max": float(max(batch.tokens for batch in batches))}
+    outputs = [{"logprobs": types.TensorData.from_torch(lp.detach().float().cpu())} for lp in logprobs]
+    return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
