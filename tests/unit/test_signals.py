@@ -202,6 +202,16 @@ def test_ctrl_c_during_eval_exits_130(tmp_path):
     assert _group_gone(process.pid)
 
 
+@pytest.fixture
+def ctrl_c_as_in_a_terminal():
+    """SIGINT with Python's own handler for the test, as a terminal's process has it: a suite started in the
+    background by a shell without job control (`cmd &`, as CI does) inherits SIGINT ignored (see DRIVER)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_as_in_a_terminal")
 def test_a_signal_that_a_library_turned_into_its_own_error_still_ends_as_the_signal(monkeypatch, capsys):
     """transformers' lazy imports catch the KeyboardInterrupt of a Ctrl-C that lands inside them and raise
     ModuleNotFoundError: the command still ends as interrupted (130, one line), not as a bug report."""
@@ -241,6 +251,7 @@ def test_without_a_signal_a_library_error_is_still_a_bug_report(monkeypatch, cap
     assert "This is a bug in rlrunbook" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("ctrl_c_as_in_a_terminal")
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_a_signal_that_a_library_swallowed_stops_the_command_where_work_begins(monkeypatch, capsys, signum, code):
     """A bare ``except:`` in a module being imported eats the KeyboardInterrupt: the command still stops,
