@@ -61,15 +61,20 @@ def accept_zero_advantage_batches(bindings: Bindings) -> None:
     The cookbook's RL loops send every group, tied ones included, so a batch whose groups all tie
     is normal there; the local backend's default (refuse it) would stop a recipe the service runs.
     """
+    _default_env(bindings, ZERO_ADVANTAGES_ENV, "accept", "an all-tied batch is a zero-gradient step, as on the "
+                 "hosted service (set it to 'error' to refuse such batches)")
+
+
+def _default_env(bindings: Bindings, name: str, value: str, why: str) -> None:
+    """Set the environment variable ``name`` to ``value`` (saying ``why``) unless the user set it already."""
     import os
 
-    chosen = os.environ.get(ZERO_ADVANTAGES_ENV)
+    chosen = os.environ.get(name)
     if chosen:
-        bindings.add(f"{ZERO_ADVANTAGES_ENV}={chosen} (as set)", lambda: None)
+        bindings.add(f"{name}={chosen} (as set)", lambda: None)
         return
-    os.environ[ZERO_ADVANTAGES_ENV] = "accept"
-    bindings.add(f"{ZERO_ADVANTAGES_ENV}=accept: an all-tied batch is a zero-gradient step, as on the hosted "
-                 "service (set it to 'error' to refuse such batches)", lambda: os.environ.pop(ZERO_ADVANTAGES_ENV))
+    os.environ[name] = value
+    bindings.add(f"{name}={value}: {why}", lambda: os.environ.pop(name))
 
 
 def sample_concurrently_when_off_policy(bindings: Bindings, recipe_args: Sequence[str]) -> None:
@@ -77,19 +82,11 @@ def sample_concurrently_when_off_policy(bindings: Bindings, recipe_args: Sequenc
     loop): let the local backend run sampling on a worker of its own (``TINKER_LOCAL_CONCURRENT_SAMPLING``),
     unless the user chose otherwise. A synchronous recipe keeps one worker (on CPU, splitting the threads
     would only slow its sampling)."""
-    import os
-
     values = [arg.split("=", 1)[1] for arg in recipe_args if arg.startswith("max_steps_off_policy=")]
     if not values or not values[-1].strip().isdigit() or int(values[-1]) == 0:
         return
-    chosen = os.environ.get(CONCURRENT_SAMPLING_ENV)
-    if chosen:
-        bindings.add(f"{CONCURRENT_SAMPLING_ENV}={chosen} (as set)", lambda: None)
-        return
-    os.environ[CONCURRENT_SAMPLING_ENV] = "1"
-    bindings.add(f"{CONCURRENT_SAMPLING_ENV}=1: max_steps_off_policy={values[-1]}, so the backend samples on a "
-                 "worker of its own while the trainer trains (set it to 0 for one worker)",
-                 lambda: os.environ.pop(CONCURRENT_SAMPLING_ENV))
+    _default_env(bindings, CONCURRENT_SAMPLING_ENV, "1", f"max_steps_off_policy={values[-1]}, so the backend "
+                 "samples on a worker of its own while the trainer trains (set it to 0 for one worker)")
 
 
 def register_builtin_tokenizers(bindings: Bindings) -> None:
