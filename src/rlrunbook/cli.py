@@ -556,7 +556,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed Python/NumPy/torch and use deterministic torch algorithms")
     parser.add_argument("--expected-dataset-hash", help="refuse the run if the data set's fingerprint differs")
     parser.add_argument("--no-proxy", action="store_true", help="accepted for older run scripts that pass it; no effect")
-    parser.add_argument("--loss-fn", help="importance_sampling (default) | ppo | cispo | dro")
+    parser.add_argument("--loss-fn", help="importance_sampling (default) | ppo | cispo | dro | gspo")
     parser.add_argument("--kl-coef", type=float, help="loss.kl_coef: KL to the reference policy (0 = off)")
     parser.add_argument("--kl-estimator", choices=["k1", "k3", "low_var_kl"], help="loss.kl_estimator (low_var_kl)")
     parser.add_argument("--entropy-coef", type=float, help="loss.entropy_coef: entropy bonus (0 = off)")

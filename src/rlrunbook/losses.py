@@ -10,9 +10,14 @@ grad), ``q`` the sampler's (``loss_fn_inputs["logprobs"]``), ``A`` the advantage
 Config keys and defaults follow the Tinker docs (tinker-docs.thinkingmachines.ai/tinker/losses/*):
 ppo ``clip_low_threshold=0.8, clip_high_threshold=1.2`` (the docs' "epsilon fixed to 0.2"); cispo
 ``0.0, 4.0`` (the docs' one-sided default: no lower bound, cap at 4); dro ``beta=0.05`` (the docs state
-no default, only the example ``{"beta": 0.05}``, so that example is the default here). Thresholds are
-absolute ratio bounds, not epsilons. The SDK also knows per-token ``clip_*_threshold`` and
-``sequence_ratio_mask`` loss inputs; this backend rejects them rather than silently ignoring them.
+no default, only the example ``{"beta": 0.05}``, so that example is the default here); gspo
+``0.9997, 1.0004`` (the GSPO paper's clipping ranges 3e-4 and 4e-4; the installed SDK states none).
+Thresholds are absolute ratio bounds, not epsilons. The SDK also knows per-token ``clip_*_threshold``
+loss inputs; this backend rejects them rather than silently ignoring them. ``sequence_ratio_mask`` is
+read by ``gspo`` (the positions of the sampled sequence) and refused by every other loss.
+
+A sequence-level loss (``LossSpec.per_sequence``) also gets ``inputs["sequence_index"]``: for each
+position, the index of its datum, which the trainer supplies (a datum is one sequence).
 
 The registry ``LOSSES`` is the only dispatch: ``get_loss(name)`` once when a request is built, then
 ``spec.fn(target_logprobs, inputs, config)``.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -59,6 +64,8 @@ class LossSpec:
     config_defaults: Mapping[str, float]  # the only loss_fn_config keys this loss accepts
     uses_advantages: bool
     citation: str
+    optional_inputs: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # read if given, else filled with this value
+    per_sequence: bool = False  # reads inputs["sequence_index"] (supplied by the trainer, not the caller)
 
     @property
     def doc(self) -> str:
@@ -70,8 +77,6 @@ LOSSES: Mapping[str, LossSpec] = MappingProxyType(_LOSSES)
 
 # Tinker loss names (tinker.types.LossFnType) that this backend does not implement, with the nearest one.
 _NOT_SUPPORTED = {
-    "gspo": "its sequence-level ratio is not implemented; the nearest supported losses are 'ppo' "
-    "(token-level clipped ratio) and 'importance_sampling'",
     "stable_reinforce": "the nearest supported losses are 'cispo' (bounded, detached importance weight) "
     "and 'importance_sampling'",
     "custom": "server-registered losses do not exist locally; pass the loss itself to "
@@ -132,11 +137,12 @@ def validate_loss_inputs(spec: LossSpec, inputs: Inputs, *, num_tokens: int | No
             f"loss {spec.name!r} needs loss_fn_inputs {list(spec.required_inputs)}; missing {missing}. "
             f"Got {sorted(inputs)}."
         )
-    unread = sorted(set(inputs) & set(_UNREAD_INPUTS))
+    unread = sorted(set(inputs) & set(_UNREAD_INPUTS) - set(spec.optional_inputs))
     if unread:
         raise InputError(
-            f"loss_fn_inputs {unread} (per-token overrides of the hosted service) are not supported by the "
-            "local backend; set the thresholds once in loss_fn_config instead."
+            f"loss_fn_inputs {unread} are not read by loss {spec.name!r} on the local backend (per-token clip "
+            "thresholds are not supported: set them once in loss_fn_config; sequence_ratio_mask belongs to "
+            "'gspo'). Remove them or pick the loss they belong to."
         )
     lengths = {"target_logprobs": num_tokens} if num_tokens is not None else {}
     for key, value in inputs.items():
@@ -152,7 +158,8 @@ def validate_loss_inputs(spec: LossSpec, inputs: Inputs, *, num_tokens: int | No
         raise InputError(f"loss {spec.name!r}: no token positions to train on ({lengths}).")
 
 
-def _register(name: str, required: tuple[str, ...], defaults: Mapping[str, float], citation: str):
+def _register(name: str, required: tuple[str, ...], defaults: Mapping[str, float], citation: str, *,
+              optional: Mapping[str, float] | None = None, per_sequence: bool = False):
     """Register ``kernel`` (pure maths on a resolved config) behind a validating ``LossFn``."""
 
     def wrap(kernel: LossFn) -> LossFn:
@@ -165,7 +172,8 @@ def _register(name: str, required: tuple[str, ...], defaults: Mapping[str, float
             return kernel(target_logprobs, inputs, resolve_loss_config(spec, config))
 
         frozen_defaults = MappingProxyType(dict(defaults))
-        spec = LossSpec(name, fn, required, frozen_defaults, "advantages" in required, citation)
+        spec = LossSpec(name, fn, required, frozen_defaults, "advantages" in required, citation,
+                        MappingProxyType(dict(optional or {})), per_sequence)
         _LOSSES[name] = spec
         return fn
 
@@ -191,6 +199,7 @@ def _metrics(stats: Mapping[str, Tensor]) -> dict[str, float]:
 _RL_INPUTS = ("logprobs", "advantages")
 _PPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # Tinker: eps fixed to 0.2
 _CISPO_DEFAULTS = {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}  # Tinker docs: one-sided
+_GSPO_DEFAULTS = {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}  # GSPO paper, section 5.1
 
 
 @_register("cross_entropy", ("weights",), {}, "Tinker docs, losses/cross_entropy: weighted NLL")
@@ -271,3 +280,43 @@ def dro(target_logprobs: Tensor, inputs: Inputs, config: Config) -> LossOutput:
     loss = -(lp * adv - penalty).sum()  # ()
     ratio = torch.exp(lp - q)  # (N,)
     return LossOutput(loss, _metrics({"ratio:mean": ratio.mean(), "penalty:sum": penalty.sum()}))
+
+
+@_register("gspo", _RL_INPUTS, _GSPO_DEFAULTS, "Zheng et al. 2025, GSPO, arXiv 2507.18071, eqs. 5-7 and 12",
+           optional={"sequence_ratio_mask": 1.0}, per_sequence=True)
+def gspo(target_logprobs: Tensor, inputs: Inputs, config: Config) -> LossOutput:
+    """GSPO, Zheng et al. 2025 "Group Sequence Policy Optimization": one clipped ratio per sequence.
+
+    For sequence ``i`` with ratio positions ``M_i`` (``sequence_ratio_mask`` != 0; all its positions if
+    the mask is absent), the length-normalised ratio is the geometric mean of the token ratios,
+    ``s_i = exp(mean_{t in M_i} (lp_t - q_t))`` (eq. 7), and it is clipped per sequence:
+    ``loss = -sum_i sum_{t in M_i} min(s_it A_t, clip(s_it, lo, hi) A_t)`` with the GSPO-token ratio
+    ``s_it = sg(s_i) * exp(lp_t - sg(lp_t))`` (eq. 12): equal in value to ``s_i``, with gradient
+    ``s_i * d lp_t``. With one advantage per sequence (GRPO's), its gradient is ``|M_i|`` times the
+    paper's sequence objective's (eq. 5): the paper averages over tokens and sequences, this backend
+    sums over tokens as for every loss. Where the clip binds, the whole sequence gets no gradient.
+    Positions outside the mask neither enter the ratio nor the loss. Defaults ``lo = 1 - 3e-4``,
+    ``hi = 1 + 4e-4`` are the paper's. ``ratio:mean`` averages ``s_i`` over sequences;
+    ``clip_fraction:mean`` is the share of the masked positions whose sequence was clipped.
+    """
+    lo, hi = _clip_bounds("gspo", config)
+    if "sequence_index" not in inputs:
+        raise InputError("loss 'gspo' needs inputs['sequence_index'] (each position's datum), which the "
+                         "trainer supplies; call it through forward_backward.")
+    lp, q, adv = target_logprobs, inputs["logprobs"], inputs["advantages"]  # (N,) each
+    seq = inputs["sequence_index"].long()  # (N,) datum of each position
+    in_ratio = inputs.get("sequence_ratio_mask", torch.ones_like(lp)) != 0  # (N,) bool
+    num_seqs = int(seq.max()) + 1
+    weight = in_ratio.to(lp.dtype)  # (N,)
+    counts = torch.zeros(num_seqs, dtype=lp.dtype, device=lp.device).index_add_(0, seq, weight)  # (S,)
+    log_gap = torch.zeros_like(counts).index_add_(0, seq, (lp - q).detach() * weight)  # (S,)
+    seq_ratio = torch.exp(log_gap / counts.clamp(min=1))  # (S,) detached s_i; 1 where no position counts
+    ratio = seq_ratio[seq] * torch.exp(lp - lp.detach())  # (N,) value s_i, gradient s_i * d lp
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)  # (N,)
+    loss = -(surrogate * weight).sum()  # ()
+    has_positions = counts > 0  # (S,)
+    clipped = ((seq_ratio < lo) | (seq_ratio > hi))[seq] & in_ratio  # (N,)
+    mean_ratio = seq_ratio[has_positions].mean() if bool(has_positions.any()) else seq_ratio.new_ones(())
+    stats = {"ratio:mean": mean_ratio,
+             "clip_fraction:mean": clipped.sum() / in_ratio.sum().clamp(min=1)}
+    return LossOutput(loss, _metrics(stats))

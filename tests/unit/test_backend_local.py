@@ -101,6 +101,37 @@ def test_two_forward_backward_equal_one_over_union(local_service):
     assert moved < 1e-6
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_gspo_takes_one_ratio_per_datum(local_service, chunks):
+    """The trainer hands gspo each position's datum: the loss is -sum_i s_i sum_t A_t with s_i the datum's
+    geometric-mean ratio over its sequence_ratio_mask, recomputed here from the returned logprobs."""
+    client = local_service.create_lora_training_client("tiny", rank=4, seed=0)
+    client._trainer.grad_accum_chunks = chunks
+    sequences = sample_group(client.save_weights_and_get_sampling_client(), n=3, seed=2)
+    shifts = [0.7, 0.0, -0.4]  # datum i's sampler logprobs are off by shifts[i]: s_i = exp(-shift) if unmasked
+    advantages = [1.0, -2.0, 0.5]
+    data, masks = [], []
+    for s, shift, advantage in zip(sequences, shifts, advantages, strict=True):
+        datum = rl_datum(PROMPT, s.tokens, [lp + shift for lp in s.logprobs], advantage)
+        mask = [0.0] * (len(PROMPT) - 1) + [1.0] * len(s.tokens)
+        mask[-1] = 0.0  # the last sampled token is outside the ratio (and the loss)
+        datum.loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_torch(torch.tensor(mask))
+        data.append(datum)
+        masks.append(torch.tensor(mask, dtype=torch.bool))
+    wide = {"clip_low_threshold": 0.0, "clip_high_threshold": 10.0}
+    out = client.forward(data, "gspo", wide).result()
+    expected = 0.0
+    for datum, record, mask, advantage in zip(data, out.loss_fn_outputs, masks, advantages, strict=True):
+        lp = record["logprobs"].to_torch().double()[mask]
+        q = datum.loss_fn_inputs["logprobs"].to_torch().double()[mask]
+        expected -= torch.exp((lp - q).mean()).item() * advantage * int(mask.sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    assert out.metrics["ratio:mean"] == pytest.approx(
+        sum(torch.exp(torch.tensor(-shift)).item() for shift in shifts) / 3, rel=1e-3)
+    clipped = client.forward(data, "gspo").result()  # the paper's bounds: datums 0 and 2 clipped
+    assert clipped.metrics["clip_fraction:mean"] == pytest.approx(2 / 3)
+
+
 def test_sampler_sync_after_step(trainer_client):
     before = trainer_client.save_weights_and_get_sampling_client()
     sequences = sample_group(before)
@@ -194,7 +225,7 @@ def test_prompt_logprobs(trainer_client):
 
 @pytest.mark.parametrize("make_data, loss, error, match", [
     (lambda s: group_datums(s, [1.0] * 4), "no_such_loss", ConfigError, "unknown loss_fn"),
-    (lambda s: group_datums(s, [1.0] * 4), "gspo", ConfigError, "not supported by the local backend"),
+    (lambda s: group_datums(s, [1.0] * 4), "stable_reinforce", ConfigError, "not supported by the local backend"),
     (lambda s: [], "importance_sampling", InputError, "empty batch"),
     (lambda s: [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                             loss_fn_inputs={"target_tokens": [2, 3], "logprobs": [0.0] * 3,

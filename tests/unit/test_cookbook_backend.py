@@ -178,7 +178,7 @@ async def _await(future):
 
 
 def test_losses_the_backend_cannot_reproduce_are_refused(run):
-    """The cookbook's default stable_reinforce (and gspo) are refused, naming the nearest supported loss."""
+    """The cookbook's default stable_reinforce is refused, naming the nearest supported loss."""
     client, data = run
     with pytest.raises(ConfigError, match=r"stable_reinforce.*'cispo'.*'importance_sampling'"):
         client.save_weights_and_get_sampling_client(record_stability_info=True)
@@ -186,8 +186,6 @@ def test_losses_the_backend_cannot_reproduce_are_refused(run):
         client.create_sampling_client("tinker://x/sampler_weights/y", record_stability_info=True)
     with pytest.raises(ConfigError, match="'cispo'"):
         client.forward_backward(data, "stable_reinforce").result()
-    with pytest.raises(ConfigError, match="'ppo'"):
-        client.forward_backward(data, "gspo").result()
 
 
 def test_zero_advantage_batches_error_by_default_and_accept_as_the_service(tmp_path):

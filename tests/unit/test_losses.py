@@ -25,6 +25,7 @@ from rlrunbook.losses import (
     cross_entropy,
     dro,
     get_loss,
+    gspo,
     importance_sampling,
     ppo,
     resolve_loss_config,
@@ -32,7 +33,7 @@ from rlrunbook.losses import (
 )
 
 LN2 = math.log(2.0)
-RL_LOSSES = ["importance_sampling", "ppo", "cispo", "dro"]
+RL_LOSSES = ["importance_sampling", "ppo", "cispo", "dro"]  # token-level; gspo is tested on its own
 
 
 def _t(values) -> torch.Tensor:
@@ -126,6 +127,97 @@ def test_dro_hand_example(config, beta):
     out = dro(lp, inputs, config)
     assert out.loss.item() == pytest.approx(-(3 * LN2 - beta * LN2**2))
     assert out.metrics == {"ratio:mean": pytest.approx(1.25), "penalty:sum": pytest.approx(beta * LN2**2)}
+
+
+# GSPO's example: two sequences (datums). Sequence 0 has positions 0 and 1 with lp - q = [ln 4, 0], so
+# its ratio is the geometric mean s_0 = exp((ln 4 + 0) / 2) = 2; sequence 1 has position 2 with
+# lp - q = -ln 2, so s_1 = 0.5. Advantages per token A = [1, 1, -2].
+def _gspo_example() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    lp = _leaf([math.log(0.8), math.log(0.5), math.log(0.25)])
+    q = _t([math.log(0.2), math.log(0.5), math.log(0.5)])
+    return lp, {"logprobs": q, "advantages": _t([1.0, 1.0, -2.0]), "sequence_index": _t([0, 0, 1])}
+
+
+def test_gspo_hand_example_wide_clip():
+    # lo = 0.25, hi = 3 contain both sequence ratios: every token's ratio is its sequence's,
+    # loss = -(2*1 + 2*1 + 0.5*-2) = -3. Gradient of token t: -s_i A_t = [-2, -2, -0.5*-2] = [-2, -2, 1].
+    lp, inputs = _gspo_example()
+    out = gspo(lp, inputs, {"clip_low_threshold": 0.25, "clip_high_threshold": 3.0})
+    assert out.loss.item() == pytest.approx(-3.0)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, _t([-2.0, -2.0, 1.0]))
+    # ratio:mean over sequences = (2 + 0.5) / 2 = 1.25 (a token mean would give (2+2+0.5)/3 = 1.5)
+    assert out.metrics == {"ratio:mean": pytest.approx(1.25), "clip_fraction:mean": 0.0}
+
+
+def test_gspo_hand_example_default_clip_binds_per_sequence():
+    # The paper's bounds lo = 1 - 3e-4 = 0.9997, hi = 1 + 4e-4 = 1.0004.
+    # sequence 0: s = 2 > hi, A = 1 > 0: min(2, 1.0004) = 1.0004 per token, twice;
+    # sequence 1: s = 0.5 < lo, A = -2:  min(0.5*-2, 0.9997*-2) = -1.9994;
+    # loss = -(2 * 1.0004 - 1.9994) = -0.0014. The clipped branch binds in both sequences: no gradient at all.
+    lp, inputs = _gspo_example()
+    out = gspo(lp, inputs, {})
+    assert out.loss.item() == pytest.approx(-0.0014, abs=1e-12)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, _t([0.0, 0.0, 0.0]))
+    assert out.metrics["clip_fraction:mean"] == 1.0  # every position's sequence was clipped
+
+
+def test_gspo_one_token_clipped_means_its_whole_sequence_is_clipped_not_the_token():
+    # Sequence 0 again (s_0 = 2 from token ratios [4, 1]) with bounds [0.5, 2.5]: token 0's own ratio 4
+    # would be clipped by ppo, but the sequence ratio 2 is inside, so both tokens keep gradient -s_0 A = -2.
+    lp, inputs = _gspo_example()
+    out = gspo(lp, inputs, {"clip_low_threshold": 0.5, "clip_high_threshold": 2.5})
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad[:2], _t([-2.0, -2.0]))
+    token_level = _leaf([math.log(0.8), math.log(0.5)])
+    ppo(token_level, {k: v[:2] for k, v in inputs.items() if k != "sequence_index"},
+        {"clip_low_threshold": 0.5, "clip_high_threshold": 2.5}).loss.backward()
+    torch.testing.assert_close(token_level.grad, _t([0.0, -1.0]))  # ppo: token 0 clipped, token 1 r = 1
+
+
+def test_gspo_gradient_equals_the_papers_sequence_objective_times_length():
+    # With one advantage per sequence (GRPO's), d/dlp of -sum_i |y_i| s_i(theta) A_i, where s_i is the
+    # differentiable geometric mean, equals gspo's gradient (GSPO-token, eq. 12, summed over tokens).
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 1, 4]
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))  # (8,)
+    lp_values = -torch.rand(8, generator=gen, dtype=torch.float64)
+    q = lp_values - 0.01 * torch.randn(8, generator=gen, dtype=torch.float64)
+    seq_adv = torch.randn(3, generator=gen, dtype=torch.float64)
+    inputs = {"logprobs": q, "advantages": seq_adv[seq], "sequence_index": seq.double()}
+    lp = lp_values.clone().requires_grad_()
+    gspo(lp, inputs, {"clip_low_threshold": 0.0, "clip_high_threshold": 10.0}).loss.backward()
+
+    reference = lp_values.clone().requires_grad_()
+    total = reference.new_zeros(())
+    for i, n in enumerate(lengths):
+        at = seq == i
+        s_i = torch.exp((reference[at] - q[at]).mean())
+        total = total - n * s_i * seq_adv[i]
+    total.backward()
+    torch.testing.assert_close(lp.grad, reference.grad)
+
+
+def test_gspo_positions_outside_the_sequence_ratio_mask_enter_neither_the_ratio_nor_the_loss():
+    # A fourth position in sequence 1 with mask 0 and a wild ratio (lp - q = 5): s_1 stays 0.5 and the
+    # loss stays -3 (wide clip); the masked position gets no gradient.
+    lp, inputs = _gspo_example()
+    wild = torch.cat([lp.detach(), _t([-0.1])]).requires_grad_()
+    masked = {"logprobs": torch.cat([inputs["logprobs"], _t([-5.1])]),
+              "advantages": torch.cat([inputs["advantages"], _t([3.0])]),
+              "sequence_index": _t([0, 0, 1, 1]), "sequence_ratio_mask": _t([1, 1, 1, 0])}
+    out = gspo(wild, masked, {"clip_low_threshold": 0.25, "clip_high_threshold": 3.0})
+    assert out.loss.item() == pytest.approx(-3.0)
+    out.loss.backward()
+    torch.testing.assert_close(wild.grad, _t([-2.0, -2.0, 1.0, 0.0]))
+
+
+def test_gspo_needs_the_sequence_index_the_trainer_supplies():
+    lp, inputs = _gspo_example()
+    del inputs["sequence_index"]
+    with pytest.raises(InputError, match="sequence_index"):
+        gspo(lp, inputs, {})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -315,7 +407,10 @@ def _random_inputs(name, n, gen):
         "logprobs": -torch.rand(n, generator=gen, dtype=torch.float64) * 2,
         "advantages": torch.randn(n, generator=gen, dtype=torch.float64),
     }
-    return {key: values[key] for key in spec.required_inputs}
+    inputs = {key: values[key] for key in spec.required_inputs}
+    if spec.per_sequence:  # one position per sequence: any split falls between sequences, as the trainer's do
+        inputs["sequence_index"] = torch.arange(n, dtype=torch.float64)
+    return inputs
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -359,10 +454,10 @@ def test_duplicating_the_batch_doubles_the_loss(name):
 
 
 def test_registry_specs():
-    assert sorted(LOSSES) == ["cispo", "cross_entropy", "dro", "importance_sampling", "ppo"]
+    assert sorted(LOSSES) == ["cispo", "cross_entropy", "dro", "gspo", "importance_sampling", "ppo"]
     assert LOSSES["cross_entropy"].required_inputs == ("weights",)
     assert not LOSSES["cross_entropy"].uses_advantages
-    for name in RL_LOSSES:
+    for name in [*RL_LOSSES, "gspo"]:
         spec = get_loss(name)
         assert spec is LOSSES[name] and spec.name == name
         assert spec.required_inputs == ("logprobs", "advantages")
@@ -381,6 +476,9 @@ def test_config_defaults_are_pinned():
     assert dict(LOSSES["ppo"].config_defaults) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert dict(LOSSES["cispo"].config_defaults) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert dict(LOSSES["dro"].config_defaults) == {"beta": 0.05}
+    # GSPO paper (arXiv 2507.18071, section 5.1): clipping ranges 3e-4 (left) and 4e-4 (right)
+    assert dict(LOSSES["gspo"].config_defaults) == {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}
+    assert LOSSES["gspo"].per_sequence and dict(LOSSES["gspo"].optional_inputs) == {"sequence_ratio_mask": 1.0}
     assert dict(LOSSES["cross_entropy"].config_defaults) == {}
     assert dict(LOSSES["importance_sampling"].config_defaults) == {}
 
@@ -409,7 +507,6 @@ def test_unknown_loss_name_lists_the_supported_ones():
 @pytest.mark.parametrize(
     ("name", "alternatives"),
     [
-        ("gspo", ["'ppo'", "'importance_sampling'"]),
         ("stable_reinforce", ["'cispo'"]),
         ("custom", ["forward_backward_custom"]),
     ],

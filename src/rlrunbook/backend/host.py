@@ -52,8 +52,9 @@ class ModelHost:
 
 
 def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
-    """Resolve ``base_model`` (built-in name, folder, or hub id), load it and build its engine."""
-    folder = resolve_model(base_model)
+    """Resolve ``base_model`` (built-in name, folder, or hub id; or its stand-in, ``settings.model_for``), load it
+    and build its engine. The host keeps the name asked for."""
+    folder = resolve_model(settings.model_for(base_model))
     tokenizer = load_tokenizer(folder)
     model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device,
                            load_in_4bit=settings.load_in_4bit)

@@ -63,6 +63,21 @@ def _int_env(env: dict[str, str], name: str, default: int, minimum: int) -> int:
     return value
 
 
+STAND_INS_ENV = "TINKER_LOCAL_MODEL_STAND_INS"
+
+
+def parse_stand_ins(text: str, source: str) -> tuple[tuple[str, str], ...]:
+    """``"NAME=MODEL,NAME2=MODEL2"`` as pairs; ``ConfigError`` naming ``source`` for a malformed entry."""
+    pairs = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, model = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not model:
+            raise ConfigError(f"{source}: {entry!r} is not NAME=MODEL (e.g. Qwen/Qwen3.5-9B=tiny, a built-in "
+                              "model or a model folder standing in for the hub name).")
+        pairs.append((name, model))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class LocalSettings:
     """Everything the local backend needs to know that is not an API argument.
@@ -122,6 +137,9 @@ class LocalSettings:
             a thread count changes how reductions are split, so it must not follow timing.
         timeline: a file to which each worker call's start and end are appended, one JSON line each
             (``TINKER_LOCAL_TIMELINE``; default none). See :mod:`rlrunbook.backend.timeline`.
+        model_stand_ins: base-model names served by another model, as ``(name, model)`` pairs
+            (``TINKER_LOCAL_MODEL_STAND_INS=NAME=MODEL,...``; MODEL a built-in name or a model folder): code that
+            hard-codes a hub model runs offline on a local one. Clients keep the name they asked for.
     """
 
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -144,6 +162,7 @@ class LocalSettings:
     concurrent_sampling: bool = False
     sampler_threads: int = 0
     timeline: Path | None = None
+    model_stand_ins: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         check_device(self.device, "the local backend's device (TINKER_LOCAL_DEVICE, backend.device or --device)")
@@ -166,6 +185,10 @@ class LocalSettings:
                               "(TINKER_LOCAL_MICRO_BATCH_TOKENS; 'auto' derives it from the device's memory).")
         if self.zero_advantage_batches not in ("error", "accept"):
             raise ConfigError(f"zero_advantage_batches={self.zero_advantage_batches!r} must be 'error' or 'accept'.")
+
+    def model_for(self, base_model: str) -> str:
+        """The model that serves ``base_model``: its stand-in if one was named, else itself."""
+        return dict(self.model_stand_ins).get(base_model, base_model)
 
     def worker_threads(self) -> tuple[int | None, int | None]:
         """Intra-op threads of the (training, sampling) workers: ``(None, None)`` (torch's own count) unless
@@ -235,6 +258,8 @@ class LocalSettings:
             kwargs["concurrent_sampling"] = concurrent == "1"
         if env.get("TINKER_LOCAL_STORAGE"):
             kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
+        if env.get(STAND_INS_ENV, "").strip():
+            kwargs["model_stand_ins"] = parse_stand_ins(env[STAND_INS_ENV], STAND_INS_ENV)
         if env.get("TINKER_LOCAL_TIMELINE", "").strip():
             kwargs["timeline"] = Path(env["TINKER_LOCAL_TIMELINE"].strip())
         return cls(

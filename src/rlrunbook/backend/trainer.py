@@ -102,6 +102,8 @@ def _datum_item(datum: types.Datum, index: int, spec: LossSpec, vocab_size: int)
     if missing:
         raise InputError(f"datum {index}: loss {spec.name!r} needs loss_fn_inputs {missing}.")
     inputs = {key: arrays[key].float().reshape(-1) for key in spec.required_inputs}
+    for key, fill in spec.optional_inputs.items():
+        inputs[key] = arrays[key].float().reshape(-1) if key in arrays else torch.full((len(tokens),), fill)
     mask = torch.ones(len(tokens), dtype=torch.bool)
     if "logprobs" in spec.required_inputs:
         # Sampled positions only: prompt positions carry the placeholders logprob 0 and advantage 0,
@@ -137,7 +139,8 @@ _DEFAULT_RATIO_BOUNDS = (0.8, 1.2)  # PPO's epsilon 0.2, for clip_fraction of lo
 
 
 def _sampler_terms(lp: torch.Tensor, inputs: dict[str, torch.Tensor], sampling_lp: torch.Tensor,
-                   mismatch: MismatchConfig, config: Mapping[str, float]) -> dict[str, torch.Tensor]:
+                   mismatch: MismatchConfig, config: Mapping[str, float], *,
+                   token_clip_fraction: bool = True) -> dict[str, torch.Tensor]:
     """Measure the sampler-trainer mismatch on the loss's positions and, if asked, correct for it.
 
     The mismatch compares like with like: ``sampling_lp``, the trainer's logprobs under the sampler's
@@ -145,7 +148,8 @@ def _sampler_terms(lp: torch.Tensor, inputs: dict[str, torch.Tensor], sampling_l
     With a correction, ``inputs`` is changed in place: the loss reads the trainer's own T = 1 logprobs
     as its behaviour policy and every token's advantage is scaled by its importance weight
     (see :mod:`rlrunbook.backend.mismatch`). The clip fraction is then measured on the ratio the loss
-    uses, between the loss's clip bounds (ppo, cispo) or else ``[0.8, 1.2]``.
+    uses, between the loss's clip bounds (ppo, cispo) or else ``[0.8, 1.2]``; a sequence-level loss
+    (gspo) reports its own clip fraction instead (``token_clip_fraction=False``).
     """
     q = inputs["logprobs"]
     gap = sampler_mismatch(sampling_lp, q)
@@ -156,6 +160,8 @@ def _sampler_terms(lp: torch.Tensor, inputs: dict[str, torch.Tensor], sampling_l
         inputs["logprobs"] = lp.detach()
         inputs["advantages"] = inputs["advantages"] * correction.weights
         stats["mismatch/corrected_fraction:mean"] = correction.corrected_fraction
+    if not token_clip_fraction:
+        return stats
     low = config.get("clip_low_threshold", _DEFAULT_RATIO_BOUNDS[0])
     high = config.get("clip_high_threshold", _DEFAULT_RATIO_BOUNDS[1])
     stats["clip_fraction:mean"] = clip_fraction(lp, inputs["logprobs"], low, high)
@@ -328,11 +334,14 @@ class LoraTrainer:
         if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward
             return _ChunkOutput(scores.anchor, scores.per_datum, {}, 0, sampling_logprobs=sampling)
         flat_inputs = {key: torch.cat([item.inputs[key][item.mask] for item in chunk]).to(device)
-                       for key in spec.required_inputs}
+                       for key in (*spec.required_inputs, *spec.optional_inputs)}
+        if spec.per_sequence:  # a datum is one sequence
+            flat_inputs["sequence_index"] = torch.cat(
+                [torch.full((int(item.mask.sum()),), index) for index, item in enumerate(chunk)]).to(device)
         stats: dict[str, torch.Tensor] = {}
         if "logprobs" in spec.required_inputs:
             stats.update(_sampler_terms(flat_lp, flat_inputs, scores.seen_sampling_logprobs.to(device), mismatch,
-                                        config))
+                                        config, token_clip_fraction=not spec.per_sequence))
         out = spec.fn(flat_lp, flat_inputs, config)
         stats["loss_pg:sum"] = out.loss
         regularized = torch.cat([item.regularized[item.mask] for item in chunk]).to(device)  # (N,)

@@ -15,9 +15,9 @@
 - ``--hf-dataset HUB_NAME=FILE`` serves a hub data set from a local file, for recipes that
   call ``datasets.load_dataset(HUB_NAME, ...)`` where the hub cannot be reached.
 
-Losses the local backend cannot reproduce exactly (``stable_reinforce``, ``gspo``, server-side
-``custom``) are refused with the nearest supported loss named; pass ``loss_fn=importance_sampling``
-(or ``cispo``/``ppo``) to the recipe.
+Losses the local backend cannot reproduce exactly (``stable_reinforce``, server-side ``custom``)
+are refused with the nearest supported loss named; pass ``loss_fn=importance_sampling`` (or
+``cispo``/``ppo``/``gspo``) to the recipe.
 """
 
 from __future__ import annotations

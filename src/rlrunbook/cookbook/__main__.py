@@ -1,4 +1,4 @@
-"""``python -m rlrunbook.cookbook [--renderer NAME] [--hf-dataset HUB=FILE]... RECIPE [recipe args]``.
+"""``python -m rlrunbook.cookbook [--renderer NAME] [--hf-dataset HUB=FILE]... [--hf-model HUB=MODEL]... RECIPE [args]``.
 
 Binds the local backend in this process (see :mod:`rlrunbook.cookbook`), then runs the recipe
 module as ``__main__`` with ``sys.argv = [RECIPE, *recipe args]``, exactly as
@@ -35,6 +35,14 @@ def _dataset_option(text: str) -> tuple[str, Path]:
     return name, Path(file).expanduser()
 
 
+def _model_option(text: str) -> tuple[str, str]:
+    name, sep, model = text.partition("=")
+    if not sep or not name or not model:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HUB_NAME=MODEL (e.g. Qwen/Qwen3.5-9B=tiny, a built-in "
+                                         "model or a model folder)")
+    return name, model
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The runner's options, its recipe and the recipe's arguments: shared by ``python -m rlrunbook.cookbook``
     and ``rlrunbook cookbook``, so both take the same command line."""
@@ -44,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-dataset", metavar="HUB_NAME=FILE", type=_dataset_option, action="append", default=[],
                         help="serve datasets.load_dataset(HUB_NAME) from a local .jsonl/.json/.parquet/.csv file "
                              "(repeatable)")
+    parser.add_argument("--hf-model", metavar="HUB_NAME=MODEL", type=_model_option, action="append", default=[],
+                        help="serve a hub model the recipe names (for sampling, training and its tokenizer) from a "
+                             "built-in model or a local model folder (repeatable)")
     parser.add_argument("recipe", help="the recipe's module, e.g. tinker_cookbook.recipes.math_rl.train")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="passed to the recipe unchanged")
 
@@ -69,6 +80,7 @@ def prepare(args: argparse.Namespace):
         register_builtin_tokenizers,
         sample_concurrently_when_off_policy,
         serve_datasets_locally,
+        stand_in_models,
     )
 
     version = check_cookbook_version()
@@ -86,6 +98,10 @@ def prepare(args: argparse.Namespace):
     register_builtin_tokenizers(bindings)
     answer_model_table(bindings, args.renderer)
     serve_datasets_locally(bindings, dict(args.hf_dataset))
+    if args.hf_model and backend_name() != "local":
+        raise ConfigError("--hf-model stands a local model in for a hub name on the local backend; with "
+                          "TINKER_BACKEND=api the hosted service serves the hub model itself. Drop --hf-model.")
+    stand_in_models(bindings, dict(args.hf_model))
     return bindings
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
@@ -91,8 +92,6 @@ def sample_concurrently_when_off_policy(bindings: Bindings, recipe_args: Sequenc
 
 def register_builtin_tokenizers(bindings: Bindings) -> None:
     """Make ``tokenizer_utils.get_tokenizer(name)`` load each built-in model's own tokenizer."""
-    from functools import cache
-
     from tinker_cookbook import tokenizer_utils
 
     from rlrunbook.models import BUILTIN_MODELS, load_tokenizer, resolve_model
@@ -151,7 +150,9 @@ def serve_datasets_locally(bindings: Bindings, files: Mapping[str, Path]) -> Non
 
     Any split the recipe asks for (``split="train"``, or ``dataset["test"]`` of the returned
     DatasetDict) is the whole file, a local file having no splits; a slice in the split expression
-    is kept (``split="test[:50]"`` gives the first 50 rows). Other names load as usual.
+    is kept (``split="test[:50]"`` gives the first 50 rows). ``streaming=True`` is honoured: the recipe
+    gets what ``datasets`` gives for a streamed local file, an ``IterableDataset`` (or a dict of them),
+    and a slice ``[:N]``/``[M:N]`` becomes ``skip``/``take``. Other names load as usual.
     """
     if not files:
         return
@@ -168,13 +169,22 @@ def serve_datasets_locally(bindings: Bindings, files: Mapping[str, Path]) -> Non
         def __missing__(self, key: str) -> datasets.Dataset:
             return self["train"]
 
-    def load_dataset(path, *args, split=None, **kwargs):
+    class EveryStreamedSplit(datasets.IterableDatasetDict):
+        def __missing__(self, key: str) -> datasets.IterableDataset:
+            return self["train"]
+
+    def load_dataset(path, *args, split=None, streaming=False, **kwargs):
         if path not in files:
-            return original(path, *args, split=split, **kwargs)
+            return original(path, *args, split=split, streaming=streaming, **kwargs)
         file = Path(files[path])
         # A split expression keeps its slice ("test[:50]" -> the file's first 50 rows).
-        local_split = "train" if split is None else "train" + str(split)[len(str(split).split("[")[0]):]
-        data = original(_BUILDERS[file.suffix], data_files=str(file), split=local_split)
+        selection = "" if split is None else str(split)[len(str(split).split("[")[0]):]
+        if streaming:
+            data = _sliced_stream(original(_BUILDERS[file.suffix], data_files=str(file), split="train",
+                                           streaming=True), selection, path)
+            logger.info("streaming %s (split %s) from %s", path, split or "any", file)
+            return data if split is not None else EveryStreamedSplit({"train": data})
+        data = original(_BUILDERS[file.suffix], data_files=str(file), split="train" + selection)
         logger.info("serving %s (split %s) from %s (%d rows)", path, split or "any", file, len(data))
         return data if split is not None else EverySplit({"train": data})
 
@@ -185,3 +195,90 @@ def serve_datasets_locally(bindings: Bindings, files: Mapping[str, Path]) -> Non
 
     listing = ", ".join(f"{name} <- {file}" for name, file in files.items())
     bindings.add(f"hub data sets served from local files: {listing}", undo)
+
+
+def _sliced_stream(stream, selection: str, name: str):
+    """``stream`` limited by a split's row slice (``"[:50]"``, ``"[10:20]"``, ``""``): ``skip`` then ``take``."""
+    import re
+
+    if not selection:
+        return stream
+    match = re.fullmatch(r"\[(\d*):(\d*)\]", selection)
+    if match is None:
+        raise ConfigError(f"--hf-dataset {name}: the split slice {selection!r} cannot be streamed; a streamed data "
+                          "set takes row ranges only ([:N] or [M:N]).")
+    start, stop = (int(group) if group else None for group in match.groups())
+    if start:
+        stream = stream.skip(start)
+    if stop is not None:
+        stream = stream.take(stop - (start or 0))
+    return stream
+
+
+def check_stand_in_tokenizer(name: str, model: str, tokenizer) -> None:
+    """``ConfigError`` unless the renderer the cookbook recommends for ``name`` works with the stand-in's tokenizer:
+    a prompt built and a short reply parsed, as a recipe does (a Qwen3.5 renderer needs ``</think>`` as one token).
+    Names the cookbook's table does not know are not checked (the recipe names a renderer itself)."""
+    import traceback
+
+    from tinker_cookbook import model_info
+    from tinker_cookbook.renderers import get_renderer
+
+    try:
+        renderer_name = model_info.get_recommended_renderer_name(name)
+    except Exception:  # noqa: BLE001 - not in the table: nothing to check against
+        return
+    try:
+        renderer = get_renderer(renderer_name, tokenizer)
+        renderer.build_generation_prompt([{"role": "user", "content": "Is it an animal?"}])
+        renderer.parse_response(list(tokenizer.encode("yes", add_special_tokens=False)))
+    except Exception as error:  # noqa: BLE001 - any failure of the renderer on this tokenizer is the finding
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        check = f"{Path(frame.filename).name}:{frame.lineno}: {frame.line}" if frame.line else str(error)
+        raise ConfigError(
+            f"--hf-model {name}={model}: the cookbook renders {name} with {renderer_name!r}, which fails on the "
+            f"stand-in's tokenizer ({type(error).__name__} at {check}). Stand in a model whose tokenizer has what "
+            f"that renderer needs: for Qwen3-family names, the built-in tiny-thinking (<think> and </think> as "
+            f"single tokens): --hf-model {name}=tiny-thinking."
+        ) from None
+
+
+def stand_in_models(bindings: Bindings, stand_ins: Mapping[str, str]) -> None:
+    """Serve each hub model name a recipe hard-codes from a local model: the backend loads the stand-in for it
+    (``TINKER_LOCAL_MODEL_STAND_INS``) and the cookbook's ``get_tokenizer(name)`` gives the stand-in's tokenizer.
+
+    The recipe still picks its renderer for the hub name, so the stand-in's tokenizer must hold what that
+    renderer needs (e.g. ``<think>`` as one token); a stand-in that does not is named when the recipe fails.
+    """
+    if not stand_ins:
+        return
+    import os
+
+    from tinker_cookbook import tokenizer_utils
+
+    from rlrunbook.backend.settings import STAND_INS_ENV, parse_stand_ins
+    from rlrunbook.models import load_tokenizer, resolve_model
+
+    folders = {name: resolve_model(model) for name, model in stand_ins.items()}  # fails now, naming the model
+    for name, folder in folders.items():
+        check_stand_in_tokenizer(name, stand_ins[name], load_tokenizer(folder))
+    chosen = os.environ.get(STAND_INS_ENV)
+    pairs = dict(parse_stand_ins(chosen or "", STAND_INS_ENV))
+    pairs.update(stand_ins)
+    os.environ[STAND_INS_ENV] = ",".join(f"{name}={model}" for name, model in pairs.items())
+    replaced = {name: tokenizer_utils._CUSTOM_TOKENIZER_REGISTRY.get(name) for name in stand_ins}
+    for name, folder in folders.items():
+        tokenizer_utils.register_tokenizer(name, cache(lambda folder=folder: load_tokenizer(folder)))
+
+    def undo() -> None:
+        if chosen is None:
+            os.environ.pop(STAND_INS_ENV, None)
+        else:
+            os.environ[STAND_INS_ENV] = chosen
+        for name, factory in replaced.items():
+            tokenizer_utils.unregister_tokenizer(name)
+            if factory is not None:
+                tokenizer_utils.register_tokenizer(name, factory)
+
+    listing = ", ".join(f"{name} <- {model}" for name, model in stand_ins.items())
+    bindings.add(f"hub models served by local ones ({STAND_INS_ENV}): {listing}", undo)

@@ -16,7 +16,7 @@ from pathlib import Path
 from rlrunbook.errors import ModelNotFoundError
 from rlrunbook.models.cache import build_atomically, default_cache_dir
 from rlrunbook.models.smollm2 import SMOLLM2_VERSION, build_smollm2
-from rlrunbook.models.tiny import TINY_VERSION, build_tiny, build_tiny_vllm
+from rlrunbook.models.tiny import TINY_VERSION, build_tiny, build_tiny_thinking, build_tiny_vllm
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         build=build_tiny_vllm,
         version=TINY_VERSION,
         description="tiny as a Llama with 2 heads of 32 dims, which vLLM's CPU build serves with LoRA on lm_head; ~2 s",
+    ),
+    "tiny-thinking": BuiltinModel(
+        build=build_tiny_thinking,
+        version=TINY_VERSION,
+        description="tiny with <think> and </think> as single tokens, a stand-in for Qwen3-family models; ~2 s",
     ),
     "smollm2-135m": BuiltinModel(
         build=build_smollm2,

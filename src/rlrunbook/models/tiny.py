@@ -213,18 +213,21 @@ def neutral_generation_config(bos_id: int | None, eos_id: int, pad_id: int):
     )
 
 
-def build_tiny(out_dir: Path, seed: int = 0, config_fn=tiny_config) -> Path:
+def build_tiny(out_dir: Path, seed: int = 0, config_fn=tiny_config, added_tokens: tuple[str, ...] = ()) -> Path:
     """Build the ``tiny`` Qwen2 model, tokenizer and generation config into ``out_dir``; return it.
 
     Deterministic: the same ``seed`` gives byte-identical files. The tokenizer does not depend
     on ``seed``; only the weights do. Takes about a second on CPU. ``config_fn`` gives another
-    architecture with the same tokenizer (:func:`build_tiny_vllm`).
+    architecture with the same tokenizer (:func:`build_tiny_vllm`); ``added_tokens`` become single tokens after
+    the trained vocabulary (:func:`build_tiny_thinking`).
     """
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_tokenizer = _to_transformers_tokenizer(train_tiny_tokenizer())
+    if added_tokens:
+        hf_tokenizer.add_tokens(list(added_tokens))
     pad_id, eos_id = hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id
     config = config_fn(len(hf_tokenizer), pad_id=pad_id, eos_id=eos_id)
     # fork_rng: seeding here must not change the caller's random stream.
@@ -236,6 +239,17 @@ def build_tiny(out_dir: Path, seed: int = 0, config_fn=tiny_config) -> Path:
     # save_jinja_files=False keeps the template inside tokenizer_config.json, readable by old tools too.
     hf_tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir
+
+
+# Qwen3's reasoning delimiters: single (non-special) tokens there, which the cookbook's Qwen3/Qwen3.5 renderers
+# require of the tokenizer they are given.
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def build_tiny_thinking(out_dir: Path, seed: int = 0) -> Path:
+    """Build ``tiny-thinking``: ``tiny`` whose tokenizer also has ``<think>`` and ``</think>`` as single tokens
+    (ids 719 and 720, two more embedding rows), to stand in for a Qwen3-family model a recipe names."""
+    return build_tiny(out_dir, seed=seed, added_tokens=THINK_TOKENS)
 
 
 def build_tiny_vllm(out_dir: Path, seed: int = 0) -> Path:

@@ -22,7 +22,7 @@ from rlrunbook.rl.rollout.task_options import TaskOption
 from rlrunbook.rl.rollout.tasks import TASKS, get_task_class
 from rlrunbook.rl.setup.limits import shown
 
-CLIP_LOSSES = ("ppo", "cispo")  # the losses that read loss.clip_low_threshold / clip_high_threshold
+CLIP_LOSSES = ("ppo", "cispo", "gspo")  # the losses that read loss.clip_low_threshold / clip_high_threshold
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def _mismatch(key: str, default: float, correction: str) -> Conditional:
 
 def _clip(key: str) -> Conditional:
     return Conditional(key, key, None, lambda c: c.loss_fn in CLIP_LOSSES,
-                       "to the clipped losses (--loss-fn ppo or cispo)", lambda c: f"--loss-fn is {c.loss_fn}")
+                       "to the clipped losses (--loss-fn ppo, cispo or gspo)", lambda c: f"--loss-fn is {c.loss_fn}")
 
 
 def _judge_now(config: Any) -> str:

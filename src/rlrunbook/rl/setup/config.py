@@ -59,10 +59,12 @@ class LossSettings(_Section):
                                                                "clamped to [-10, 10]); with kl_coef > 0 only, "
                                                                "null there: low_var_kl")
     entropy_coef: Float = Field(0.0, ge=0, description="weight of the entropy bonus; 0 = off")
-    clip_low_threshold: Float | None = Field(None, ge=0, description="ppo/cispo: lower bound of the importance "
-                                                                     "ratio (None: the loss's, ppo 0.8, cispo 0)")
-    clip_high_threshold: Float | None = Field(None, gt=0, description="ppo/cispo: upper bound of the importance "
-                                                                      "ratio (None: the loss's, ppo 1.2, cispo 4)")
+    clip_low_threshold: Float | None = Field(None, ge=0, description="ppo/cispo/gspo: lower bound of the importance "
+                                                                     "ratio (None: the loss's, ppo 0.8, cispo 0, "
+                                                                     "gspo 0.9997)")
+    clip_high_threshold: Float | None = Field(None, gt=0, description="ppo/cispo/gspo: upper bound of the importance "
+                                                                      "ratio (None: the loss's, ppo 1.2, cispo 4, "
+                                                                      "gspo 1.0004)")
     grad_clip_norm: Float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
 
 
@@ -256,7 +258,7 @@ class TrainConfig(BaseModel):
             blocklist=Blocklist(tuple(self.reward.blocklist), self.reward.reject_blocklisted))
 
     def loss_fn_config(self, local: bool = False) -> dict[str, float | str]:
-        """The ``loss_fn_config`` sent with forward_backward: clip bounds for ppo/cispo, regularisers if on.
+        """The ``loss_fn_config`` sent with forward_backward: clip bounds for ppo/cispo/gspo, regularisers if on.
 
         ``local`` (the local backend): also the sampler's transform, so the mismatch the trainer
         reports compares like with like, and the mismatch correction when one is asked for.

@@ -32,7 +32,7 @@ def _validated(overrides=(), **cli):
     ({"summary_max_words": 100}, (), "--summary-max-words (summary_max_words) 100 has no effect in this run: it "
                                      "applies only to the tasks that read it (--env summary), but --env is qa"),
     ({}, ("loss.clip_low_threshold=0.5",), "loss.clip_low_threshold 0.5 has no effect in this run: it applies only "
-                                           "to the clipped losses (--loss-fn ppo or cispo), but --loss-fn is "
+                                           "to the clipped losses (--loss-fn ppo, cispo or gspo), but --loss-fn is "
                                            "importance_sampling"),
     ({"loss_fn": "dro"}, ("loss.clip_high_threshold=1.5",), "but --loss-fn is dro"),
     ({"loss.kl_estimator": "k3"}, (), "--kl-estimator (loss.kl_estimator) 'k3' has no effect in this run: it applies "
