@@ -64,7 +64,8 @@ class LossSpec:
     config_defaults: Mapping[str, float]  # the only loss_fn_config keys this loss accepts
     uses_advantages: bool
     citation: str
-    optional_inputs: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))  # read if given, else filled with this value
+    # loss_fn_inputs read where given, else filled with this value
+    optional_inputs: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     per_sequence: bool = False  # reads inputs["sequence_index"] (supplied by the trainer, not the caller)
 
     @property

@@ -131,3 +131,86 @@ def test_runner_options():
     assert args.hf_dataset == [("openai/gsm8k", Path("/d/g.jsonl"))]
     with pytest.raises(SystemExit):
         parse_args(["--hf-dataset", "no-equals-sign", "x"])
+
+
+def test_streamed_hub_datasets_are_iterable_and_keep_row_slices(bindings, tmp_path):
+    """A recipe that streams (off_policy_reasoning: load_dataset(..., streaming=True).shuffle(buffer_size=...))
+    gets an IterableDataset of the file's rows, in order; a row slice of the split is kept as skip/take."""
+    import datasets
+
+    from rlrunbook.cookbook.binding import serve_datasets_locally
+
+    file = tmp_path / "ot3.jsonl"
+    file.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) + "\n"
+                            for i in range(6)))
+    serve_datasets_locally(bindings, {"open-thoughts/OpenThoughts3-1.2M": file})
+    stream = datasets.load_dataset("open-thoughts/OpenThoughts3-1.2M", split="train", streaming=True)
+    assert isinstance(stream, datasets.IterableDataset)
+    values = [row["conversations"][0]["value"] for row in stream]
+    assert values == [f"q{i}" for i in range(6)]
+    shuffled = [row["conversations"][0]["value"] for row in stream.shuffle(buffer_size=6, seed=0)]
+    assert sorted(shuffled) == values
+    window = datasets.load_dataset("open-thoughts/OpenThoughts3-1.2M", split="train[2:5]", streaming=True)
+    assert [row["conversations"][0]["value"] for row in window] == ["q2", "q3", "q4"]
+    every = datasets.load_dataset("open-thoughts/OpenThoughts3-1.2M", streaming=True)
+    assert isinstance(every["test"], datasets.IterableDataset)
+    with pytest.raises(ConfigError, match="cannot be streamed"):
+        datasets.load_dataset("open-thoughts/OpenThoughts3-1.2M", split="train[:10%]", streaming=True)
+
+
+def test_hub_models_stand_in_for_sampling_training_and_tokenizer(bindings, tmp_path, monkeypatch):
+    """--hf-model NAME=tiny-thinking: the backend loads tiny-thinking for NAME (its vocabulary, 721 tokens),
+    the cookbook's get_tokenizer(NAME) is its tokenizer, and the client keeps the name it asked for."""
+    from tinker_cookbook import tokenizer_utils
+
+    from rlrunbook.backend import LocalServiceClient, LocalSettings
+    from rlrunbook.cookbook.binding import stand_in_models
+
+    monkeypatch.delenv("TINKER_LOCAL_MODEL_STAND_INS", raising=False)
+    stand_in_models(bindings, {"Qwen/Qwen3.5-9B": "tiny-thinking"})
+    assert tokenizer_utils.get_tokenizer("Qwen/Qwen3.5-9B").encode("</think>", add_special_tokens=False) == [720]
+    settings = LocalSettings.from_env()
+    assert settings.model_for("Qwen/Qwen3.5-9B") == "tiny-thinking" and settings.model_for("tiny") == "tiny"
+    service = LocalServiceClient(LocalSettings(device="cpu", storage_dir=tmp_path,
+                                               model_stand_ins=settings.model_stand_ins))
+    try:
+        sampler = service.create_sampling_client(base_model="Qwen/Qwen3.5-9B")
+        assert sampler.get_base_model() == "Qwen/Qwen3.5-9B"
+        assert sampler.get_tokenizer().vocab_size + 2 == len(sampler.get_tokenizer()) == 721
+    finally:
+        service.close()
+    bindings.undo()
+    assert not tokenizer_utils.is_tokenizer_registered("Qwen/Qwen3.5-9B")
+    import os
+
+    assert "TINKER_LOCAL_MODEL_STAND_INS" not in os.environ
+
+
+def test_a_stand_in_whose_tokenizer_the_recipes_renderer_rejects_is_refused_at_start(bindings):
+    from rlrunbook.cookbook.binding import stand_in_models
+
+    with pytest.raises(ConfigError) as info:  # tiny has no single-token </think>, which qwen3_5 asserts
+        stand_in_models(bindings, {"Qwen/Qwen3.5-9B": "tiny"})
+    message = str(info.value)
+    assert "Qwen/Qwen3.5-9B=tiny" in message and "'qwen3_5'" in message and "think_suffix_token" in message
+    assert "--hf-model Qwen/Qwen3.5-9B=tiny-thinking" in message
+
+
+def test_stand_in_settings_parse_and_refuse_malformed_entries():
+    from rlrunbook.backend import LocalSettings
+
+    settings = LocalSettings.from_env({"TINKER_LOCAL_MODEL_STAND_INS": "a/b=tiny, c/d = /models/x ,"})
+    assert settings.model_stand_ins == (("a/b", "tiny"), ("c/d", "/models/x"))
+    with pytest.raises(ConfigError, match="not NAME=MODEL"):
+        LocalSettings.from_env({"TINKER_LOCAL_MODEL_STAND_INS": "a/b"})
+
+
+def test_image_and_audio_recipes_are_refused_before_any_model_loads(monkeypatch):
+    from rlrunbook.cookbook.__main__ import check_recipe
+
+    monkeypatch.delenv("TINKER_BACKEND", raising=False)
+    with pytest.raises(ConfigError, match="vision-language model on images"):
+        check_recipe("tinker_cookbook.recipes.vlm_classifier.train")
+    with pytest.raises(ConfigError, match="speech model on audio"):
+        check_recipe("tinker_cookbook.recipes.audio.asr.train")
+    check_recipe("tinker_cookbook.recipes.math_rl.train")  # served

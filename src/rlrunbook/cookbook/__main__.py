@@ -105,8 +105,24 @@ def prepare(args: argparse.Namespace):
     return bindings
 
 
+# Recipe packages the local backend cannot serve, and why: refused before any model loads.
+UNSERVED_RECIPES = {
+    "tinker_cookbook.recipes.vlm_classifier": "it trains a vision-language model on images (image chunks in "
+    "ModelInput), and the local backend serves text-only causal language models",
+    "tinker_cookbook.recipes.audio": "it trains a speech model on audio (audio chunks in ModelInput), and the "
+    "local backend serves text-only causal language models",
+}
+
+
 def check_recipe(module: str) -> None:
-    """``ConfigError`` naming the recipes there are unless ``module`` can be run as ``python -m module``."""
+    """``ConfigError`` naming the recipes there are unless ``module`` can be run as ``python -m module``, or naming
+    why the local backend cannot serve it (:data:`UNSERVED_RECIPES`)."""
+    from rlrunbook.backend import backend_name
+
+    for package, why in UNSERVED_RECIPES.items():
+        if (module == package or module.startswith(package + ".")) and backend_name() == "local":
+            raise ConfigError(f"recipe {module} cannot run on the local backend: {why}. Run it against the hosted "
+                              "service (TINKER_BACKEND=api with TINKER_API_KEY set).")
     why = "no such module"
     try:
         spec = importlib.util.find_spec(module)
