@@ -222,8 +222,8 @@ def test_sdk_shaped_constructor_and_unsupported_calls(tmp_path, monkeypatch):
         assert service.settings.storage_dir == tmp_path
         names = [m.model_name for m in service.get_server_capabilities().supported_models]
         assert names == ["tiny", "tiny-vllm", "tiny-thinking", "smollm2-135m"]
-        with pytest.raises(AttributeError, match="copy_weights is part of the Tinker SDK"):
-            service.copy_weights  # noqa: B018
+        with pytest.raises(AttributeError, match="get_console_url is part of the Tinker SDK"):
+            service.get_console_url  # noqa: B018
         with pytest.raises(AttributeError, match="no attribute 'not_a_method'"):
             service.not_a_method  # noqa: B018
     finally:

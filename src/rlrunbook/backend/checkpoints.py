@@ -8,6 +8,7 @@ peft adapter, so ``create_sampling_client(model_path=...)`` accepts either kind 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -86,3 +87,44 @@ def load_training_state(host: ModelHost, trainer: LoraTrainer, folder: Path, *, 
         for name, param in adapter_parameters(host.model).items():
             param.copy_(snapshot[name])
     trainer.weights_loaded(optimizer, keep_optimizer=with_optimizer)
+
+
+MAX_AGE_RECIPIENTS = 10  # the SDK's limit on save_weights_external's age_encryption_recipients
+
+
+def age_recipients(recipients: list[str] | None) -> list:
+    """``save_weights_external``'s ``age_encryption_recipients`` parsed by pyrage (``age1...`` keys or SSH
+    public keys); ``ConfigError`` naming the bad one. An empty list for None."""
+    if not recipients:
+        return []
+    if isinstance(recipients, str) or len(recipients) > MAX_AGE_RECIPIENTS:
+        raise ConfigError(f"age_encryption_recipients must be a list of at most {MAX_AGE_RECIPIENTS} keys, "
+                          f"got {recipients!r}.")
+    try:
+        import pyrage
+    except ImportError:
+        raise ConfigError("age_encryption_recipients needs the pyrage package (pip install pyrage, or the "
+                          "rlrunbook[cookbook] extra); or export without encryption.") from None
+    parsed = []
+    for key in recipients:
+        kind = pyrage.ssh if isinstance(key, str) and key.startswith(("ssh-", "ecdsa-")) else pyrage.x25519
+        try:
+            parsed.append(kind.Recipient.from_str(key))
+        except (pyrage.RecipientError, TypeError) as error:
+            raise ConfigError(f"age recipient {key!r} is neither an age1... key nor an SSH public key "
+                              f"({error}).") from None
+    return parsed
+
+
+def write_external_weights(host: ModelHost, folder: Path, recipients: list) -> None:
+    """The live adapter as a peft folder (what ``save_weights_external`` exports for a LoRA run), replacing
+    whatever ``folder`` held; with age ``recipients`` every file is encrypted to them as ``<file>.age``."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    write_adapter(host, folder)
+    if recipients:
+        import pyrage
+
+        for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+            pyrage.encrypt_file(str(file), f"{file}.age", recipients)
+            file.unlink()

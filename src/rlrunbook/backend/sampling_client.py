@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import itertools
+import json
+import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 from tinker import types
 
+from rlrunbook.backend import sessions
 from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
 from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
@@ -22,7 +28,9 @@ from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
 
 _DEFAULT_MAX_TOKENS = 256  # what earlier local backends used when max_tokens is None
+logger = logging.getLogger(__name__)
 _sequence_ids = itertools.count()
+_HANDLE_FIELDS = ("sampler_id", "base_model", "model_path", "storage_root")  # what a sampler handle holds
 
 
 StopConditions = tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]  # (token-id sequences, strings)
@@ -100,11 +108,15 @@ class LocalSamplingClient(ResolvedClient):
 
     ``sample`` takes a keyword-only ``min_p`` beyond the SDK (the SDK's SamplingParams has none).
     Like the SDK's client futures it also resolves to itself (``.result()``, ``await``).
+    Each client is a sampler of its ServiceClient's session (``session_id``), under a sampler id that
+    ``RestClient.get_sampler`` and ``get_sampler_handle`` name (a given ``sampler_id`` is a second client
+    of that sampler).
     """
 
     def __init__(self, host: ModelHost, weights: SamplerWeights, worker: OrderedWorker,
                  live_version: Callable[[], int | None], model_path: str | None = None,
-                 model_worker: OrderedWorker | None = None):
+                 model_worker: OrderedWorker | None = None, *, session_id: str = "",
+                 storage_root: Path | None = None, sampler_id: str | None = None):
         self._host = host
         self._weights = weights
         self._worker = worker
@@ -114,6 +126,8 @@ class LocalSamplingClient(ResolvedClient):
         self._live_version = live_version
         self.model_path = model_path
         self._adapter = None  # the vLLM sampler's view of these weights (TINKER_LOCAL_SAMPLER=vllm)
+        self._storage_root = storage_root  # where model_path lives, for a handle used in another process
+        self._sampler_id = sampler_id or sessions.register_sampler(session_id, self, host.name, model_path)
 
     def __getattr__(self, name: str):
         from tinker.lib.public_interfaces.sampling_client import SamplingClient
@@ -279,3 +293,74 @@ class LocalSamplingClient(ResolvedClient):
 
     def get_base_model(self) -> str:
         return self._host.name
+
+    async def get_base_model_async(self) -> str:
+        """The SDK's (deprecated) coroutine twin of ``get_base_model``."""
+        return self._host.name
+
+    def get_telemetry(self) -> None:
+        """None: the local backend collects no telemetry (the SDK returns None when it has none)."""
+        return None
+
+    def on_queue_state_change(self, queue_state, queue_state_reason: str | None) -> None:
+        """The SDK's hook for a paused sampling queue: logs a warning naming the sampler and the reason unless
+        the queue is active. No local queue pauses, so only a caller of its own calls it."""
+        from tinker.lib.api_future_impl import QueueState
+
+        if queue_state == QueueState.ACTIVE:
+            return
+        logger.warning("Sampling is paused for sampler %s. Reason: %s", self._sampler_id,
+                       queue_state_reason or "unknown")
+
+    def _twin(self) -> LocalSamplingClient:
+        """A second client of this sampler: the same weights, model and worker, the same sampler id."""
+        return LocalSamplingClient(self._host, self._weights, self._worker, self._live_version,
+                                   self.model_path, self._model_worker, storage_root=self._storage_root,
+                                   sampler_id=self._sampler_id)
+
+    def get_sampler_handle(self) -> str:
+        """A string naming this sampler, for ``SamplingClient.from_sampler_handle`` (no credentials in it).
+
+        In this process it gives a client of this very sampler while this client lives; elsewhere, or after
+        this client is gone, a client of the same weights where they are saved (a ``tinker://`` path under
+        the same storage, or the base model). An in-memory snapshot (``save_weights_and_get_sampling_client``)
+        cannot leave this process: save it with ``save_weights_for_sampler`` to hand it to another."""
+        payload = {"sampler_id": self._sampler_id, "base_model": self._host.name,
+                   "model_path": self.model_path,
+                   "storage_root": None if self._storage_root is None else str(self._storage_root)}
+        return base64.urlsafe_b64encode(json.dumps(payload, separators=(",", ":")).encode()).decode()
+
+    @staticmethod
+    def from_sampler_handle(handle: str, *, api_key: str | None = None) -> LocalSamplingClient:
+        """A new client of the sampler ``handle`` names (see ``get_sampler_handle``); ``api_key`` unused."""
+        from rlrunbook.backend.service_client import sampling_client_from_handle
+
+        try:
+            fields = json.loads(base64.urlsafe_b64decode(handle))
+            fields = {name: fields[name] for name in _HANDLE_FIELDS}
+        except (binascii.Error, ValueError, TypeError, KeyError):
+            raise ConfigError(f"{handle!r} is not a sampler handle of the local backend: pass what "
+                              "sampling_client.get_sampler_handle() returned.") from None
+        return sampling_client_from_handle(**fields)
+
+    @staticmethod
+    def create(holder, *, model_path: str | None = None, base_model: str | None = None,
+               sampling_session_id: str | None = None, retry_config: object = None,
+               record_stability_info: bool = False):
+        """Finished future of a SamplingClient, as the SDK's ``SamplingClient.create``: ``holder`` is the
+        local ServiceClient (where the SDK takes its HTTP session holder); ``sampling_session_id`` names an
+        existing sampler of this process (a new client of it), else the client samples ``model_path`` or
+        ``base_model``."""
+        from rlrunbook.backend.futures import completed
+        from rlrunbook.backend.service_client import LocalServiceClient, sampling_client_from_handle
+
+        if not isinstance(holder, LocalServiceClient):
+            raise ConfigError(f"SamplingClient.create takes the local ServiceClient as its holder, got "
+                              f"{type(holder).__name__}; or call service.create_sampling_client(...).")
+        if sampling_session_id is not None:
+            record = sessions.sampler_record(sampling_session_id)
+            return completed(sampling_client_from_handle(record.sampler_id, record.base_model,
+                                                         record.model_path, str(holder._store.root)))
+        return completed(holder.create_sampling_client(model_path=model_path, base_model=base_model,
+                                                       retry_config=retry_config,
+                                                       record_stability_info=record_stability_info))

@@ -7,23 +7,26 @@ can be resumed, or sampled from, by another process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 import weakref
+from pathlib import Path
 from typing import Any
 
 from tinker import types
 from typing_extensions import Self
 
+from rlrunbook.backend import sessions
 from rlrunbook.backend.checkpoints import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.futures import OrderedWorker, completed
 from rlrunbook.backend.host import ModelHost, SamplerWeights, load_host
 from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
 from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
-from rlrunbook.backend.rest_client import LocalRestClient, capabilities
+from rlrunbook.backend.rest_client import LocalRestClient, capabilities, copy_checkpoint
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.settings import LocalSettings
-from rlrunbook.backend.storage import CheckpointStore, RunRecord, parse_tinker_path
+from rlrunbook.backend.storage import ADAPTER_FILE, CheckpointStore, RunRecord, parse_tinker_path
 from rlrunbook.backend.timeline import Timeline
 from rlrunbook.backend.trainer import LoraTrainer
 from rlrunbook.backend.training_client import LocalTrainingClient
@@ -41,6 +44,11 @@ def stop_live_services(timeout: float | None = None) -> bool:
     what a command does after a signal, so the process never exits while a backend thread is inside torch.
     True when none computes any more."""
     return all([service.stop_now(timeout) for service in list(_LIVE)])
+
+
+def _no_version() -> None:
+    """The weights version of a base-model sampler: it has none."""
+    return None
 
 
 def micro_batching(host: ModelHost, settings: LocalSettings) -> MicroBatching:
@@ -66,7 +74,8 @@ class LocalServiceClient:
     """Entry point of the local backend, with the SDK ServiceClient's creation methods.
 
     Keyword arguments the hosted SDK takes (``api_key``, ``base_url``, ``display_name``, ...) are
-    accepted and ignored, so code written for the service constructs this one unchanged. Created
+    accepted and ignored (``user_metadata`` is the session's, as ``RestClient.get_session`` reports),
+    so code written for the service constructs this one unchanged. Each client is one session. Created
     clients are returned ready; they also behave as the SDK's finished client futures
     (``.result()``, ``await``). ``with LocalServiceClient() as service:`` closes it at the end.
     """
@@ -83,7 +92,10 @@ class LocalServiceClient:
         self._training: dict[str, LocalTrainingClient] = {}
         self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
         self._closed = False
-        self.session_id = f"local-session-{uuid.uuid4().hex[:12]}"  # what LossHandles of this client name
+        metadata = _sdk_kwargs.get("user_metadata")
+        metadata = metadata if isinstance(metadata, dict) else None
+        # The session's id: what its runs, samplers and LossHandles name.
+        self.session_id = sessions.open_session(self._store.root, metadata).session_id
         _LIVE.add(self)
 
     def result(self, timeout: float | None = None) -> Self:
@@ -111,7 +123,7 @@ class LocalServiceClient:
             raise ConfigError(f"the local backend trains with AdamW only; got optimizer={optimizer!r}.")
         record = RunRecord(model_id=f"local-{uuid.uuid4().hex[:12]}", base_model=base_model, lora_rank=rank,
                            train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed,
-                           user_metadata=dict(user_metadata or {}))
+                           user_metadata=dict(user_metadata or {}), session_id=self.session_id)
         return self._training_client(record, seed)
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
@@ -178,6 +190,7 @@ class LocalServiceClient:
         record = RunRecord(model_id=f"local-{uuid.uuid4().hex[:12]}", base_model=base_model or source.base_model,
                            lora_rank=source.lora_rank, train_mlp=source.train_mlp, train_attn=source.train_attn,
                            train_unembed=source.train_unembed,
+                           session_id=self.session_id,
                            user_metadata=dict(source.user_metadata if user_metadata is None else user_metadata))
         client = self._training_client(record, seed=None)
         client._load(path, with_optimizer=with_optimizer).result()
@@ -199,24 +212,25 @@ class LocalServiceClient:
 
     def _sampling_client(self, host: ModelHost | None, weights: SamplerWeights | None, model_path: str | None,
                          live_version, *, base_model: str | None = None) -> LocalSamplingClient:
-        if host is not None and weights is not None:
-            return LocalSamplingClient(host, weights, self._worker_for(host), live_version, model_path,
-                                       self._worker)
         if base_model is not None:
-            host = self._worker.run(self._base_host, base_model)
-            return LocalSamplingClient(host, SamplerWeights.base(), self._worker_for(host), lambda: None, None,
-                                       self._worker)
+            host, weights = self._worker.run(self._base_host, base_model), SamplerWeights.base()
+            live_version = _no_version
+        elif host is None or weights is None:
+            host, weights, live_version = self._saved_weights(model_path)
+        return LocalSamplingClient(host, weights, self._worker_for(host), live_version, model_path,
+                                   self._worker, session_id=self.session_id, storage_root=self._store.root)
+
+    def _saved_weights(self, model_path: str | None):
+        """(host, weights, live_version) of a sampler of the checkpoint at ``model_path``."""
         assert model_path is not None
         parsed = parse_tinker_path(model_path)
         folder = self._store.existing_folder(parsed)
         live = self._training.get(parsed.model_id)
         if live is not None:  # the run is in this process: share its model, sample the saved snapshot
             weights = SamplerWeights(adapter=self._worker.run(read_adapter, live._host, folder), version=-1)
-            return LocalSamplingClient(live._host, weights, self._worker_for(live._host), live._live_version,
-                                       model_path, self._worker)
+            return live._host, weights, live._live_version
         host = self._worker.run(self._host_from_adapter, folder)
-        return LocalSamplingClient(host, SamplerWeights(adapter=lora_tensors(host.model), version=0),
-                                   self._worker_for(host), lambda: 0, model_path, self._worker)
+        return host, SamplerWeights(adapter=lora_tensors(host.model), version=0), lambda: 0
 
     def _worker_for(self, host: ModelHost) -> OrderedWorker:
         """The worker a sampling client of ``host`` runs on: the sampling worker with ``concurrent_sampling``
@@ -274,6 +288,17 @@ class LocalServiceClient:
         """The built-in models; any local folder or cached hub id works as well."""
         return capabilities()
 
+    def copy_weights(self, path: str, *, ttl_seconds: int | None = None,
+                     weights_access_token: str | None = None):
+        """Finished future of the tinker path of a copy of ``path`` (either kind, which the copy keeps), in a
+        new training run of a new session, expiring after ``ttl_seconds`` (recorded; see
+        ``RestClient.copy_weights``). The bytes are copied; there are no projects locally."""
+        return completed(copy_checkpoint(self._store, path, ttl_seconds))
+
+    def get_telemetry(self) -> None:
+        """None: the local backend collects no telemetry (the SDK returns None when it has none)."""
+        return None
+
     async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
         return capabilities()
 
@@ -317,4 +342,39 @@ class SdkLocalServiceClient(LocalServiceClient):
 
     def __init__(self, user_metadata: dict[str, str] | None = None, project_id: str | None = None,
                  **sdk_kwargs: object):
-        super().__init__(None)
+        super().__init__(None, user_metadata=user_metadata)
+
+
+# ServiceClients that serve SamplingClient.from_sampler_handle for samplers not alive in this process, one per
+# storage root; stopped with the others (stop_live_services) or at exit.
+_HANDLE_SERVICES: dict[Path, LocalServiceClient] = {}
+
+
+def sampling_client_from_handle(sampler_id: str, base_model: str, model_path: str | None,
+                                storage_root: str | None) -> LocalSamplingClient:
+    """A client of the sampler a handle names: a second client of it while it is alive in this process, else a
+    client of the same weights (the saved ``model_path`` under ``storage_root``, or the base model) made by a
+    ServiceClient of this process's settings on that storage."""
+    live = sessions.live_sampler(sampler_id)
+    if live is not None:
+        return live._twin()
+    root = None if storage_root is None else Path(storage_root)
+    saved = root is not None and model_path is not None and (
+        CheckpointStore(root).folder(parse_tinker_path(model_path)) / ADAPTER_FILE).is_file()
+    if model_path is not None and not saved:
+        raise ModelNotFoundError(
+            f"sampler {sampler_id} sampled weights held in memory ({model_path}, not saved), and it is not "
+            "alive in this process. Save them with training_client.save_weights_for_sampler(name) and hand "
+            "over the handle of service.create_sampling_client(model_path=<its path>)."
+        )
+    service = _HANDLE_SERVICES.get(root) if root is not None else None
+    if service is None or service._closed:
+        settings = LocalSettings.from_env()
+        if root is not None:
+            settings = dataclasses.replace(settings, storage_dir=root)
+        service = LocalServiceClient(settings)
+        if root is not None:
+            _HANDLE_SERVICES[root] = service
+    if model_path is not None:
+        return service.create_sampling_client(model_path=model_path)
+    return service.create_sampling_client(base_model=base_model)

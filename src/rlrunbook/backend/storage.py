@@ -6,11 +6,14 @@ Every ``tinker://<model_id>/<kind>/<name>`` path is a folder under the storage r
     <root>/<model_id>/training_run.json          base model, LoRA layout, user metadata
     <root>/<model_id>/weights/<name>/            save_state: adapter + optimizer (+ rlrunbook_state.json)
     <root>/<model_id>/sampler_weights/<name>/    save_weights_for_sampler: adapter (+ base model name)
+    <root>/<model_id>/external_weights/<name>/   save_weights_external: adapter (+ base model name), files
+                                                 age-encrypted (``*.age``) where recipients were given
 
 Adapters are peft folders (``adapter_config.json``, ``adapter_model.safetensors``); optimizer
 state is a ``torch.save`` of tensors and plain numbers, read back with ``weights_only=True``.
-Nothing here unpickles arbitrary objects. TTLs are accepted and ignored: local checkpoints
-never expire.
+Nothing here unpickles arbitrary objects. A TTL is recorded in the checkpoint's
+``rlrunbook_checkpoint.json`` and listed as the checkpoint's ``expires_at``; local checkpoints
+are never deleted when it passes (delete them with the RestClient).
 """
 
 from __future__ import annotations
@@ -19,14 +22,20 @@ import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError, ModelNotFoundError
 
 PREFIX = "tinker://"
-KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> SDK CheckpointType
+# path segment -> SDK CheckpointType
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 RUN_FILE = "training_run.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+ENCRYPTED_SUFFIX = ".age"  # save_weights_external's files when age recipients were given
+CHECKPOINT_FILE = "rlrunbook_checkpoint.json"  # a checkpoint's expiry (the SDK's TTL)
+MIN_TTL_SECONDS = 3600  # the SDK's documented bounds: 1 hour ...
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # ... to 10 years
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ def checkpoint_name(name: str) -> str:
 def parse_tinker_path(path: str, kind: str | None = None) -> TinkerPath:
     """Parse ``path``; with ``kind`` it must be of that kind (``weights`` or ``sampler_weights``)."""
     parts = path[len(PREFIX):].split("/") if isinstance(path, str) and path.startswith(PREFIX) else []
-    expected = f"tinker://<model_id>/{kind or '<weights|sampler_weights>'}/<name>"
+    expected = f"tinker://<model_id>/{kind or '<weights|sampler_weights|external_weights>'}/<name>"
     if len(parts) != 3 or parts[1] not in KINDS or not parts[0] or not parts[2]:
         raise ConfigError(f"{path!r} is not a checkpoint path of the form {expected}.")
     if kind is not None and parts[1] != kind:
@@ -78,6 +87,7 @@ class RunRecord:
     train_unembed: bool = True
     user_metadata: dict[str, str] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    session_id: str = ""  # the ServiceClient (session) that created the run; "" in records written before
 
 
 class CheckpointStore:
@@ -89,16 +99,26 @@ class CheckpointStore:
     def folder(self, path: TinkerPath) -> Path:
         return self.root / path.model_id / path.kind / path.name
 
-    def existing_folder(self, path: TinkerPath) -> Path:
-        """The folder of a saved checkpoint; ``ModelNotFoundError`` naming the fix if it is absent."""
+    def existing_folder(self, path: TinkerPath, *, encrypted_ok: bool = False) -> Path:
+        """The folder of a saved checkpoint; ``ModelNotFoundError`` naming the fix if it is absent.
+
+        An age-encrypted export (``save_weights_external`` with recipients) counts only with ``encrypted_ok``:
+        nothing in process can load it."""
         folder = self.folder(path)
-        if not (folder / "adapter_model.safetensors").is_file():
-            saver = "save_state(name)" if path.kind == "weights" else "save_weights_for_sampler(name)"
-            raise ModelNotFoundError(
-                f"no checkpoint at {path.path} (looked in {folder}); save it first with training_client.{saver}, "
-                "or point TINKER_LOCAL_STORAGE at the storage the run wrote to."
-            )
-        return folder
+        if (folder / ADAPTER_FILE).is_file():
+            return folder
+        if (folder / (ADAPTER_FILE + ENCRYPTED_SUFFIX)).is_file():
+            if encrypted_ok:
+                return folder
+            raise ConfigError(f"{path.path} holds age-encrypted files: download and decrypt them "
+                              "(tinker_cookbook.weights.download), or export again without "
+                              "age_encryption_recipients.")
+        saver = {"weights": "save_state(name)", "sampler_weights": "save_weights_for_sampler(name)",
+                 "external_weights": "save_weights_external(name)"}[path.kind]
+        raise ModelNotFoundError(
+            f"no checkpoint at {path.path} (looked in {folder}); save it first with training_client.{saver}, "
+            "or point TINKER_LOCAL_STORAGE at the storage the run wrote to."
+        )
 
     def write_run(self, record: RunRecord) -> None:
         folder = self.root / record.model_id
@@ -121,12 +141,51 @@ class CheckpointStore:
         found = []
         for kind in KINDS:
             for folder in (self.root / model_id / kind).glob("*"):
-                if (folder / "adapter_model.safetensors").is_file():
+                if any((folder / name).is_file() for name in (ADAPTER_FILE, ADAPTER_FILE + ENCRYPTED_SUFFIX)):
                     found.append((TinkerPath(model_id, kind, folder.name), folder))
         return sorted(found, key=lambda item: item[1].stat().st_mtime)
 
     def delete(self, path: TinkerPath) -> None:
-        shutil.rmtree(self.existing_folder(path))
+        shutil.rmtree(self.existing_folder(path, encrypted_ok=True))
+
+    def copy(self, source: TinkerPath, model_id: str) -> TinkerPath:
+        """A byte copy of ``source`` as the same kind and name under run ``model_id``, without its expiry."""
+        target = TinkerPath(model_id, source.kind, source.name)
+        shutil.copytree(self.existing_folder(source, encrypted_ok=True), self.folder(target),
+                        ignore=shutil.ignore_patterns(CHECKPOINT_FILE))
+        return target
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    """``ConfigError`` unless ``ttl_seconds`` is None (no expiry) or within the SDK's bounds (1 hour to
+    10 years)."""
+    if ttl_seconds is None:
+        return
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) \
+            or not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
+        raise ConfigError(f"ttl_seconds={ttl_seconds!r} must be None (no expiry) or an int from "
+                          f"{MIN_TTL_SECONDS} (1 hour) to {MAX_TTL_SECONDS} (10 years), as the Tinker "
+                          "service requires.")
+
+
+def set_expiry(folder: Path, ttl_seconds: int | None, now: datetime | None = None) -> None:
+    """Record that the checkpoint in ``folder`` expires ``ttl_seconds`` from ``now`` (None: never).
+
+    Only recorded: :func:`expires_at` reads it back for listings; nothing deletes the folder when it
+    passes."""
+    check_ttl(ttl_seconds)
+    now = now or datetime.now(timezone.utc)
+    expires = None if ttl_seconds is None else (now + timedelta(seconds=ttl_seconds)).isoformat()
+    (folder / CHECKPOINT_FILE).write_text(json.dumps({"expires_at": expires}))
+
+
+def expires_at(folder: Path) -> datetime | None:
+    """When the checkpoint in ``folder`` expires, as recorded by :func:`set_expiry`; None for never."""
+    file = folder / CHECKPOINT_FILE
+    if not file.is_file():
+        return None
+    recorded = json.loads(file.read_text())["expires_at"]
+    return None if recorded is None else datetime.fromisoformat(recorded)
 
 
 def modified_at(folder: Path) -> datetime:

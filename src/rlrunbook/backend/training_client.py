@@ -6,12 +6,25 @@ from collections.abc import Mapping
 
 from tinker import types
 
-from rlrunbook.backend.checkpoints import load_training_state, save_training_state, write_adapter
+from rlrunbook.backend.checkpoints import (
+    age_recipients,
+    load_training_state,
+    save_training_state,
+    write_adapter,
+    write_external_weights,
+)
 from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
 from rlrunbook.backend.host import ModelHost, SamplerWeights
 from rlrunbook.backend.lora import clone_adapter, snapshot_loaded
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
-from rlrunbook.backend.storage import CheckpointStore, TinkerPath, checkpoint_name, parse_tinker_path
+from rlrunbook.backend.storage import (
+    CheckpointStore,
+    TinkerPath,
+    check_ttl,
+    checkpoint_name,
+    parse_tinker_path,
+    set_expiry,
+)
 from rlrunbook.backend.trainer import LoraTrainer, TrainingState
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.errors import ConfigError
@@ -161,14 +174,18 @@ class LocalTrainingClient(ResolvedClient):
 
         Restore it with ``service.create_training_client_from_state(_with_optimizer)(path)`` or
         ``load_state(_with_optimizer)(path)``. A name that exists is refused unless ``overwrite``.
+        ``ttl_seconds`` is recorded (the checkpoint's ``expires_at``); local checkpoints are not deleted
+        when it passes.
         """
         path = TinkerPath(self.model_id, "weights", checkpoint_name(name))
         folder = self._store.folder(path)
+        check_ttl(ttl_seconds)
 
         def run() -> types.SaveWeightsResponse:
             if folder.exists() and not overwrite:
                 raise ConfigError(f"checkpoint {path.path} exists; pass overwrite=True or choose another name.")
             save_training_state(self._host, self._trainer, folder)
+            set_expiry(folder, ttl_seconds)
             return types.SaveWeightsResponse(path=path.path)
 
         return self._worker.submit(run)
@@ -218,18 +235,47 @@ class LocalTrainingClient(ResolvedClient):
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None):
-        """Save the adapter under ``tinker://<model_id>/sampler_weights/<name>`` (a local folder)."""
+        """Save the adapter under ``tinker://<model_id>/sampler_weights/<name>`` (a local folder);
+        ``ttl_seconds`` is recorded as for ``save_state``."""
         path = TinkerPath(self.model_id, "sampler_weights", checkpoint_name(name))
         folder = self._store.folder(path)
+        check_ttl(ttl_seconds)
 
         def run() -> types.SaveWeightsForSamplerResponse:
             write_adapter(self._host, folder)
+            set_expiry(folder, ttl_seconds)
             return types.SaveWeightsForSamplerResponse(path=path.path)
 
         return self._worker.submit(run)
 
     async def save_weights_for_sampler_async(self, name, ttl_seconds=None, user_metadata=None):
         return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
+
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: list[str] | None = None):
+        """APIFuture of a SaveWeightsExternalResponse: the adapter as a peft folder (``adapter_config.json``,
+        ``adapter_model.safetensors``) under ``tinker://<model_id>/external_weights/<name>``, replacing an
+        export of that name. With ``age_encryption_recipients`` every file is age-encrypted to them
+        (``<file>.age``).
+
+        ``rest_client.get_external_weights_urls(path)`` gives a ``file://`` URL per file, so
+        ``tinker_cookbook.weights.download`` fetches it as from the service; ``ttl_seconds`` is recorded as
+        for ``save_state``."""
+        path = TinkerPath(self.model_id, "external_weights", checkpoint_name(name))
+        folder = self._store.folder(path)
+        check_ttl(ttl_seconds)
+        recipients = age_recipients(age_encryption_recipients)
+
+        def run() -> types.SaveWeightsExternalResponse:
+            write_external_weights(self._host, folder, recipients)
+            set_expiry(folder, ttl_seconds)
+            return types.SaveWeightsExternalResponse(path=path.path)
+
+        return self._worker.submit(run)
+
+    async def save_weights_external_async(self, name, ttl_seconds=None, age_encryption_recipients=None):
+        """The SDK's (deprecated) coroutine twin; like the SDK's, it returns the APIFuture, not its result."""
+        return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: object = None,
                                              record_stability_info: bool = False,
@@ -264,6 +310,10 @@ class LocalTrainingClient(ResolvedClient):
     # -- information ----------------------------------------------------------------------
     def get_tokenizer(self):
         return self._host.tokenizer
+
+    def get_telemetry(self) -> None:
+        """None: the local backend collects no telemetry (the SDK returns None when it has none)."""
+        return None
 
     def get_info(self) -> types.GetInfoResponse:
         return types.GetInfoResponse(
