@@ -401,12 +401,12 @@ def cmd_bench_history(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        raise ConfigError(f"rlrunbook serve needs Starlette and uvicorn ({error}); install them with "
-                          "pip install -e '.[serve]' (scripts/setup.sh does by default).") from None
+    import importlib.util
+
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"rlrunbook serve needs {' and '.join(missing)}, which this environment lacks; install "
+                          "them with pip install -e '.[serve]' (scripts/setup.sh does by default).")
     from rlrunbook.service import ServeOptions, serve
     from rlrunbook.service.server import API_KEY_ENV
 
