@@ -226,6 +226,9 @@ def test_a_failing_call_names_the_cause_and_the_server_goes_on(service, server):
     huge = httpx.post(f"{server}/api/v1/forward_backward", content=b"\0" * (MAX_BODY_MIB * 2**20 + 1),
                       headers=headers)
     assert huge.status_code == 413 and "exceeds this server's limit" in huge.text
+    chunks = (b"\0" * 2**20 for _ in range(MAX_BODY_MIB + 1))  # no Content-Length: counted as it arrives
+    chunked = httpx.post(f"{server}/api/v1/forward_backward", content=chunks, headers=headers)
+    assert chunked.status_code == 413 and "exceeds this server's limit" in chunked.text
     assert training.forward(DATA, "cross_entropy").result().metrics["loss:sum"] > 0
 
 
