@@ -26,6 +26,8 @@ from rlrunbook.errors import InputError, RlrunbookError
 from rlrunbook.service.futures import FutureRegistry, SeqOrder, failed
 from rlrunbook.service.wire import ForwardBackwardCall, encode_forward_backward_output, encode_sample_response
 
+MAX_SAMPLES_PER_REQUEST = 10_000  # sequences one sample request may ask for (each gets an id at once)
+
 
 class UnknownIdError(RlrunbookError, LookupError):
     """A session, model, sampler or request id this server does not hold (HTTP 404)."""
@@ -258,6 +260,10 @@ class ServeState:
                                              model_path=sampler.model_path))
 
     def sample(self, request: types.SampleRequest) -> dict:
+        if isinstance(request.num_samples, int) and request.num_samples > MAX_SAMPLES_PER_REQUEST:
+            # Refused before any work: the answer must carry one id per sample (the SDK checks the count).
+            raise InputError(f"num_samples={request.num_samples} is above rlrunbook serve's limit of "
+                             f"{MAX_SAMPLES_PER_REQUEST} per request; split it into several sample calls.")
         sampler = self._sampler(request.sampling_session_id)
         key = ("sample", sampler.sampler_id, request.seq_id)
         with self._lock:
