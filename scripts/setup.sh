@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 
 venv="${RLRUNBOOK_VENV:-.venv}"
 python="${PYTHON:-python3}"
-extras="${RLRUNBOOK_EXTRAS:-test,cookbook}"
+extras="${RLRUNBOOK_EXTRAS:-test,cookbook,serve}"
 
 if [ ! -x "$venv/bin/python" ]; then
   echo "[setup] creating $venv (with system site-packages)"

@@ -8,6 +8,7 @@
     rlrunbook eval-checkpoints logs/<run> --samples 8 --ks 1 4 8 --out table.csv
     rlrunbook resolve-model smollm2-135m
     rlrunbook bench-history --png trend.png
+    rlrunbook serve --port 8000 --api-key tml-...
 """
 
 from __future__ import annotations
@@ -399,6 +400,41 @@ def cmd_bench_history(args: argparse.Namespace) -> int:
     return 1 if any(row.regression for row in rows) else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"rlrunbook serve needs {' and '.join(missing)}, which this environment lacks; install "
+                          "them with pip install -e '.[serve]' (scripts/setup.sh does by default).")
+    from rlrunbook.service import ServeOptions, serve
+    from rlrunbook.service.server import API_KEY_ENV
+
+    options = ServeOptions(host=args.host, port=args.port, storage=Path(args.storage) if args.storage else None,
+                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, device=args.device,
+                           max_body_bytes=args.max_body_mib * 2**20)
+    return serve(options)
+
+
+def add_serve_command(commands) -> None:
+    """``rlrunbook serve``: the local backend as a Tinker service over HTTP (docs/serve.md)."""
+    serve = commands.add_parser("serve", help="serve the local backend over the Tinker SDK's HTTP protocol: "
+                                              "set TINKER_BASE_URL to the URL it prints (docs/serve.md)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (127.0.0.1); any non-loopback address needs --api-key")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (8000); 0 picks a free one, printed")
+    serve.add_argument("--storage", metavar="DIR",
+                       help="where tinker:// checkpoints live (default: TINKER_LOCAL_STORAGE, else "
+                            "~/.cache/rlrunbook/tinker)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="the key clients send as TINKER_API_KEY (starts with tml-); default: "
+                            "RLRUNBOOK_SERVE_API_KEY; none = no key, loopback only")
+    serve.add_argument("--device", default=None, help="default: TINKER_LOCAL_DEVICE, else cuda if available, else cpu")
+    serve.add_argument("--max-body-mib", type=int, default=64,
+                       help="largest request body in MiB (64); larger ones are refused with 413")
+    serve.set_defaults(func=cmd_serve)
+
+
 def _count(low: int, high: int, why: str):
     """An argparse type: an integer from ``low`` to ``high`` (a limit of ``rlrunbook.rl.setup.limits``, whose
     reason ``why`` the refusal states), so 10^20 samples are refused at once instead of sampled until killed."""
@@ -662,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("name")
     resolve.set_defaults(func=cmd_resolve_model)
     add_run_tool_commands(commands)
+    add_serve_command(commands)
     return parser
 
 

@@ -1,0 +1,52 @@
+"""The server's door: the API key and the body size, checked before any route runs (an ASGI middleware).
+
+Every route but ``/api/v1/healthz`` needs the ``X-API-Key`` header the SDK sends (``TINKER_API_KEY``) to
+equal the server's key, compared in constant time; without a key configured the door is open (the server
+then binds loopback only, see :func:`rlrunbook.service.server.check_bind`). A ``Content-Length`` over the
+limit is refused with 413 before the body is read; a body sent without one is counted as it is read
+(:func:`rlrunbook.service.routes.read_body`). The key is never logged, echoed or written.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+OPEN_PATHS = frozenset({"/api/v1/healthz"})
+
+
+async def send_json(send, status: int, body: dict) -> None:
+    """A complete JSON response on a raw ASGI ``send``."""
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class Door:
+    """ASGI middleware: 401 without the right key, 413 for a declared body over ``max_body_bytes``."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self._key = None if api_key is None else api_key.encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self._key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(given, self._key):
+                reason = "no X-API-Key header" if not given else "a wrong X-API-Key"
+                await send_json(send, 401, {"detail": f"{reason}: set TINKER_API_KEY to the key this server was "
+                                                      "started with (--api-key or RLRUNBOOK_SERVE_API_KEY)."})
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await send_json(send, 413, {"detail": f"request body of {declared.decode(errors='replace')[:20]} bytes "
+                                                  f"exceeds this server's limit of {self.max_body_bytes} bytes "
+                                                  "(rlrunbook serve --max-body-mib); send fewer datums per call."})
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,227 @@
+"""The routes the Tinker SDK calls, each a translation of its request into a :class:`ServeState` call.
+
+Answers follow the SDK's reading of them: a body the SDK's own request type refuses is 400 naming the field;
+an unknown id is 404; a queued call answers its request id at once and ``/retrieve_future`` long-polls it
+(up to :data:`LONG_POLL_S`, then ``try_again``, which the SDK polls again at once), answering protobuf for
+``ForwardBackwardOutput`` and ``SampleResponse``, JSON for the rest, and a failure as 200
+``{"error": ..., "category": "user"|"server"}``, which the SDK raises as ``RequestFailedError``. A route
+this server does not serve is 404 naming the method and path (the SDK's ``NotFoundError``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+import pydantic
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from tinker import types
+
+from rlrunbook.errors import InputError, ModelNotFoundError, RlrunbookError
+from rlrunbook.service.state import ServeState, UnknownIdError, dump
+from rlrunbook.service.wire import decode_forward_backward
+
+logger = logging.getLogger("rlrunbook.serve")
+
+LONG_POLL_S = 25.0  # under the SDK's 45 s read timeout of /retrieve_future
+PROTOBUF = "application/x-protobuf"
+# What this server tells the SDK about itself: no compressed bodies, custom losses run client-side (as
+# forward + cross_entropy), samples are polled one by one.
+CLIENT_CONFIG = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "custom_loss_server_side": False,
+                 "sample_use_retrieve_futures": False, "sample_join_sampling_session": False}
+
+
+class BodyTooLargeError(RlrunbookError, ValueError):
+    """A request body over the server's limit (HTTP 413)."""
+
+
+class WeightsInfoRequest(pydantic.BaseModel):
+    """``RestClient.get_weights_info_by_tinker_path``'s body (the SDK posts a plain dict)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    tinker_path: str
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused past the limit also when the client declared no length (chunked)."""
+    limit = request.app.state.max_body_bytes
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BodyTooLargeError(f"request body exceeds this server's limit of {limit} bytes "
+                                    "(rlrunbook serve --max-body-mib); send fewer datums per call.")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def read_json(request: Request, model: type[pydantic.BaseModel]):
+    """The body as the SDK's request type ``model``; ``InputError`` naming the cause otherwise."""
+    raw = await read_body(request)
+    try:
+        return model.model_validate(json.loads(raw or b"{}"))
+    except json.JSONDecodeError as error:
+        raise InputError(f"the body of {request.method} {request.url.path} is not JSON ({error}).") from None
+    except pydantic.ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, item['loc'])) or 'body'}: {item['msg']}"
+                             for item in error.errors()[:5])
+        raise InputError(f"the body of {request.method} {request.url.path} is not a {model.__name__}: "
+                         f"{problems}.") from None
+
+
+def failure_category(error: BaseException) -> str:
+    """``user`` for what the request got wrong (a refused value, an unknown name), ``server`` for the rest."""
+    return "user" if isinstance(error, (RlrunbookError, ValueError, LookupError, TypeError)) else "server"
+
+
+def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
+    """A Starlette endpoint of ``handler`` whose anticipated errors become 4xx JSON naming the cause."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request, request.app.state.serve)
+        except BodyTooLargeError as error:
+            return JSONResponse({"detail": str(error)}, status_code=413)
+        except (UnknownIdError, ModelNotFoundError) as error:
+            return JSONResponse({"detail": str(error)}, status_code=404)
+        except (RlrunbookError, ValueError, TypeError) as error:
+            return JSONResponse({"detail": f"{type(error).__name__}: {error}"}, status_code=400)
+        except Exception as error:  # noqa: BLE001 - a bug: logged here, answered with its message, not a traceback
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return JSONResponse({"detail": f"internal error in rlrunbook serve: {type(error).__name__}: {error}"},
+                                status_code=500, headers={"x-should-retry": "false"})
+
+    endpoint.__name__ = handler.__name__
+    return endpoint
+
+
+def direct(model: type[pydantic.BaseModel], method: str):
+    """A handler: the body as ``model``, passed to ``ServeState.<method>`` on a worker thread, its dict as JSON."""
+    async def handler(request: Request, serve: ServeState) -> Response:
+        body = await read_json(request, model)
+        return JSONResponse(await run_in_threadpool(getattr(serve, method), body))
+
+    handler.__name__ = method
+    return handler
+
+
+async def forward_backward(request: Request, serve: ServeState) -> Response:
+    call = decode_forward_backward(await read_body(request))
+    return JSONResponse(await run_in_threadpool(serve.forward_backward, call))
+
+
+async def retrieve_future(request: Request, serve: ServeState) -> Response:
+    body = await read_json(request, types.FutureRetrieveRequest)
+    rid = body.request_id
+    if not serve.futures.known(rid):
+        raise UnknownIdError(f"no request {rid!r} on this server (it restarted, or the result expired).")
+    try:
+        done, result = await serve.futures.wait(rid, LONG_POLL_S)
+    except Exception as error:  # noqa: BLE001 - the call's failure, as the SDK reads it
+        if failure_category(error) == "server":
+            logger.error("request %s failed", rid, exc_info=error)
+        return JSONResponse({"error": f"{type(error).__name__}: {error}", "category": failure_category(error)})
+    if not done:
+        return JSONResponse(dump(types.TryAgainResponse(request_id=rid, queue_state="active")))
+    if isinstance(result, bytes):
+        return Response(result, media_type=PROTOBUF)
+    return JSONResponse(result)
+
+
+async def client_config(request: Request, serve: ServeState) -> Response:
+    await read_body(request)
+    return JSONResponse(CLIENT_CONFIG)
+
+
+async def dynamic_config(request: Request, serve: ServeState) -> Response:
+    await read_body(request)
+    return JSONResponse(dump(types.ClientDynamicConfigResponse()))
+
+
+async def telemetry(request: Request, serve: ServeState) -> Response:
+    await read_body(request)  # the SDK's events are not kept
+    return JSONResponse({"status": "accepted"})
+
+
+async def healthz(request: Request, serve: ServeState) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def finish_session(request: Request, serve: ServeState) -> Response:
+    await read_body(request)
+    return JSONResponse(serve.finish(request.path_params["session_id"]))
+
+
+async def sampler_info(request: Request, serve: ServeState) -> Response:
+    return JSONResponse(await run_in_threadpool(serve.sampler_info, request.path_params["sampler_id"]))
+
+
+async def capabilities(request: Request, serve: ServeState) -> Response:
+    return JSONResponse(dump(serve.service.get_server_capabilities()))
+
+
+def _rest(call: Callable[[Request, ServeState], object]):
+    """A handler answering ``call``'s SDK future (a LocalRestClient method) as JSON."""
+    async def handler(request: Request, serve: ServeState) -> Response:
+        return JSONResponse(dump(await run_in_threadpool(lambda: call(request, serve).result())))
+
+    return handler
+
+
+def _int_query(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise InputError(f"query parameter {name}={raw!r} must be a non-negative integer.")
+    return int(raw)
+
+
+async def weights_info(request: Request, serve: ServeState) -> Response:
+    body = await read_json(request, WeightsInfoRequest)
+    return JSONResponse(dump(await run_in_threadpool(
+        lambda: serve.rest.get_weights_info_by_tinker_path(body.tinker_path).result())))
+
+
+async def not_served(request: Request, serve: ServeState) -> Response:
+    return JSONResponse({"detail": f"rlrunbook serve does not implement {request.method} {request.url.path}; "
+                                   "docs/serve.md lists what it serves."}, status_code=404)
+
+
+def routes() -> list[Route]:
+    """Every route, then a catch-all naming what is not served."""
+    api = "/api/v1"
+    post = [
+        ("/client/config", client_config), ("/client/dynamic_config", dynamic_config),
+        ("/create_session", direct(types.CreateSessionRequest, "create_session")),
+        ("/session_heartbeat", direct(types.SessionHeartbeatRequest, "heartbeat")),
+        ("/sessions/{session_id}/finish", finish_session), ("/telemetry", telemetry),
+        ("/create_model", direct(types.CreateModelRequest, "create_model")),
+        ("/get_info", direct(types.GetInfoRequest, "get_info")),
+        ("/forward_backward", forward_backward),
+        ("/optim_step", direct(types.OptimStepRequest, "optim_step")),
+        ("/save_weights", direct(types.SaveWeightsRequest, "save_weights")),
+        ("/save_weights_for_sampler", direct(types.SaveWeightsForSamplerRequest, "save_weights_for_sampler")),
+        ("/load_weights", direct(types.LoadWeightsRequest, "load_weights")),
+        ("/create_sampling_session", direct(types.CreateSamplingSessionRequest, "create_sampling_session")),
+        ("/asample", direct(types.SampleRequest, "sample")),
+        ("/retrieve_future", retrieve_future), ("/weights_info", weights_info),
+    ]
+    get = [
+        ("/healthz", healthz), ("/get_server_capabilities", capabilities),
+        ("/samplers/{sampler_id}", sampler_info),
+        ("/training_runs", _rest(lambda r, s: s.rest.list_training_runs(_int_query(r, "limit", 20),
+                                                                         _int_query(r, "offset", 0)))),
+        ("/training_runs/{run_id}", _rest(lambda r, s: s.rest.get_training_run(r.path_params["run_id"]))),
+        ("/training_runs/{run_id}/checkpoints",
+         _rest(lambda r, s: s.rest.list_checkpoints(r.path_params["run_id"]))),
+        ("/checkpoints", _rest(lambda r, s: s.rest.list_user_checkpoints(_int_query(r, "limit", 100),
+                                                                         _int_query(r, "offset", 0)))),
+    ]
+    table = [Route(api + path, answer(handler), methods=["POST"]) for path, handler in post]
+    table += [Route(api + path, answer(handler), methods=["GET"]) for path, handler in get]
+    every = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+    return [*table, Route("/{path:path}", answer(not_served), methods=every)]
