@@ -2,7 +2,7 @@
 
 Upstream (thinking-machines-lab/tinker-cookbook, ``tests/recipes/``) each smoke test runs
 ``python -m <recipe> <args> max_steps=2`` against the hosted service and passes on exit 0. Here each runs
-through ``python -m rlrunbook.cookbook``, offline, with the upstream arguments except:
+through the installed ``rlrunbook cookbook``, offline, with the upstream arguments except:
 
 - the model: every hub model a recipe names (its default, a teacher, an answerer) is served by the built-in
   ``tiny-thinking`` (``--hf-model NAME=tiny-thinking``: ``tiny`` with ``<think>``/``</think>`` as single tokens,
@@ -21,11 +21,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
 import pytest
+
+from rlrunbook.testing.commands import installed_rlrunbook
 
 pytestmark = [pytest.mark.cookbook, pytest.mark.e2e]
 
@@ -52,15 +53,15 @@ def datasets(files: dict[str, Path]) -> list[str]:
 
 def run_recipe(tmp_path: Path, runner_args: list[str], module: str, args: list[str], max_steps: int = 2,
                expect_rc: int = 0) -> subprocess.CompletedProcess:
-    """``python -m rlrunbook.cookbook RUNNER_ARGS MODULE ARGS max_steps=N`` in ``tmp_path``, as upstream's helper
-    runs ``python -m MODULE ARGS max_steps=N`` (its default N is 2)."""
+    """``rlrunbook cookbook RUNNER_ARGS MODULE ARGS max_steps=N`` in ``tmp_path`` (the installed command), as
+    upstream's helper runs ``python -m MODULE ARGS max_steps=N`` (its default N is 2)."""
     # A home of its own: some recipes log under ~/tinker-runs. The built-in models stay in the usual cache.
     cache = os.environ.get("RLRUNBOOK_CACHE_DIR") or str(Path.home() / ".cache" / "rlrunbook")
     env = dict(os.environ, HOME=str(tmp_path / "home"), RLRUNBOOK_CACHE_DIR=cache,
                TINKER_LOCAL_STORAGE=str(tmp_path / "tinker"), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"), PYTHONUNBUFFERED="1")
     env.setdefault("TINKER_LOCAL_DEVICE", "cpu")
-    command = [sys.executable, "-m", "rlrunbook.cookbook", *runner_args, module, *args, f"max_steps={max_steps}"]
+    command = [installed_rlrunbook(), "cookbook", *runner_args, module, *args, f"max_steps={max_steps}"]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == expect_rc, f"exit {done.returncode}: {' '.join(command)}\n{done.stderr[-6000:]}"
     return done

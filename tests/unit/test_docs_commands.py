@@ -20,11 +20,9 @@ import functools
 import io
 import re
 import shlex
-import shutil
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +31,7 @@ import pytest
 from rlrunbook import cli
 from rlrunbook.cookbook import __main__ as cookbook_runner
 from rlrunbook.rl.setup.config_sources import PRESET_DIR, leaf_keys, list_presets
+from rlrunbook.testing.commands import installed_rlrunbook
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -430,14 +429,7 @@ def test_every_subcommand_help_parses():
 
 
 def _installed_entry_point() -> str:
-    beside = Path(sys.executable).parent / "rlrunbook"
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("rlrunbook")
-    if found is None:
-        pytest.fail(f"no `rlrunbook` command next to {sys.executable} or on PATH: install the package "
-                    "(`bash scripts/setup.sh`, or `pip install -e .`)", pytrace=False)
-    return found
+    return installed_rlrunbook()
 
 
 def test_installed_entry_point_lists_every_command():

@@ -53,6 +53,7 @@ from hypothesis import strategies as st
 
 from rlrunbook import cli
 from rlrunbook.rl.setup.config_sources import leaf_keys
+from rlrunbook.testing.commands import installed_rlrunbook
 
 CI_EXAMPLES = 100
 SUBPROCESS_EXAMPLES = 4
@@ -399,11 +400,7 @@ def test_every_command_holds_its_invariants_in_process(base_run, case):
 
 
 def _entry_point() -> str:
-    beside = Path(sys.executable).parent / "rlrunbook"
-    found = str(beside) if beside.is_file() else shutil.which("rlrunbook")
-    if found is None:
-        pytest.fail("no installed `rlrunbook` command: `pip install -e .`", pytrace=False)
-    return found
+    return installed_rlrunbook()
 
 
 RECIPES = ["no_such_recipe_module", "tinker_cookbook.recipes.no_such_recipe", "fuzz_probe_recipe", "-", ""]

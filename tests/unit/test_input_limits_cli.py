@@ -7,12 +7,12 @@ bomb exhausted memory, and ``--seed 10^23`` ended in ``OverflowError``.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from rlrunbook.testing.commands import installed_rlrunbook
 
 TRAIN = ["train", "--model", "tiny", "--env", "qa", "--dataset", "test", "-n", "8", "--num-groups", "2"]
 BOMB = "\n".join([f"a: &a [{', '.join(['lol'] * 9)}]"]
@@ -20,11 +20,7 @@ BOMB = "\n".join([f"a: &a [{', '.join(['lol'] * 9)}]"]
 
 
 def _command() -> str:
-    beside = Path(sys.executable).parent / "rlrunbook"
-    found = str(beside) if beside.is_file() else shutil.which("rlrunbook")
-    if found is None:
-        pytest.fail("no installed `rlrunbook` command: `pip install -e .`", pytrace=False)
-    return found
+    return installed_rlrunbook()
 
 
 def _refused(tmp_path: Path, *args: str) -> str:

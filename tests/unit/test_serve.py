@@ -11,7 +11,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -29,6 +28,7 @@ from rlrunbook.service.wire import (
     encode_forward_backward_output,
     encode_sample_response,
 )
+from rlrunbook.testing.commands import installed_rlrunbook
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 KEY = "tml-serve-test-key"
@@ -43,7 +43,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _serve(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlrunbook", "serve", *args], env=_env(),
+    return subprocess.Popen([installed_rlrunbook(), "serve", *args], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -236,7 +236,7 @@ def test_a_failing_call_names_the_cause_and_the_server_goes_on(service, server):
 
 
 def test_a_network_address_without_a_key_is_refused_at_start():
-    process = subprocess.run([sys.executable, "-m", "rlrunbook", "serve", "--host", "0.0.0.0", "--port", "0"],
+    process = subprocess.run([installed_rlrunbook(), "serve", "--host", "0.0.0.0", "--port", "0"],
                              env={**_env(), "RLRUNBOOK_SERVE_API_KEY": ""}, capture_output=True, text=True,
                              timeout=120)
     assert process.returncode == 2, process.stderr

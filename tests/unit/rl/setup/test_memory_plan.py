@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +15,14 @@ import torch
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.errors import ConfigError
 from rlrunbook.rl.setup.memory_plan import GIB, MemoryPlan, check_fits, format_plan, parse_size
+from rlrunbook.testing.commands import installed_rlrunbook
 
 HERE = Path(__file__).resolve().parents[2]  # tests/unit, where memory_probe.py lives
 ROOT = HERE.parents[1]
 
 
 def _rlrunbook() -> str:
-    found = Path(sys.executable).with_name("rlrunbook")
-    return str(found) if found.exists() else shutil.which("rlrunbook") or "rlrunbook"
+    return installed_rlrunbook()
 
 
 @pytest.mark.slow
