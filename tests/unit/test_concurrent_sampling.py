@@ -95,7 +95,7 @@ def test_the_two_workers_split_the_cpu_threads(concurrent):
     _sample(sampler)
     train_threads = concurrent._worker.run(torch.get_num_threads)
     sample_threads = sampler._worker.run(torch.get_num_threads)
-    assert sampler._worker is not concurrent._worker
+    assert sampler._worker.worker is not concurrent._worker
     total = torch.get_num_threads()  # this thread's count: the process's, untouched by the workers' own
     assert (train_threads, sample_threads) == concurrent.settings.worker_threads()
     assert sample_threads >= 1 and train_threads >= 1
@@ -107,7 +107,7 @@ def test_without_concurrent_sampling_one_worker_runs_everything(tmp_path):
     try:
         training = service.create_lora_training_client("tiny", rank=4, seed=0)
         sampler = training.save_weights_and_get_sampling_client()
-        assert sampler._worker is service._worker and service._worker.threads is None
+        assert sampler._worker.worker is service._worker and service._worker.threads is None
         assert service._sampling_worker is None
     finally:
         service.close()

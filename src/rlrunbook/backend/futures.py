@@ -16,6 +16,11 @@ gets one batched generate, without any change to what each request returns (rows
 per request, see engines/noise.py). A short collection window lets a burst of submissions
 from another thread arrive before the batch starts.
 
+Calls are queued per lane (:meth:`OrderedWorker.lane`: one per model host, so a training client and the
+samplers of its weights share one) and the worker takes lanes in turn, one call (or one batch) at a time:
+within a lane calls run in submission order, and a client that queued many calls does not hold back
+another client's one call behind all of them. With one lane (one training client) that is plain FIFO.
+
 The futures are the SDK's own ``AwaitableConcurrentFuture``: ``.result()`` blocks, ``await`` works
 in any event loop (also one already running), because the work never runs on the caller's thread.
 """
@@ -68,7 +73,8 @@ class OrderedWorker:
 
     def __init__(self, name: str = "rlrunbook-local", batch_window_s: float = 0.002, max_batch_rows: int = 256,
                  threads: int | None = None, timeline: Timeline | None = None):
-        self._queue: deque[_Task] = deque()
+        self._lanes: dict[Hashable, deque[_Task]] = {}  # queued calls per lane, each in submission order
+        self._turns: deque[Hashable] = deque()  # lanes with queued calls, in the order they are served
         self._cv = threading.Condition()
         self._closed = False
         self.batch_window_s = batch_window_s
@@ -84,24 +90,39 @@ class OrderedWorker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def _enqueue(self, task: _Task) -> AwaitableConcurrentFuture:
+    def _queued(self) -> int:
+        return sum(len(queue) for queue in self._lanes.values())
+
+    def _enqueue(self, task: _Task, lane: Hashable = None) -> AwaitableConcurrentFuture:
         if threading.current_thread() is not self._thread:
             release_openmp_threads()  # the caller's pool would throttle the worker's (see backend/openmp.py)
         with self._cv:
             if self._closed:
                 raise RuntimeError("this ServiceClient was closed; create a new one.")
-            self._queue.append(task)
+            queue = self._lanes.setdefault(lane, deque())
+            queue.append(task)
+            if lane not in self._turns:
+                self._turns.append(lane)
             self._cv.notify()
         return AwaitableConcurrentFuture(task.future)
 
+    def lane(self, key: Hashable) -> WorkerLane:
+        """This worker seen from one lane: what a client submits through (see the module docstring)."""
+        return WorkerLane(self, key)
+
     def submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> AwaitableConcurrentFuture[T]:
-        return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs), name=call_name(fn)))
+        """Queue ``fn(*args, **kwargs)`` on the default lane."""
+        return self._submit(None, fn, *args, **kwargs)
+
+    def _submit(self, lane: Hashable, fn: Callable[..., T], *args: object, **kwargs: object
+                ) -> AwaitableConcurrentFuture[T]:
+        return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs), name=call_name(fn)), lane)
 
     def submit_batchable(self, key: Hashable, item: Any, batch_fn: Callable[[list[Any]], list[Any]],
-                         rows: int = 1) -> AwaitableConcurrentFuture:
-        """Queue ``item``; consecutive items with the same ``key`` are handed to ``batch_fn`` together."""
+                         rows: int = 1, *, lane: Hashable = None) -> AwaitableConcurrentFuture:
+        """Queue ``item``; consecutive items of one lane with the same ``key`` are handed to ``batch_fn`` together."""
         return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows,
-                                   name=call_name(batch_fn)))
+                                   name=call_name(batch_fn)), lane)
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -121,17 +142,37 @@ class OrderedWorker:
         """Submit and wait: for calls that the SDK makes synchronous."""
         return self.submit(fn, *args, **kwargs).result()
 
-    def _take_batch(self, first: _Task) -> list[_Task]:
+    def _next(self) -> tuple[Hashable, _Task]:
+        """The next lane's first call (under ``_cv``, with ``_turns`` not empty); the lane goes to the back."""
+        lane = self._turns.popleft()
+        queue = self._lanes[lane]
+        task = queue.popleft()
+        if queue:
+            self._turns.append(lane)
+        else:
+            del self._lanes[lane]
+        return lane, task
+
+    def _drop_if_empty(self, lane: Hashable) -> None:
+        """Forget ``lane`` once a batch took its last queued call (under ``_cv``)."""
+        queue = self._lanes.get(lane)
+        if queue is not None and not queue:
+            del self._lanes[lane]
+            self._turns.remove(lane)
+
+    def _take_batch(self, first: _Task, lane: Hashable) -> list[_Task]:
         batch, rows = [first], first.rows
         deadline = time.monotonic() + self.batch_window_s
         with self._cv:
             while True:
-                while self._queue and self._queue[0].key == first.key and rows + self._queue[0].rows <= self.max_batch_rows:
-                    task = self._queue.popleft()
+                queue = self._lanes.get(lane)
+                while queue and queue[0].key == first.key and rows + queue[0].rows <= self.max_batch_rows:
+                    task = queue.popleft()
                     batch.append(task)
                     rows += task.rows
-                if self._queue or rows >= self.max_batch_rows:
-                    return batch  # the next task is different: order must be kept
+                self._drop_if_empty(lane)
+                if queue or rows >= self.max_batch_rows:
+                    return batch  # the lane's next task is different: order must be kept
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return batch
@@ -149,12 +190,12 @@ class OrderedWorker:
             torch.cuda.set_device(self._cuda_device)
         while True:
             with self._cv:
-                while (not self._queue or self._holds) and not self._closed:
+                while (not self._turns or self._holds) and not self._closed:
                     self._cv.wait()
-                if not self._queue:
+                if not self._turns:
                     return
-                task = self._queue.popleft()
-            batch = [task] if task.key is None else self._take_batch(task)
+                lane, task = self._next()
+            batch = [task] if task.key is None else self._take_batch(task, lane)
             start = time.perf_counter()
             if task.key is None:
                 self._resolve(batch, lambda: [task.run()])
@@ -183,7 +224,7 @@ class OrderedWorker:
     def _release_if_idle(self) -> None:
         """Nothing queued: free this thread's OpenMP pool before the waiter resumes its own work
         (see :mod:`rlrunbook.backend.openmp`)."""
-        if not self._queue:
+        if not self._queued():
             release_openmp_threads()
 
     def shutdown(self, cancel_pending: bool = False, timeout: float | None = None) -> bool:
@@ -202,10 +243,36 @@ class OrderedWorker:
     def cancel_pending(self) -> int:
         """Cancel every queued call that has not started (its future raises ``CancelledError``); how many."""
         with self._cv:
-            cancelled = 0
-            while self._queue:
-                cancelled += self._queue.popleft().future.cancel()
+            cancelled = sum(task.future.cancel() for queue in self._lanes.values() for task in queue)
+            self._lanes.clear()
+            self._turns.clear()
             return cancelled
+
+
+class WorkerLane:
+    """One lane of an :class:`OrderedWorker`: the worker's ``submit``/``submit_batchable``/``run``/``hold`` for the
+    calls of one client, which run in the order submitted, taking turns with the other lanes."""
+
+    def __init__(self, worker: OrderedWorker, key: Hashable):
+        self.worker = worker
+        self.key = key
+
+    def submit(self, fn: Callable[..., T], *args: object, **kwargs: object) -> AwaitableConcurrentFuture[T]:
+        return self.worker._submit(self.key, fn, *args, **kwargs)
+
+    def submit_batchable(self, key: Hashable, item: Any, batch_fn: Callable[[list[Any]], list[Any]],
+                         rows: int = 1) -> AwaitableConcurrentFuture:
+        return self.worker.submit_batchable(key, item, batch_fn, rows, lane=self.key)
+
+    def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        return self.submit(fn, *args, **kwargs).result()
+
+    def hold(self):
+        return self.worker.hold()
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return self.worker.timeline
 
 
 def completed(value: T) -> AwaitableConcurrentFuture[T]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 import itertools
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from rlrunbook.backend.lora import clone_adapter, load_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.base import SamplingEngine
 from rlrunbook.engines.decoder import unsupported_reason
+from rlrunbook.engines.float64_weights import share_float64_weights
 from rlrunbook.engines.generate import GenerateEngine
 from rlrunbook.engines.hf import HFSamplingEngine
 from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
@@ -51,14 +53,53 @@ class ModelHost:
         return self.engine.pad_token_id
 
 
-def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
-    """Resolve ``base_model`` (built-in name, folder, or hub id; or its stand-in, ``settings.model_for``), load it
-    and build its engine. The host keeps the name asked for."""
+@dataclass
+class ResidentModel:
+    """A base model loaded once, whose frozen weights every host made over it shares (:func:`host_over`).
+
+    ``model`` itself is never wrapped or sampled: each host gets a module tree of its own (its own LoRA
+    adapter, its own engine and caches) whose base parameters and buffers are these very tensors.
+    """
+
+    folder: Path
+    tokenizer: object
+    model: torch.nn.Module
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared weights and buffers (a tensor tied to two modules counted once)."""
+        seen: dict[int, int] = {}
+        for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+        return sum(seen.values())
+
+
+def load_resident(base_model: str, settings: LocalSettings) -> ResidentModel:
+    """Resolve ``base_model`` (built-in name, folder, or hub id; or its stand-in, ``settings.model_for``) and load
+    its tokenizer and weights once."""
     folder = resolve_model(settings.model_for(base_model))
     tokenizer = load_tokenizer(folder)
     model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device,
                            load_in_4bit=settings.load_in_4bit)
     pending_signal.raise_pending()  # a signal swallowed while the model's libraries loaded
+    return ResidentModel(folder, tokenizer, model)
+
+
+def share_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model``'s modules whose parameters and buffers are ``model``'s own tensors (no byte copied).
+
+    Wrapping the copy in LoRA adds adapter tensors to the copy only; the base weights stay shared and frozen.
+    The copy also shares ``model``'s float64 weight copies (``exact`` numerics)."""
+    memo = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
+    copy = deepcopy(model, memo)
+    share_float64_weights(copy, model)
+    return copy
+
+
+def host_over(resident: ResidentModel, name: str, settings: LocalSettings) -> ModelHost:
+    """A host named ``name`` over ``resident``'s weights: its own modules and engine, no second copy of the base."""
+    model = share_weights(resident.model)
+    tokenizer = resident.tokenizer
     config = model.config
     common = dict(pad_token_id=int(tokenizer.pad_token_id), vocab_size=int(config.vocab_size),
                   max_context=getattr(config, "max_position_embeddings", None), max_batch_rows=settings.max_batch_rows,
@@ -70,7 +111,13 @@ def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
     else:
         engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(), cuda_graphs=settings.cuda_graphs,
                                   prefix_cache_tokens=settings.prefix_cache_tokens, **common)
-    return ModelHost(base_model, folder, tokenizer, model, engine)
+    return ModelHost(name, resident.folder, tokenizer, model, engine)
+
+
+def load_host(base_model: str, settings: LocalSettings) -> ModelHost:
+    """Load ``base_model`` and build its engine (a host with its weights to itself). The host keeps the name
+    asked for."""
+    return host_over(load_resident(base_model, settings), base_model, settings)
 
 
 def _text_decoder(tokenizer):

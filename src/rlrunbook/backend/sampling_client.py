@@ -16,7 +16,7 @@ import torch
 from tinker import types
 
 from rlrunbook.backend import sessions
-from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
+from rlrunbook.backend.futures import ResolvedClient, WorkerLane
 from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest
@@ -113,9 +113,9 @@ class LocalSamplingClient(ResolvedClient):
     of that sampler).
     """
 
-    def __init__(self, host: ModelHost, weights: SamplerWeights, worker: OrderedWorker,
+    def __init__(self, host: ModelHost, weights: SamplerWeights, worker: WorkerLane,
                  live_version: Callable[[], int | None], model_path: str | None = None,
-                 model_worker: OrderedWorker | None = None, *, session_id: str = "",
+                 model_worker: WorkerLane | None = None, *, session_id: str = "",
                  storage_root: Path | None = None, sampler_id: str | None = None):
         self._host = host
         self._weights = weights

@@ -20,7 +20,7 @@ from typing_extensions import Self
 from rlrunbook.backend import sessions
 from rlrunbook.backend.checkpoints import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.futures import OrderedWorker, completed
-from rlrunbook.backend.host import ModelHost, SamplerWeights, load_host
+from rlrunbook.backend.host import ModelHost, ResidentModel, SamplerWeights, host_over, load_resident
 from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
 from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities, copy_checkpoint
@@ -89,6 +89,9 @@ class LocalServiceClient:
                                      timeline=self._timeline)
         self._sampling_worker: OrderedWorker | None = None  # made on first use, with concurrent_sampling
         self._base_hosts: dict[str, ModelHost] = {}
+        # One copy of each base model's weights, shared by every host over it (each training client's own modules,
+        # adapter and engine; each base-model sampler's), keyed by what the name resolves to.
+        self._resident: dict[str, ResidentModel] = {}
         self._training: dict[str, LocalTrainingClient] = {}
         self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
         self._closed = False
@@ -134,7 +137,7 @@ class LocalServiceClient:
         settings = self.settings
 
         def build() -> LocalTrainingClient:
-            host = load_host(record.base_model, settings)
+            host = self._host(record.base_model)
             host.model = wrap_with_lora(
                 host.model, rank=record.lora_rank, alpha=settings.lora_alpha,
                 seed=settings.seed if seed is None else seed, train_attn=record.train_attn,
@@ -149,7 +152,7 @@ class LocalServiceClient:
                                   numerics=settings.decoder_numerics(), micro_batch_tokens=batching.tokens,
                                   recompute_layers=batching.recompute_layers)
             self._store.write_run(record)
-            return LocalTrainingClient(host, trainer, self._worker, model_id=record.model_id,
+            return LocalTrainingClient(host, trainer, self._worker.lane(id(host)), model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,
                                        sampling_client_factory=self._sampling_client,
                                        session_id=self.session_id)
@@ -217,8 +220,9 @@ class LocalServiceClient:
             live_version = _no_version
         elif host is None or weights is None:
             host, weights, live_version = self._saved_weights(model_path)
-        return LocalSamplingClient(host, weights, self._worker_for(host), live_version, model_path,
-                                   self._worker, session_id=self.session_id, storage_root=self._store.root)
+        lane = id(host)  # the samplers of one model take turns with other models' calls as one client
+        return LocalSamplingClient(host, weights, self._worker_for(host).lane(lane), live_version, model_path,
+                                   self._worker.lane(lane), session_id=self.session_id, storage_root=self._store.root)
 
     def _saved_weights(self, model_path: str | None):
         """(host, weights, live_version) of a sampler of the checkpoint at ``model_path``."""
@@ -247,9 +251,18 @@ class LocalServiceClient:
                                                   threads=self._sampler_threads, timeline=self._timeline)
         return self._sampling_worker
 
+    def _host(self, base_model: str) -> ModelHost:
+        """A host of its own over the one resident copy of ``base_model``'s weights (loaded on first use).
+        Runs on the worker."""
+        key = self.settings.model_for(base_model)
+        resident = self._resident.get(key)
+        if resident is None:
+            resident = self._resident[key] = load_resident(base_model, self.settings)
+        return host_over(resident, base_model, self.settings)
+
     def _base_host(self, base_model: str) -> ModelHost:
         if base_model not in self._base_hosts:
-            self._base_hosts[base_model] = self._attach_sampler(load_host(base_model, self.settings))
+            self._base_hosts[base_model] = self._attach_sampler(self._host(base_model))
         return self._base_hosts[base_model]
 
     def _attach_sampler(self, host: ModelHost) -> ModelHost:
@@ -262,10 +275,20 @@ class LocalServiceClient:
         meta = folder / BASE_MODEL_FILE
         if not meta.is_file():
             raise ModelNotFoundError(f"{folder} does not name its base model ({BASE_MODEL_FILE} missing).")
-        host = load_host(json.loads(meta.read_text())["base_model"], self.settings)
+        host = self._host(json.loads(meta.read_text())["base_model"])
         host.model = load_saved_adapter(host.model, str(folder))
         host.engine.model = host.model
         return self._attach_sampler(host)
+
+    def release_training_client(self, model_id: str) -> None:
+        """LOCAL EXTENSION: this ServiceClient forgets the training client ``model_id`` (for a server whose
+        client went away): once nothing else holds it or a sampler of its weights, its adapter, optimizer state
+        and engine caches are freed. Its saved checkpoints stay; calls already queued still run."""
+        self._training.pop(model_id, None)
+
+    def resident_models(self) -> list[dict[str, object]]:
+        """LOCAL EXTENSION: each base model loaded once and shared by every client over it, with its bytes."""
+        return [{"base_model": name, "bytes": resident.nbytes} for name, resident in list(self._resident.items())]
 
     # -- information ------------------------------------------------------------------------
     def create_rest_client(self) -> LocalRestClient:

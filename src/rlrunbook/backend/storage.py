@@ -9,6 +9,10 @@ Every ``tinker://<model_id>/<kind>/<name>`` path is a folder under the storage r
     <root>/<model_id>/external_weights/<name>/   save_weights_external: adapter (+ base model name), files
                                                  age-encrypted (``*.age``) where recipients were given
 
+A checkpoint is written into a hidden staging folder beside its place, its files flushed to disk, then renamed
+into place (:func:`staged_folder`): a process killed while saving leaves no half-written checkpoint behind, and
+a save that returned is on disk.
+
 Adapters are peft folders (``adapter_config.json``, ``adapter_model.safetensors``); optimizer
 state is a ``torch.save`` of tensors and plain numbers, read back with ``weights_only=True``.
 Nothing here unpickles arbitrary objects. A TTL is recorded in the checkpoint's
@@ -19,8 +23,12 @@ are never deleted when it passes (delete them with the RestClient).
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -123,7 +131,7 @@ class CheckpointStore:
     def write_run(self, record: RunRecord) -> None:
         folder = self.root / record.model_id
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / RUN_FILE).write_text(json.dumps(asdict(record), indent=1))
+        write_durably(folder / RUN_FILE, json.dumps(asdict(record), indent=1))
 
     def read_run(self, model_id: str) -> RunRecord:
         file = self.root / model_id / RUN_FILE
@@ -141,6 +149,8 @@ class CheckpointStore:
         found = []
         for kind in KINDS:
             for folder in (self.root / model_id / kind).glob("*"):
+                if folder.name.startswith(".") or not folder.is_dir():
+                    continue  # a staging folder (a save in progress, or cut off)
                 if any((folder / name).is_file() for name in (ADAPTER_FILE, ADAPTER_FILE + ENCRYPTED_SUFFIX)):
                     found.append((TinkerPath(model_id, kind, folder.name), folder))
         return sorted(found, key=lambda item: item[1].stat().st_mtime)
@@ -154,6 +164,53 @@ class CheckpointStore:
         shutil.copytree(self.existing_folder(source, encrypted_ok=True), self.folder(target),
                         ignore=shutil.ignore_patterns(CHECKPOINT_FILE))
         return target
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_durably(file: Path, text: str) -> None:
+    """``file`` holds ``text`` completely or keeps what it held: written beside it, flushed, renamed over it."""
+    staging = file.with_name(f".{file.name}.{secrets.token_hex(4)}")
+    with open(staging, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staging, file)
+    _fsync(file.parent)
+
+
+@contextmanager
+def staged_folder(folder: Path) -> Iterator[Path]:
+    """Write a checkpoint into the yielded staging folder; when the block ends without error its files are
+    flushed to disk and it replaces ``folder`` in one rename (a folder there before is removed after). On an
+    error, or a kill, ``folder`` is as it was; a staging folder left by a kill is hidden (its name starts with
+    a dot) and never listed or loaded."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tag = secrets.token_hex(4)
+    staging = folder.with_name(f".{folder.name}.saving-{tag}")
+    staging.mkdir()
+    try:
+        yield staging
+        for file in staging.rglob("*"):
+            if file.is_file():
+                _fsync(file)
+        old = None
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.replaced-{tag}")
+            folder.rename(old)
+        staging.rename(folder)
+        _fsync(folder.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_ttl(ttl_seconds: int | None) -> None:

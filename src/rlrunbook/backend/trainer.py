@@ -411,6 +411,18 @@ class LoraTrainer:
             self.model.zero_grad(set_to_none=True)
         return float(extras[1])
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this run holds beside the shared base weights: the adapter, its gradients (between
+        ``forward_backward`` and ``optim_step``) and AdamW's moments (after the first step)."""
+        trainable = list(adapter_parameters(self.model).values())
+        optimizer = 0
+        if self._optimizer is not None:
+            optimizer = sum(value.numel() * value.element_size() for state in self._optimizer.state.values()
+                            for value in state.values() if torch.is_tensor(value))
+        return {"adapter": sum(p.numel() * p.element_size() for p in trainable),
+                "gradients": sum(p.grad.numel() * p.grad.element_size() for p in trainable if p.grad is not None),
+                "optimizer": optimizer}
+
     def optimizer_state(self) -> dict | None:
         """AdamW's ``state_dict()`` (tensors and plain numbers only), or None before the first step."""
         return None if self._optimizer is None else self._optimizer.state_dict()

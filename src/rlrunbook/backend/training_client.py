@@ -13,7 +13,7 @@ from rlrunbook.backend.checkpoints import (
     write_adapter,
     write_external_weights,
 )
-from rlrunbook.backend.futures import OrderedWorker, ResolvedClient
+from rlrunbook.backend.futures import ResolvedClient, WorkerLane
 from rlrunbook.backend.host import ModelHost, SamplerWeights
 from rlrunbook.backend.lora import clone_adapter, snapshot_loaded
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
@@ -24,6 +24,7 @@ from rlrunbook.backend.storage import (
     checkpoint_name,
     parse_tinker_path,
     set_expiry,
+    staged_folder,
 )
 from rlrunbook.backend.trainer import LoraTrainer, TrainingState
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
@@ -37,7 +38,7 @@ class LocalTrainingClient(ResolvedClient):
     Like the SDK's client futures it also resolves to itself (``.result()``, ``await``).
     """
 
-    def __init__(self, host: ModelHost, trainer: LoraTrainer, worker: OrderedWorker, *,
+    def __init__(self, host: ModelHost, trainer: LoraTrainer, worker: WorkerLane, *,
                  model_id: str, rank: int, store: CheckpointStore, sampling_client_factory,
                  session_id: str = ""):
         self._host = host
@@ -184,8 +185,9 @@ class LocalTrainingClient(ResolvedClient):
         def run() -> types.SaveWeightsResponse:
             if folder.exists() and not overwrite:
                 raise ConfigError(f"checkpoint {path.path} exists; pass overwrite=True or choose another name.")
-            save_training_state(self._host, self._trainer, folder)
-            set_expiry(folder, ttl_seconds)
+            with staged_folder(folder) as staging:
+                save_training_state(self._host, self._trainer, staging)
+                set_expiry(staging, ttl_seconds)
             return types.SaveWeightsResponse(path=path.path)
 
         return self._worker.submit(run)
@@ -242,8 +244,9 @@ class LocalTrainingClient(ResolvedClient):
         check_ttl(ttl_seconds)
 
         def run() -> types.SaveWeightsForSamplerResponse:
-            write_adapter(self._host, folder)
-            set_expiry(folder, ttl_seconds)
+            with staged_folder(folder) as staging:
+                write_adapter(self._host, staging)
+                set_expiry(staging, ttl_seconds)
             return types.SaveWeightsForSamplerResponse(path=path.path)
 
         return self._worker.submit(run)
@@ -267,8 +270,9 @@ class LocalTrainingClient(ResolvedClient):
         recipients = age_recipients(age_encryption_recipients)
 
         def run() -> types.SaveWeightsExternalResponse:
-            write_external_weights(self._host, folder, recipients)
-            set_expiry(folder, ttl_seconds)
+            with staged_folder(folder) as staging:
+                write_external_weights(self._host, staging, recipients)
+                set_expiry(staging, ttl_seconds)
             return types.SaveWeightsExternalResponse(path=path.path)
 
         return self._worker.submit(run)
@@ -308,6 +312,17 @@ class LocalTrainingClient(ResolvedClient):
         return self._trainer.weights_version
 
     # -- information ----------------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """LOCAL EXTENSION: bytes this client holds now beside its base model's shared weights (``adapter``,
+        ``gradients``, ``optimizer``); read without waiting for queued calls. Its engine's caches come on top
+        while it samples."""
+        for _ in range(3):
+            try:
+                return self._trainer.state_bytes()
+            except RuntimeError:  # the optimizer's state grew while it was read (its first step): read again
+                continue
+        return self._trainer.state_bytes()
+
     def get_tokenizer(self):
         return self._host.tokenizer
 

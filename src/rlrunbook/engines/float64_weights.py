@@ -77,6 +77,13 @@ def float64_weights(model: torch.nn.Module) -> Float64Weights:
         return cache
 
 
+def share_float64_weights(model: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Let ``model`` (a copy of ``source`` over the same weight tensors) use ``source``'s float64 copies."""
+    cache = float64_weights(source)
+    with _registry_lock:
+        _registry[_owner(model)] = cache
+
+
 def float64_copy_bytes(model: torch.nn.Module) -> int:
     """Bytes of float64 weight copies held for ``model`` now (0 when none were made: numerics other than ``exact``)."""
     with _registry_lock:

@@ -1,16 +1,20 @@
 """The server's door: the API key and the body size, checked before any route runs (an ASGI middleware).
 
 Every route but ``/api/v1/healthz`` needs the ``X-API-Key`` header the SDK sends (``TINKER_API_KEY``) to
-equal the server's key, compared in constant time; without a key configured the door is open (the server
-then binds loopback only, see :func:`rlrunbook.service.server.check_bind`). A ``Content-Length`` over the
-limit is refused with 413 before the body is read; a body sent without one is counted as it is read
-(:func:`rlrunbook.service.routes.read_body`). The key is never logged, echoed or written.
+equal one of the server's keys, compared in constant time; the key names the caller's tenant
+(:func:`rlrunbook.service.store.tenant_of`, a digest), set as ``request.state.tenant`` for the routes: each
+tenant sees only its own sessions, models, samplers and futures. Without a key configured the door is open
+(one tenant; the server then binds loopback only, see :func:`rlrunbook.service.server.check_options`). A
+``Content-Length`` over the limit is refused with 413 before the body is read; a body sent without one is
+counted as it is read (:func:`rlrunbook.service.routes.read_body`). Keys are never logged, echoed or written.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+
+from rlrunbook.service.store import tenant_of
 
 OPEN_PATHS = frozenset({"/api/v1/healthz"})
 
@@ -24,25 +28,37 @@ async def send_json(send, status: int, body: dict) -> None:
 
 
 class Door:
-    """ASGI middleware: 401 without the right key, 413 for a declared body over ``max_body_bytes``."""
+    """ASGI middleware: 401 without a right key, 413 for a declared body over ``max_body_bytes``; the tenant of
+    the key in ``scope["state"]["tenant"]``."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
         self.app = app
-        self._key = None if api_key is None else api_key.encode()
+        self._tenants = [(key.encode(), tenant_of(key)) for key in api_keys]
         self.max_body_bytes = max_body_bytes
+
+    def _tenant(self, given: bytes) -> str | None:
+        """The tenant of ``given``; every key is compared (constant time), so timing tells nothing."""
+        found = None
+        for key, tenant in self._tenants:
+            if hmac.compare_digest(given, key):
+                found = tenant
+        return found
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self._key is not None and scope["path"] not in OPEN_PATHS:
+        tenant = tenant_of(None)
+        if self._tenants and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"x-api-key", b"")
-            if not hmac.compare_digest(given, self._key):
+            tenant = self._tenant(given)
+            if tenant is None:
                 reason = "no X-API-Key header" if not given else "a wrong X-API-Key"
-                await send_json(send, 401, {"detail": f"{reason}: set TINKER_API_KEY to the key this server was "
+                await send_json(send, 401, {"detail": f"{reason}: set TINKER_API_KEY to a key this server was "
                                                       "started with (--api-key or RLRUNBOOK_SERVE_API_KEY)."})
                 return
+        scope.setdefault("state", {})["tenant"] = tenant
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             await send_json(send, 413, {"detail": f"request body of {declared.decode(errors='replace')[:20]} bytes "

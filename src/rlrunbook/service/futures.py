@@ -2,14 +2,20 @@
 
 Every queued call answers at once with a request id; the SDK then long-polls ``/retrieve_future`` until the
 result is there. :class:`FutureRegistry` holds a ``concurrent.futures.Future`` per id (the local backend's
-futures are those) with the function that turns its result into the response body. :class:`SeqOrder` runs
-the calls of one training model in ``seq_id`` order, whatever order their HTTP requests arrive in: the SDK
-sends the chunks of a large ``forward_backward`` concurrently, the first chunk last.
+futures are those) with the function that turns its result into the response body, and records the id, then
+its outcome, in the server's SQLite store (:mod:`rlrunbook.service.store`): a result is delivered only once it
+is recorded, so a server killed and started again answers every id it handed out (with the result, or with
+the error that it restarted while the call was pending), never with a hang.
+
+:class:`SeqOrder` runs the calls of one training model in ``seq_id`` order, whatever order their HTTP requests
+arrive in: the SDK sends the chunks of a large ``forward_backward`` concurrently, the first chunk last.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import secrets
 import threading
 import time
@@ -18,10 +24,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlrunbook.errors import InputError
+from rlrunbook.errors import InputError, RlrunbookError
+from rlrunbook.service.store import KEEP_DELIVERED_S, MAX_KEPT_BODY_BYTES, ServeStore
 
-# How long a delivered result stays retrievable: the SDK polls again when a response was lost in transit.
-KEEP_DELIVERED_S = 600.0
+logger = logging.getLogger("rlrunbook.serve")
+
+SEQ_GAP_TIMEOUT_S = 300.0  # a call whose lower seq_id never arrives fails after this long, never waits forever
 
 
 def request_id() -> str:
@@ -29,11 +37,28 @@ def request_id() -> str:
     return f"req-{secrets.token_urlsafe(18)}"
 
 
+def failure_category(error: BaseException) -> str:
+    """``user`` for what the request got wrong (a refused value, an unknown name), ``server`` for the rest."""
+    return "user" if isinstance(error, (RlrunbookError, ValueError, LookupError, TypeError)) else "server"
+
+
+class CallFailedError(Exception):
+    """A call's failure as the SDK receives it (``{"error": message, "category": ...}``)."""
+
+    def __init__(self, message: str, category: str):
+        super().__init__(message)
+        self.message = message
+        self.category = category
+
+
 def chain(source: Future | Any, target: Future) -> None:
     """Resolve ``target`` as ``source`` resolves (a concurrent future, or an SDK future with ``.future()``)."""
     inner = source.future() if hasattr(source, "future") and not isinstance(source, Future) else source
 
     def copy(done: Future) -> None:
+        if done.cancelled():
+            target.set_exception(RuntimeError("the call was cancelled: the server is stopping"))
+            return
         error = done.exception()
         if error is not None:
             target.set_exception(error)
@@ -52,26 +77,59 @@ def failed(error: BaseException) -> Future:
 
 @dataclass
 class _Entry:
-    future: Future
-    encode: Callable[[Any], Any]
+    tenant: str
+    owner: str | None
+    recorded: Future  # of (body, media): the outcome, once it is in the store
     delivered_at: float | None = None
-    encoded: Any = None
 
 
 @dataclass
 class FutureRegistry:
-    """Request id → future and encoder. ``add`` files one; ``wait`` long-polls it."""
+    """Request id → outcome. ``add`` files a future; ``wait`` long-polls one, for its tenant only."""
 
+    store: ServeStore
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _recorder: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrunbook-serve-record"))
 
-    def add(self, future: Future, encode: Callable[[Any], Any]) -> str:
-        """File ``future``; the response body is ``encode(result)`` (bytes for protobuf, else a JSON dict)."""
+    def add(self, future: Future, encode: Callable[[Any], Any], *, tenant: str, owner: str | None = None,
+            seq_id: int | None = None, kind: str = "call") -> str:
+        """File ``future`` (recorded as pending at once); its response body is ``encode(result)``: bytes for
+        protobuf, else a JSON dict. ``(owner, kind, seq_id)`` names the call, so a retried request finds it."""
         rid = request_id()
+        self.store.add_future(rid, tenant, owner, seq_id, kind)
+        recorded: Future = Future()
         with self._lock:
             self._sweep()
-            self._entries[rid] = _Entry(future, encode)
+            self._entries[rid] = _Entry(tenant, owner, recorded)
+        future.add_done_callback(lambda done: self._recorder.submit(self._record, rid, done, encode, recorded))
         return rid
+
+    def _record(self, rid: str, done: Future, encode: Callable[[Any], Any], recorded: Future) -> None:
+        try:
+            if done.cancelled():
+                raise RuntimeError("the call was cancelled: the server is stopping")
+            body = encode(done.result())
+        except BaseException as error:  # noqa: BLE001 - the call's failure (or its encoding's) is its outcome
+            category = failure_category(error)
+            message = f"{type(error).__name__}: {error}"
+            if category == "server":
+                logger.error("request %s failed", rid, exc_info=error)
+            self._try_store(self.store.future_failed, rid, message, category)
+            recorded.set_exception(CallFailedError(message, category))
+            return
+        media = "proto" if isinstance(body, bytes) else "json"
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self._try_store(self.store.future_done, rid, raw if len(raw) <= MAX_KEPT_BODY_BYTES else None, media)
+        recorded.set_result((body, media))
+
+    @staticmethod
+    def _try_store(write: Callable[..., Any], *args: Any) -> None:
+        try:
+            write(*args)
+        except Exception:  # noqa: BLE001 - a full disk must not lose the answer in memory; it is logged
+            logger.exception("could not record request %s in the server's store", args[0])
 
     def _sweep(self) -> None:
         horizon = time.monotonic() - KEEP_DELIVERED_S
@@ -79,28 +137,57 @@ class FutureRegistry:
                     if entry.delivered_at is not None and entry.delivered_at < horizon]:
             del self._entries[rid]
 
-    def known(self, rid: str) -> bool:
+    def pending(self) -> dict[str | None, int]:
+        """How many calls of each owner (a model or sampler id) have not finished yet."""
+        counts: dict[str | None, int] = {}
         with self._lock:
-            return rid in self._entries
+            for entry in self._entries.values():
+                if not entry.recorded.done():
+                    counts[entry.owner] = counts.get(entry.owner, 0) + 1
+        return counts
 
-    async def wait(self, rid: str, timeout_s: float) -> tuple[bool, Any]:
-        """``(True, body)`` once the future of ``rid`` is done (its encoded result; an exception it raised, or
-        that encoding raised, is raised here), ``(False, None)`` after ``timeout_s`` without it."""
+    async def wait(self, rid: str, tenant: str, timeout_s: float) -> tuple[bool, Any]:
+        """``(True, body)`` once the call of ``rid`` is done and recorded (a dict, or protobuf bytes); its failure
+        raises :class:`CallFailedError`; ``(False, None)`` after ``timeout_s`` without it. ``KeyError`` for an id
+        this tenant does not own."""
         with self._lock:
             entry = self._entries.get(rid)
         if entry is None:
+            return True, self._from_store(rid, tenant)
+        if entry.tenant != tenant:
             raise KeyError(rid)
-        if not entry.future.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), timeout_s)
-            except asyncio.TimeoutError:
-                return False, None
-            except Exception:  # noqa: BLE001 - the future's own error, raised below from the future itself
-                pass
-        if entry.encoded is None:
-            entry.encoded = entry.encode(entry.future.result())
-        entry.delivered_at = time.monotonic()
-        return True, entry.encoded
+        try:
+            body, _ = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.recorded)), timeout_s)
+        except asyncio.TimeoutError:
+            return False, None
+        finally:
+            if entry.recorded.done():
+                self._delivered(rid, entry)
+        return True, body
+
+    def _delivered(self, rid: str, entry: _Entry) -> None:
+        if entry.delivered_at is None:
+            entry.delivered_at = time.monotonic()
+            self._try_store(self.store.future_delivered, rid)
+
+    def _from_store(self, rid: str, tenant: str) -> Any:
+        """The outcome of a call of an earlier server on this storage (or one swept from memory)."""
+        row = self.store.future(rid)
+        if row is None or row.tenant != tenant:
+            raise KeyError(rid)
+        self._try_store(self.store.future_delivered, rid)
+        if row.status == "failed":
+            raise CallFailedError(row.error or "the call failed", row.category or "server")
+        if row.status != "done":
+            raise CallFailedError("this request is pending in no running server (its store was changed outside "
+                                  "rlrunbook serve); send the call again.", "server")
+        if row.body is None:
+            raise CallFailedError("the call finished, but its result was too large to keep across a restart of "
+                                  "the server; send the call again.", "server")
+        return row.body if row.media == "proto" else json.loads(row.body)
+
+    def close(self) -> None:
+        self._recorder.shutdown(wait=True)
 
 
 class SeqOrder:
@@ -109,13 +196,22 @@ class SeqOrder:
     ``submit(seq_id, call)`` returns a future at once; ``call`` runs on this model's own thread once every
     lower ``seq_id`` has run, and its result (a value, or a future of the local backend, which is chained) is
     the future's. A ``seq_id`` seen before is refused: :class:`~rlrunbook.service.state.ServeState` answers a
-    retried request with its first request id before it reaches here."""
+    retried request with its first request id before it reaches here. A call whose lower ``seq_id`` has not
+    arrived after ``gap_timeout_s`` fails naming it, and the order goes on past the gap: the SDK sends every
+    ``seq_id``, so a gap means a request was lost (a server restarted while it was in flight)."""
 
-    def __init__(self, name: str, first: int = 1):
+    def __init__(self, name: str, first: int = 1, gap_timeout_s: float = SEQ_GAP_TIMEOUT_S):
         self._next = first
         self._waiting: dict[int, tuple[Callable[[], Any], Future]] = {}
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rlrunbook-serve-{name}")
+        self.gap_timeout_s = gap_timeout_s
+        self._timer: threading.Timer | None = None
+
+    @property
+    def last(self) -> int:
+        """The highest ``seq_id`` released to run so far (``first - 1`` before any)."""
+        return self._next - 1
 
     def submit(self, seq_id: int, call: Callable[[], Any]) -> Future:
         outer: Future = Future()
@@ -124,11 +220,44 @@ class SeqOrder:
                 return failed(InputError(f"seq_id {seq_id} of this model was already used (the next one is "
                                          f"{self._next}); each call of a training client takes the next seq_id."))
             self._waiting[seq_id] = (call, outer)
-            while self._next in self._waiting:  # in order, onto the one thread (FIFO)
-                ready = self._waiting.pop(self._next)
-                self._thread.submit(self._run, *ready)
-                self._next += 1
+            self._release()
+            if self._waiting and self._timer is None:
+                self._timer = threading.Timer(self.gap_timeout_s, self._skip_gap)
+                self._timer.daemon = True
+                self._timer.start()
         return outer
+
+    def _release(self) -> None:
+        """Hand the calls that are next in order to the thread (under the lock)."""
+        while self._next in self._waiting:  # in order, onto the one thread (FIFO)
+            ready = self._waiting.pop(self._next)
+            self._thread.submit(self._run, *ready)
+            self._next += 1
+        if not self._waiting and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _skip_gap(self) -> None:
+        with self._lock:
+            self._timer = None
+            if not self._waiting:
+                return
+            missing = self._next
+            self._next = min(self._waiting)
+            for seq_id in sorted(self._waiting):
+                if seq_id > self._next:
+                    break
+                _, outer = self._waiting.pop(seq_id)
+                outer.set_exception(InputError(
+                    f"seq_id {missing} of this model never arrived within {self.gap_timeout_s:.0f} s, so the call "
+                    f"with seq_id {seq_id} was not run (calls of a training client run in seq_id order); "
+                    "send it again."))
+                self._next = seq_id + 1
+            self._release()
+            if self._waiting:
+                self._timer = threading.Timer(self.gap_timeout_s, self._skip_gap)
+                self._timer.daemon = True
+                self._timer.start()
 
     @staticmethod
     def _run(call: Callable[[], Any], outer: Future) -> None:
@@ -143,4 +272,8 @@ class SeqOrder:
             outer.set_result(result)
 
     def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -5,7 +5,12 @@ an unknown id is 404; a queued call answers its request id at once and ``/retrie
 (up to :data:`LONG_POLL_S`, then ``try_again``, which the SDK polls again at once), answering protobuf for
 ``ForwardBackwardOutput`` and ``SampleResponse``, JSON for the rest, and a failure as 200
 ``{"error": ..., "category": "user"|"server"}``, which the SDK raises as ``RequestFailedError``. A route
-this server does not serve is 404 naming the method and path (the SDK's ``NotFoundError``).
+this server does not serve is 404 naming the method and path (the SDK's ``NotFoundError``). Every handler
+acts for the caller's tenant (``request.state.tenant``, set by :mod:`rlrunbook.service.door`); an id of another
+tenant is 404, as an unknown one. A heartbeat of an ended session is 410, which stops the SDK's heartbeat loop.
+
+``GET /api/v1/rlrunbook/status`` (not an SDK route) answers what the server holds for the caller: sessions,
+models with the bytes each holds beside the shared base weights, and the resident base models.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from starlette.routing import Route
 from tinker import types
 
 from rlrunbook.errors import InputError, ModelNotFoundError, RlrunbookError
-from rlrunbook.service.state import ServeState, UnknownIdError, dump
+from rlrunbook.service.futures import CallFailedError
+from rlrunbook.service.state import ModelRestartedError, ServeState, SessionEndedError, UnknownIdError, dump
 from rlrunbook.service.wire import decode_forward_backward
 
 logger = logging.getLogger("rlrunbook.serve")
@@ -73,11 +79,6 @@ async def read_json(request: Request, model: type[pydantic.BaseModel]):
                          f"{problems}.") from None
 
 
-def failure_category(error: BaseException) -> str:
-    """``user`` for what the request got wrong (a refused value, an unknown name), ``server`` for the rest."""
-    return "user" if isinstance(error, (RlrunbookError, ValueError, LookupError, TypeError)) else "server"
-
-
 def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
     """A Starlette endpoint of ``handler`` whose anticipated errors become 4xx JSON naming the cause."""
     async def endpoint(request: Request) -> Response:
@@ -85,6 +86,10 @@ def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
             return await handler(request, request.app.state.serve)
         except BodyTooLargeError as error:
             return JSONResponse({"detail": str(error)}, status_code=413)
+        except SessionEndedError as error:
+            return JSONResponse({"detail": str(error)}, status_code=410)
+        except ModelRestartedError as error:
+            return JSONResponse({"detail": str(error)}, status_code=409)
         except (UnknownIdError, ModelNotFoundError) as error:
             return JSONResponse({"detail": str(error)}, status_code=404)
         except (RlrunbookError, ValueError, TypeError) as error:
@@ -102,7 +107,7 @@ def direct(model: type[pydantic.BaseModel], method: str):
     """A handler: the body as ``model``, passed to ``ServeState.<method>`` on a worker thread, its dict as JSON."""
     async def handler(request: Request, serve: ServeState) -> Response:
         body = await read_json(request, model)
-        return JSONResponse(await run_in_threadpool(getattr(serve, method), body))
+        return JSONResponse(await run_in_threadpool(getattr(serve, method), body, request.state.tenant))
 
     handler.__name__ = method
     return handler
@@ -110,20 +115,19 @@ def direct(model: type[pydantic.BaseModel], method: str):
 
 async def forward_backward(request: Request, serve: ServeState) -> Response:
     call = decode_forward_backward(await read_body(request))
-    return JSONResponse(await run_in_threadpool(serve.forward_backward, call))
+    return JSONResponse(await run_in_threadpool(serve.forward_backward, call, request.state.tenant))
 
 
 async def retrieve_future(request: Request, serve: ServeState) -> Response:
     body = await read_json(request, types.FutureRetrieveRequest)
     rid = body.request_id
-    if not serve.futures.known(rid):
-        raise UnknownIdError(f"no request {rid!r} on this server (it restarted, or the result expired).")
     try:
-        done, result = await serve.futures.wait(rid, LONG_POLL_S)
-    except Exception as error:  # noqa: BLE001 - the call's failure, as the SDK reads it
-        if failure_category(error) == "server":
-            logger.error("request %s failed", rid, exc_info=error)
-        return JSONResponse({"error": f"{type(error).__name__}: {error}", "category": failure_category(error)})
+        done, result = await serve.futures.wait(rid, request.state.tenant, LONG_POLL_S)
+    except KeyError:
+        raise UnknownIdError(f"no request {rid!r} on this server (or its result was delivered more than "
+                             "10 minutes ago).") from None
+    except CallFailedError as error:  # the call's failure, as the SDK reads it
+        return JSONResponse({"error": error.message, "category": error.category})
     if not done:
         return JSONResponse(dump(types.TryAgainResponse(request_id=rid, queue_state="active")))
     if isinstance(result, bytes):
@@ -152,11 +156,16 @@ async def healthz(request: Request, serve: ServeState) -> Response:
 
 async def finish_session(request: Request, serve: ServeState) -> Response:
     await read_body(request)
-    return JSONResponse(serve.finish(request.path_params["session_id"]))
+    return JSONResponse(serve.finish(request.path_params["session_id"], request.state.tenant))
 
 
 async def sampler_info(request: Request, serve: ServeState) -> Response:
-    return JSONResponse(await run_in_threadpool(serve.sampler_info, request.path_params["sampler_id"]))
+    return JSONResponse(await run_in_threadpool(serve.sampler_info, request.path_params["sampler_id"],
+                                                request.state.tenant))
+
+
+async def status(request: Request, serve: ServeState) -> Response:
+    return JSONResponse(await run_in_threadpool(serve.status, request.state.tenant))
 
 
 async def capabilities(request: Request, serve: ServeState) -> Response:
@@ -212,7 +221,7 @@ def routes() -> list[Route]:
     ]
     get = [
         ("/healthz", healthz), ("/get_server_capabilities", capabilities),
-        ("/samplers/{sampler_id}", sampler_info),
+        ("/samplers/{sampler_id}", sampler_info), ("/rlrunbook/status", status),
         ("/training_runs", _rest(lambda r, s: s.rest.list_training_runs(_int_query(r, "limit", 20),
                                                                          _int_query(r, "offset", 0)))),
         ("/training_runs/{run_id}", _rest(lambda r, s: s.rest.get_training_run(r.path_params["run_id"]))),

@@ -1,20 +1,36 @@
-"""Start the server: check the options, load nothing until asked, print the URL once it accepts connections."""
+"""Start the server: check the options, take the storage, load nothing until asked, print the URL once it
+accepts connections; end idle sessions while it runs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import fcntl
 import ipaddress
+import logging
+import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.service.state import DEFAULT_SESSION_TIMEOUT_S
 
-API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"
+API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"  # one key, or several separated by commas (one tenant each)
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_MIB = 64
+LOCK_FILE = "serve.lock"
+
+logger = logging.getLogger("rlrunbook.serve")
+
+
+def keys_from(option: list[str] | None, environment: str | None) -> tuple[str, ...]:
+    """The keys of ``--api-key`` (repeatable), else of ``RLRUNBOOK_SERVE_API_KEY`` (comma-separated)."""
+    raw = option if option else (environment or "").split(",")
+    return tuple(key.strip() for key in raw if key.strip())
 
 
 @dataclass(frozen=True)
@@ -24,18 +40,21 @@ class ServeOptions:
     Attributes:
         host: the address to bind (loopback by default; any other needs ``api_key``).
         port: the TCP port; 0 picks a free one (printed in the ready line).
-        storage: where ``tinker://`` checkpoints live (None: the local backend's, ``TINKER_LOCAL_STORAGE``).
-        api_key: the key every request but ``healthz`` must carry as ``X-API-Key`` (None: no key).
+        storage: where ``tinker://`` checkpoints and the server's records live (None: the local backend's,
+            ``TINKER_LOCAL_STORAGE``).
+        api_keys: the keys a request but ``healthz`` may carry as ``X-API-Key``, one tenant each (empty: none).
         device: the torch device of the local backend (None: ``TINKER_LOCAL_DEVICE``, else cuda if available).
         max_body_bytes: the largest request body accepted (413 above it).
+        session_timeout_s: a session without a heartbeat for this long expires and its models are released.
     """
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     storage: Path | None = None
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     device: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_MIB * 2**20
+    session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
 
 
 def is_loopback(host: str) -> bool:
@@ -51,30 +70,75 @@ def is_loopback(host: str) -> bool:
 def check_options(options: ServeOptions) -> None:
     """``ConfigError`` naming the option for a server that would be open to the network, or a key the SDK
     cannot send."""
-    if options.api_key is not None and not options.api_key.startswith("tml-"):
-        raise ConfigError(f"the API key (--api-key or {API_KEY_ENV}) must start with 'tml-': the Tinker SDK refuses "
-                          "to send any other. Choose one such as tml-<random letters>.")
-    if options.api_key is None and not is_loopback(options.host):
+    for key in options.api_keys:
+        if not key.startswith("tml-") or len(key) < 12 or not key.isprintable() or any(c in key for c in " ,"):
+            raise ConfigError(f"each API key (--api-key or {API_KEY_ENV}) must start with 'tml-' (the Tinker SDK "
+                              "refuses to send any other), hold at least 8 characters after it, and no space or "
+                              "comma. Choose one such as tml-<random letters>.")
+    if len(set(options.api_keys)) != len(options.api_keys):
+        raise ConfigError("an API key is given twice; give each tenant's key once.")
+    if not options.api_keys and not is_loopback(options.host):
         raise ConfigError(f"--host {options.host} would serve training and sampling to the network without a key. "
                           f"Pass --api-key (or set {API_KEY_ENV}), or bind 127.0.0.1.")
     if not 0 <= options.port <= 65535:
         raise ConfigError(f"--port {options.port} is not a TCP port (0..65535; 0 picks a free one).")
     if options.max_body_bytes < 1:
         raise ConfigError("--max-body-mib must be at least 1.")
+    if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
+        raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
+                          "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
 
 
 def build_app(service, options: ServeOptions):
-    """The ASGI app over ``service`` (a LocalServiceClient): the door around the routes."""
+    """The ASGI app over ``service`` (a LocalServiceClient) and its storage's records: the door around the routes."""
     from starlette.applications import Starlette
 
     from rlrunbook.service.door import Door
     from rlrunbook.service.routes import routes
     from rlrunbook.service.state import ServeState
+    from rlrunbook.service.store import ServeStore
 
     app = Starlette(routes=routes())
-    app.state.serve = ServeState(service)
+    store = ServeStore(service.settings.resolved_storage_dir())
+    app.state.serve = ServeState(service, store, options.session_timeout_s)
     app.state.max_body_bytes = options.max_body_bytes
-    return Door(app, options.api_key, options.max_body_bytes)
+    return Door(app, options.api_keys, options.max_body_bytes)
+
+
+@contextlib.contextmanager
+def storage_lock(root: Path) -> Iterator[None]:
+    """Hold ``<root>/serve.lock`` while serving: a second server on the same storage would fail the first one's
+    pending calls as its own restart's; it is refused at start instead, naming the option."""
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ConfigError(f"another rlrunbook serve uses the storage {root}; stop it, or give this one another "
+                          "--storage.") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()
+
+
+async def expire_sessions(state, period_s: float) -> None:
+    """Every ``period_s``: end the sessions whose heartbeats stopped (their models' memory is freed)."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            ended = await asyncio.to_thread(state.expire_idle)
+        except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
+            logger.exception("expiring idle sessions failed")
+            continue
+        for session_id in ended:
+            print(f"rlrunbook serve: session {session_id} expired (no heartbeat for {state.session_timeout_s:g} s); "
+                  "its models were released", file=sys.stderr, flush=True)
 
 
 def local_service(options: ServeOptions):
@@ -109,30 +173,49 @@ def base_url(host: str, port: int) -> str:
 
 def serve(options: ServeOptions) -> int:
     """Run until interrupted; print ``TINKER_BASE_URL=<url>`` once the server accepts connections."""
+    check_options(options)
+    with contextlib.ExitStack() as stack:
+        return _serve(options, stack)
+
+
+def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
     import uvicorn
 
-    check_options(options)
-    sock = _bind(options.host, options.port)
     service = local_service(options)
-    print(f"rlrunbook serve: checkpoints under {service.settings.resolved_storage_dir()}, device "
-          f"{service.settings.device}", file=sys.stderr, flush=True)
+    stack.callback(service.close)
+    root = service.settings.resolved_storage_dir()
+    stack.enter_context(storage_lock(root))
+    sock = _bind(options.host, options.port)
+    stack.callback(sock.close)
     app = build_app(service, options)
+    state = app.app.state.serve
+    restored = state.restored
+    print(f"rlrunbook serve: checkpoints and records under {root}, device {service.settings.device}; "
+          f"{len(options.api_keys) or 'no'} API key(s); sessions expire after {options.session_timeout_s:g} s "
+          "without a heartbeat", file=sys.stderr, flush=True)
+    if restored["sessions"] or restored["models"]:
+        print(f"rlrunbook serve: restarted on this storage: {restored['sessions']} session(s) and "
+              f"{restored['models']} training model(s) known; {restored['pending_failed']} request(s) that were "
+              "pending now answer that the server restarted", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     url = base_url(options.host, sock.getsockname()[1])
 
     async def run() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
+        reaper = asyncio.create_task(expire_sessions(state, min(30.0, max(0.5, options.session_timeout_s / 4))))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
             print(f"rlrunbook serve: ready; TINKER_BASE_URL={url}", flush=True)
-        await task
+        try:
+            await task
+        finally:
+            reaper.cancel()
 
     try:
         asyncio.run(run())
     finally:
-        app.app.state.serve.close()
-        sock.close()
+        state.close()
     print("rlrunbook serve: stopped", file=sys.stderr, flush=True)
     return 0
