@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 import itertools
-from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.engines.float64_weights import share_float64_weights
 from rlrunbook.engines.generate import GenerateEngine
 from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.engines.stacking import stack_frozen_groups
 from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
 
 
@@ -58,47 +58,72 @@ class ResidentModel:
     """A base model loaded once, whose frozen weights every host made over it shares (:func:`host_over`).
 
     ``model`` itself is never wrapped or sampled: each host gets a module tree of its own (its own LoRA
-    adapter, its own engine and caches) whose base parameters and buffers are these very tensors.
+    adapter, its own engine and caches) whose base parameters and buffers hold these very tensors. ``load``
+    loads the model anew (the module tree a host gets before its tensors are swapped for these).
     """
 
     folder: Path
     tokenizer: object
     model: torch.nn.Module
+    load: Callable[[], torch.nn.Module]
+    shareable: bool = True  # False for 4-bit weights: each host then keeps the tensors it loaded
 
     @property
     def nbytes(self) -> int:
         """Bytes of the shared weights and buffers (a tensor tied to two modules counted once)."""
         seen: dict[int, int] = {}
         for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
-            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+            seen[tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()] = (
+                tensor.numel() * tensor.element_size())
         return sum(seen.values())
 
 
 def load_resident(base_model: str, settings: LocalSettings) -> ResidentModel:
     """Resolve ``base_model`` (built-in name, folder, or hub id; or its stand-in, ``settings.model_for``) and load
-    its tokenizer and weights once."""
+    its tokenizer and weights once; the weights are frozen and their stackable groups laid out back to back
+    (:func:`rlrunbook.engines.stacking.stack_frozen_groups`), as the decoder would on first use."""
     folder = resolve_model(settings.model_for(base_model))
     tokenizer = load_tokenizer(folder)
-    model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device,
-                           load_in_4bit=settings.load_in_4bit)
-    pending_signal.raise_pending()  # a signal swallowed while the model's libraries loaded
-    return ResidentModel(folder, tokenizer, model)
+
+    def load() -> torch.nn.Module:
+        model = load_causal_lm(folder, dtype=settings.resolved_dtype(), device=settings.device,
+                               load_in_4bit=settings.load_in_4bit)
+        pending_signal.raise_pending()  # a signal swallowed while the model's libraries loaded
+        return model
+
+    model = load()
+    shareable = not settings.load_in_4bit
+    if shareable:
+        model.requires_grad_(False)
+        stack_frozen_groups(model)
+    return ResidentModel(folder, tokenizer, model, load, shareable)
 
 
-def share_weights(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model``'s modules whose parameters and buffers are ``model``'s own tensors (no byte copied).
+def share_weights(resident: ResidentModel) -> torch.nn.Module:
+    """A model of its own whose parameters and buffers hold ``resident``'s tensors (no byte kept twice).
 
-    Wrapping the copy in LoRA adds adapter tensors to the copy only; the base weights stay shared and frozen.
-    The copy also shares ``model``'s float64 weight copies (``exact`` numerics)."""
-    memo = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
-    copy = deepcopy(model, memo)
-    share_float64_weights(copy, model)
-    return copy
+    The module tree is loaded anew (as transformers loads any model), then each parameter's and buffer's data is
+    swapped for the resident's, and the loaded copy is freed. Wrapping it in LoRA adds adapter tensors to it only;
+    the base weights stay shared and frozen. It also shares the resident's float64 weight copies (``exact``)."""
+    model = resident.load()
+    if not resident.shareable:
+        return model
+    shared = dict(resident.model.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        param.requires_grad_(False)
+        param.data = shared[name].data
+    shared_buffers = dict(resident.model.named_buffers())
+    for name, buffer in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[leaf] = shared_buffers[name]
+    share_float64_weights(model, resident.model)
+    return model
 
 
 def host_over(resident: ResidentModel, name: str, settings: LocalSettings) -> ModelHost:
     """A host named ``name`` over ``resident``'s weights: its own modules and engine, no second copy of the base."""
-    model = share_weights(resident.model)
+    model = share_weights(resident)
     tokenizer = resident.tokenizer
     config = model.config
     common = dict(pad_token_id=int(tokenizer.pad_token_id), vocab_size=int(config.vocab_size),

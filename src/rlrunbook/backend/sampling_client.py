@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from tinker import types
 from rlrunbook.backend import sessions
 from rlrunbook.backend.futures import ResolvedClient, WorkerLane
 from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
+from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.base import SampleJob
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
@@ -107,6 +110,12 @@ class LocalSamplingClient(ResolvedClient):
     """Samples from one set of weights (base model or a saved adapter) of a local model.
 
     ``sample`` takes a keyword-only ``min_p`` beyond the SDK (the SDK's SamplingParams has none).
+
+    A request without a seed gets ``mix_seed(seed_base, k)`` for its index ``k`` among this client's requests
+    (``sample`` and ``compute_logprobs`` calls, in submission order), where ``seed_base`` is fixed by the
+    ServiceClient's seed and this client's place among its ServiceClient's samplers: the numbering the SDK gives
+    its requests (``seq_id``) and samplers (``sampling_session_seq_id``), so a script gets the same samples in
+    process and through ``rlrunbook serve``, whatever the order its concurrent requests arrive in.
     Like the SDK's client futures it also resolves to itself (``.result()``, ``await``).
     Each client is a sampler of its ServiceClient's session (``session_id``), under a sampler id that
     ``RestClient.get_sampler`` and ``get_sampler_handle`` name (a given ``sampler_id`` is a second client
@@ -116,8 +125,12 @@ class LocalSamplingClient(ResolvedClient):
     def __init__(self, host: ModelHost, weights: SamplerWeights, worker: WorkerLane,
                  live_version: Callable[[], int | None], model_path: str | None = None,
                  model_worker: WorkerLane | None = None, *, session_id: str = "",
-                 storage_root: Path | None = None, sampler_id: str | None = None):
+                 storage_root: Path | None = None, sampler_id: str | None = None, seed_base: int | None = None,
+                 sample_log: SampleLog | None = None):
         self._host = host
+        self._sample_log = sample_log
+        self._seed_base = host.engine.next_seed() if seed_base is None else seed_base
+        self._requests = itertools.count()
         self._weights = weights
         self._worker = worker
         # Where a call that computes with the in-process model runs when ``worker`` must not touch it (a vLLM
@@ -152,12 +165,17 @@ class LocalSamplingClient(ResolvedClient):
         prompt_logprobs_last_n: int | None = None,
         *,
         min_p: float = 0.0,
+        request_index: int | None = None,
     ):
         """Sample ``num_samples`` completions of ``prompt``; returns an APIFuture of a SampleResponse.
+
+        ``request_index`` (local extension, for ``rlrunbook serve``): the request's index for its seed (the
+        SDK's ``seq_id``), instead of this client's own count.
 
         Requests that share weights, ``max_tokens``, filters and stops and sit next to each other in
         the queue run as one batched engine call (see futures.OrderedWorker).
         """
+        index = next(self._requests) if request_index is None else request_index  # consumed as the SDK does
         _refuse_unsupported_sample_options(
             topk_prompt_logprobs=topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
             target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
@@ -178,8 +196,8 @@ class LocalSamplingClient(ResolvedClient):
         self._host.engine.validate(tokens, request)
         if self._host.vllm is not None:  # what the vLLM server cannot sample exactly is refused at submission
             self._host.vllm.validate(tokens, request)
-        if request.seed is None:  # drawn at submission, so results follow submission order, not timing
-            request = dataclasses.replace(request, seed=self._host.engine.next_seed())
+        if request.seed is None:  # fixed at submission by the request's index, so results never follow timing
+            request = dataclasses.replace(request, seed=mix_seed(self._seed_base, index))
         job = SampleJob(tokens, num_samples, request)
         key = (id(self._host), id(self._weights), request.max_tokens, request.filters, request.stop,
                request.stop_strings, include_prompt_logprobs and self._host.vllm is not None)
@@ -215,8 +233,11 @@ class LocalSamplingClient(ResolvedClient):
             if any(want for _, want in items):  # in process: these calls run on the model's own worker
                 with self._computing_with_weights():
                     prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
-        return [self._response(completions, prompt_lp)
-                for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
+        responses = [self._response(completions, prompt_lp)
+                     for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
+        if self._sample_log is not None:
+            self._sample_log.record(jobs, responses, [want for _, want in items])
+        return responses
 
     def _vllm_adapter(self):
         """This client's weights as a vLLM adapter (named by their digest, computed once), or None for the base."""
@@ -263,10 +284,14 @@ class LocalSamplingClient(ResolvedClient):
         return [float("nan"), *lp.float().cpu().tolist()]
 
     def compute_logprobs(self, prompt: types.ModelInput):
-        """APIFuture of the prompt's per-token logprobs under these weights (``None`` first)."""
+        """APIFuture of the prompt's per-token logprobs under these weights (``None`` first).
+
+        It counts as one of this client's requests, as with the SDK (which sends it as a one-token sample whose
+        token it drops); here no token is drawn."""
         tokens = prompt.to_ints()
         if len(tokens) == 0:
             raise InputError("compute_logprobs of an empty prompt: give at least one token.")
+        next(self._requests)
 
         def run() -> list[float | None]:
             with self._computing_with_weights():
@@ -312,11 +337,20 @@ class LocalSamplingClient(ResolvedClient):
         logger.warning("Sampling is paused for sampler %s. Reason: %s", self._sampler_id,
                        queue_state_reason or "unknown")
 
+    def reseed(self, sampler_index: int, root_seed: int) -> None:
+        """LOCAL EXTENSION (``rlrunbook serve``): seed this client's unseeded requests as the ``sampler_index``-th
+        sampler of a ServiceClient seeded ``root_seed`` (the SDK's ``sampling_session_seq_id``). Call it before
+        the first request."""
+        self._seed_base = mix_seed(root_seed, sampler_index)
+
     def _twin(self) -> LocalSamplingClient:
-        """A second client of this sampler: the same weights, model and worker, the same sampler id."""
+        """A second client of this sampler: the same weights, model and worker, the same sampler id; its unseeded
+        requests are seeded apart from the first client's (as the SDK numbers a clone's requests in a block of
+        its own)."""
         return LocalSamplingClient(self._host, self._weights, self._worker, self._live_version,
                                    self.model_path, self._model_worker, storage_root=self._storage_root,
-                                   sampler_id=self._sampler_id)
+                                   sampler_id=self._sampler_id, sample_log=self._sample_log,
+                                   seed_base=mix_seed(self._seed_base, uuid.uuid4().int % 10**9 + 1))
 
     def get_sampler_handle(self) -> str:
         """A string naming this sampler, for ``SamplingClient.from_sampler_handle`` (no credentials in it).

@@ -8,6 +8,7 @@ can be resumed, or sampled from, by another process.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import uuid
 import weakref
@@ -27,12 +28,14 @@ from rlrunbook.backend.rest_client import LocalRestClient, capabilities, copy_ch
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.backend.storage import ADAPTER_FILE, CheckpointStore, RunRecord, parse_tinker_path
+from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.timeline import Timeline
 from rlrunbook.backend.trainer import LoraTrainer
 from rlrunbook.backend.training_client import LocalTrainingClient
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.backend.vllm_sampling import VllmSamplers
 from rlrunbook.engines.decoder import unsupported_reason
+from rlrunbook.engines.noise import mix_seed
 from rlrunbook.errors import ConfigError, ModelNotFoundError
 
 # Every LocalServiceClient of this process not yet closed: what a signal must stop before the process exits.
@@ -85,6 +88,7 @@ class LocalServiceClient:
         self._store = CheckpointStore(self.settings.resolved_storage_dir())
         training_threads, self._sampler_threads = self.settings.worker_threads()
         self._timeline = Timeline(self.settings.timeline) if self.settings.timeline is not None else None
+        self._sample_log = SampleLog(self.settings.sample_log) if self.settings.sample_log is not None else None
         self._worker = OrderedWorker(max_batch_rows=self.settings.max_batch_rows, threads=training_threads,
                                      timeline=self._timeline)
         self._sampling_worker: OrderedWorker | None = None  # made on first use, with concurrent_sampling
@@ -93,6 +97,7 @@ class LocalServiceClient:
         # adapter and engine; each base-model sampler's), keyed by what the name resolves to.
         self._resident: dict[str, ResidentModel] = {}
         self._training: dict[str, LocalTrainingClient] = {}
+        self._samplers_made = itertools.count()  # the SDK's sampling_session_seq_id of this ServiceClient
         self._vllm = VllmSamplers(self.settings) if self.settings.sampler == "vllm" else None
         self._closed = False
         metadata = _sdk_kwargs.get("user_metadata")
@@ -221,8 +226,11 @@ class LocalServiceClient:
         elif host is None or weights is None:
             host, weights, live_version = self._saved_weights(model_path)
         lane = id(host)  # the samplers of one model take turns with other models' calls as one client
+        # Its unseeded requests are seeded by its place among this ServiceClient's samplers (see LocalSamplingClient).
+        seed_base = mix_seed(self.settings.seed, next(self._samplers_made))
         return LocalSamplingClient(host, weights, self._worker_for(host).lane(lane), live_version, model_path,
-                                   self._worker.lane(lane), session_id=self.session_id, storage_root=self._store.root)
+                                   self._worker.lane(lane), session_id=self.session_id, storage_root=self._store.root,
+                                   seed_base=seed_base, sample_log=self._sample_log)
 
     def _saved_weights(self, model_path: str | None):
         """(host, weights, live_version) of a sampler of the checkpoint at ``model_path``."""

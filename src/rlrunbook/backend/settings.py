@@ -137,6 +137,9 @@ class LocalSettings:
             a thread count changes how reductions are split, so it must not follow timing.
         timeline: a file to which each worker call's start and end are appended, one JSON line each
             (``TINKER_LOCAL_TIMELINE``; default none). See :mod:`rlrunbook.backend.timeline`.
+        sample_log: a file to which every sample request's seed, prompt and sampled tokens and logprobs are
+            appended, one JSON line each (``TINKER_LOCAL_SAMPLE_LOG``; default none). See
+            :mod:`rlrunbook.backend.sample_log`.
         model_stand_ins: base-model names served by another model, as ``(name, model)`` pairs
             (``TINKER_LOCAL_MODEL_STAND_INS=NAME=MODEL,...``; MODEL a built-in name or a model folder): code that
             hard-codes a hub model runs offline on a local one. Clients keep the name they asked for.
@@ -162,6 +165,7 @@ class LocalSettings:
     concurrent_sampling: bool = False
     sampler_threads: int = 0
     timeline: Path | None = None
+    sample_log: Path | None = None
     model_stand_ins: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -262,6 +266,8 @@ class LocalSettings:
             kwargs["model_stand_ins"] = parse_stand_ins(env[STAND_INS_ENV], STAND_INS_ENV)
         if env.get("TINKER_LOCAL_TIMELINE", "").strip():
             kwargs["timeline"] = Path(env["TINKER_LOCAL_TIMELINE"].strip())
+        if env.get("TINKER_LOCAL_SAMPLE_LOG", "").strip():
+            kwargs["sample_log"] = Path(env["TINKER_LOCAL_SAMPLE_LOG"].strip())
         return cls(
             seed=_int_env(env, "TINKER_LOCAL_SEED", 0, 0),
             grad_accum_chunks=_int_env(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1),

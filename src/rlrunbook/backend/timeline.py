@@ -22,39 +22,52 @@ def call_name(fn: object) -> str:
     return name.split(".<locals>")[0]
 
 
-class Timeline:
-    """Appends call records to ``path`` (created with its folder), from any thread.
+class JsonLines:
+    """Appends JSON lines to ``path`` (created with its folder), from any thread: a record the backend keeps
+    for the user, set by the environment variable ``variable``.
 
-    A path that cannot be written is refused when the timeline is made (``ConfigError`` naming the variable);
-    a write that fails later (a full disk) turns the timeline off with one warning: a record must never
-    stop the worker that computes.
+    A path that cannot be written is refused when the file is opened (``ConfigError`` naming the variable);
+    a write that fails later (a full disk) turns the record off with one warning: a record must never stop
+    the worker that computes.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, variable: str):
         self.path = Path(path)
+        self.variable = variable
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a", encoding="utf-8"):
                 pass
         except OSError as error:
-            raise ConfigError(f"TINKER_LOCAL_TIMELINE={str(path)!r} cannot be written ({error.strerror or error}). "
+            raise ConfigError(f"{variable}={str(path)!r} cannot be written ({error.strerror or error}). "
                               "Name a file in a writable folder, or unset it.") from None
         self._lock = threading.Lock()
         self._failed = False
 
-    def record(self, worker: str, call: str, start: float, end: float, items: int = 1) -> None:
-        line = json.dumps({"worker": worker, "call": call, "start": round(start, 6), "end": round(end, 6),
-                           "items": items})
+    def append(self, *records: dict) -> None:
+        text = "".join(json.dumps(record) + "\n" for record in records)
         with self._lock:
             if self._failed:
                 return
             try:
                 with self.path.open("a", encoding="utf-8") as out:
-                    out.write(line + "\n")
+                    out.write(text)
             except OSError as error:
                 self._failed = True
-                print(f"warning: TINKER_LOCAL_TIMELINE {self.path}: {error.strerror or error}; no more calls are "
+                print(f"warning: {self.variable} {self.path}: {error.strerror or error}; nothing more is "
                       "recorded", file=sys.stderr, flush=True)
+
+
+class Timeline:
+    """The calls of a backend's workers, appended to ``path`` (``TINKER_LOCAL_TIMELINE``)."""
+
+    def __init__(self, path: Path):
+        self._file = JsonLines(path, "TINKER_LOCAL_TIMELINE")
+        self.path = self._file.path
+
+    def record(self, worker: str, call: str, start: float, end: float, items: int = 1) -> None:
+        self._file.append({"worker": worker, "call": call, "start": round(start, 6), "end": round(end, 6),
+                           "items": items})
 
 
 def read_timeline(path: Path) -> list[dict]:

@@ -82,3 +82,20 @@ def stacked_weights(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, t
     if not _back_to_back(biases):
         _restack(biases)
     return _rows_view(weights), _rows_view(biases)
+
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the projections the decoder stacks
+
+
+def stack_frozen_groups(model: torch.nn.Module) -> int:
+    """Lay out every stackable group of ``model`` (a layer's q/k/v, its MLP's gate/up) as the decoder does on
+    first use; how many groups. A model loaded once and shared (rlrunbook.backend.host) is stacked before it is
+    shared, so every module tree over it finds its groups in place and none makes a stack of its own."""
+    count = 0
+    for module in model.modules():
+        for names in GROUPS:
+            group = [getattr(module, name, None) for name in names]
+            if all(m is not None for m in group) and stackable(group):
+                stacked_weights(group)
+                count += 1
+    return count

@@ -142,11 +142,16 @@ async def expire_sessions(state, period_s: float) -> None:
 
 
 def local_service(options: ServeOptions):
-    """The local backend's ServiceClient, with the settings of ``TINKER_LOCAL_*`` and the options on top."""
+    """The local backend's ServiceClient, with the settings of ``TINKER_LOCAL_*`` and the options on top.
+
+    A batch whose advantages are all 0 is trained as the hosted service trains it (loss and gradient 0), as
+    the scripts the server serves expect, unless ``TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES`` says otherwise."""
     from rlrunbook.backend import LocalServiceClient, LocalSettings
 
     settings = LocalSettings.from_env()
     changes: dict[str, object] = {}
+    if not os.environ.get("TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES", "").strip():
+        changes["zero_advantage_batches"] = "accept"
     if options.storage is not None:
         changes["storage_dir"] = options.storage
     if options.device is not None:

@@ -197,9 +197,10 @@ class ServeState:
                                      "and create a sampling client of that path.")
             with self._lock:
                 if sampler.client is None:
-                    sampler.client = (self.service.create_sampling_client(model_path=sampler.model_path)
-                                      if sampler.model_path is not None
-                                      else self.service.create_sampling_client(base_model=sampler.base_model))
+                    client = (self.service.create_sampling_client(model_path=sampler.model_path)
+                              if sampler.model_path is not None
+                              else self.service.create_sampling_client(base_model=sampler.base_model))
+                    sampler.client = self._seeded(client, int(sampler.sampler_id.rsplit(":", 1)[-1]))
         return sampler
 
     # -- sessions -----------------------------------------------------------------------------------------
@@ -362,8 +363,8 @@ class ServeState:
                 raise InputError(f"kind={request.kind!r}: rlrunbook serve samples snapshots only; leave kind at "
                                  "'snapshot' (save_weights_and_get_sampling_client's default).")
             sampler_id = f"{model.session_id}:sample:{request.sampling_session_seq_id}"
-            self._add_sampler(Sampler(sampler_id, model.session_id, tenant,
-                                      client.save_weights_and_get_sampling_client(), None, model.base_model,
+            sampling = self._seeded(client.save_weights_and_get_sampling_client(), request.sampling_session_seq_id)
+            self._add_sampler(Sampler(sampler_id, model.session_id, tenant, sampling, None, model.base_model,
                                       snapshot=True))
             return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
 
@@ -414,6 +415,12 @@ class ServeState:
         return client
 
     # -- sampling -----------------------------------------------------------------------------------------
+    def _seeded(self, client, sampling_session_seq_id: int):
+        """``client`` seeding its unseeded requests as the in-process backend seeds the sampler of that number
+        (:class:`~rlrunbook.backend.LocalSamplingClient`): the same script gets the same samples both ways."""
+        client.reseed(sampling_session_seq_id, self.service.settings.seed)
+        return client
+
     def _add_sampler(self, sampler: Sampler) -> None:
         with self._lock:
             if sampler.sampler_id in self._samplers:
@@ -431,6 +438,7 @@ class ServeState:
                 client = self.service.create_sampling_client(model_path=request.model_path)
             else:
                 client = self.service.create_sampling_client(base_model=request.base_model)
+            self._seeded(client, request.sampling_session_seq_id)
             self._add_sampler(Sampler(sampler_id, request.session_id, tenant, client, request.model_path,
                                       request.base_model))
         else:
@@ -463,7 +471,7 @@ class ServeState:
                 topk_prompt_logprobs=request.topk_prompt_logprobs, topk_sample_logprobs=request.topk_sample_logprobs,
                 target_prompt_logprobs=request.target_prompt_logprobs,
                 prompt_alt_tokens_k=request.prompt_alt_tokens_k,
-                prompt_logprobs_last_n=request.prompt_logprobs_last_n).future()
+                prompt_logprobs_last_n=request.prompt_logprobs_last_n, request_index=request.seq_id).future()
         except Exception as error:  # noqa: BLE001 - a refused request fails its future, naming the cause
             future = failed(error)
         rid = self.futures.add(future, encode_sample_response, tenant=tenant, owner=sampler.sampler_id,

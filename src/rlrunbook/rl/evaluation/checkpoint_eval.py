@@ -78,12 +78,12 @@ def checkpoint_samplers(training, folders: Sequence[Path], include_base: bool = 
     from rlrunbook.backend.trainer import TrainingState
 
     if include_base:
-        yield 0, training.save_weights_and_get_sampling_client()
+        yield 0, training.save_weights_and_get_sampling_client().result()
     for folder in folders:
         checkpoint = load_checkpoint(folder)
         training.import_training_state(TrainingState(checkpoint.adapter, None, checkpoint.weights_version),
                                        with_optimizer=False)
-        yield checkpoint.step, training.save_weights_and_get_sampling_client()
+        yield checkpoint.step, training.save_weights_and_get_sampling_client().result()
 
 
 def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions(), *,
@@ -129,7 +129,7 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
     held_out = pool[:options.num_problems]
     service = service_factory(config) if service_factory is not None else default_service(config.backend)
     training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
-                                                  train_unembed=config.train_unembed)
+                                                  train_unembed=config.train_unembed).result()
     if not hasattr(type(training), "import_training_state"):
         raise ConfigError("eval-checkpoints loads adapters into the local backend (TINKER_BACKEND=local).")
     tokenizer = training.get_tokenizer()

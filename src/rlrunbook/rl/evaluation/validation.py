@@ -68,7 +68,7 @@ class Validator:
         if steps_done not in self.due:
             return None
         started = time.perf_counter()
-        ctx = RolloutContext(training.save_weights_and_get_sampling_client(), tokenizer, self.task, self.rollout,
+        ctx = RolloutContext(training.save_weights_and_get_sampling_client().result(), tokenizer, self.task, self.rollout,
                              [tokenizer.eos_token_id])
         summary, _ = measure(ctx, self.held_out, self.settings, self.seed)
         elapsed = time.perf_counter() - started

@@ -113,5 +113,5 @@ class JudgeChoice:
             return None
         if self.kind == "mock":
             return MockJudge()
-        sampler = service.create_sampling_client(base_model=self.model)
+        sampler = service.create_sampling_client(base_model=self.model).result()
         return ModelJudge(sampler, sampler.get_tokenizer() if self.own_tokenizer else tokenizer)

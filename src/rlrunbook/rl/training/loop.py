@@ -80,7 +80,7 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
         service = service_factory() if service_factory is not None else (owned := default_service(
             config.backend, plan.memory, concurrent_sampling=config.off_policy > 0))
         training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
-                                                       train_unembed=config.train_unembed)
+                                                       train_unembed=config.train_unembed).result()
         tokenizer = training.get_tokenizer()
         check_prompts(tokenizer, task, plan.problems, plan.rollout.prompt_limit, plan.paradigm.prompt_suffixes, log)
         judge = plan.judge.build(service, tokenizer)

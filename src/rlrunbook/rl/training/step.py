@@ -115,7 +115,7 @@ def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None,
               cursor: DataCursor) -> None:
     """One optimizer step: sample, score, advantages, datums, forward_backward, optim_step, log."""
     started = time.perf_counter()
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     sampled = sample_batch(plan, step, sampler, tokenizer, judge, log, cursor)
     train_batch(plan, step, sampled, training, writer, log, cursor, started=started, sampled_at=time.perf_counter())
 
