@@ -149,6 +149,17 @@ def _resolve_runs(args: argparse.Namespace):
     return runs
 
 
+def _service_url(value: str) -> str:
+    """An argparse type: an http(s) URL with a host, as ``TINKER_BASE_URL`` takes it."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(value)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a service URL: give http://HOST:PORT (the TINKER_BASE_URL "
+                                         "that rlrunbook serve prints)")
+    return value.rstrip("/")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -156,6 +167,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlrunbook.rl.training.loop import run_training
     from rlrunbook.run import check_run, format_results, rubric_passed
 
+    if getattr(args, "service", None):  # the backend is chosen by the environment: this process's, for this run
+        os.environ["TINKER_BACKEND"] = "api"
+        os.environ["TINKER_BASE_URL"] = args.service
     runs = _resolve_runs(args)
     if getattr(args, "resume_from", None) is None:
         from rlrunbook.rl.setup.preflight import check_run_location
@@ -675,6 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_arguments(train)
     train.add_argument("--resume-from", metavar="RUN_DIR|CHECKPOINT",
                        help="continue a run from its last checkpoint (or the given one) in a new run directory")
+    train.add_argument("--service", metavar="URL", type=_service_url,
+                       help="train through a running Tinker service (rlrunbook serve, or any): the same as "
+                            "TINKER_BACKEND=api TINKER_BASE_URL=URL; its key from TINKER_API_KEY")
     train.set_defaults(func=cmd_train, argv=None)
 
     show = commands.add_parser("show-config", help="print the resolved config of a train command (file, overrides, "

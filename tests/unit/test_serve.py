@@ -241,3 +241,38 @@ def test_a_network_address_without_a_key_is_refused_at_start():
                              timeout=120)
     assert process.returncode == 2, process.stderr
     assert "--api-key" in process.stderr and "0.0.0.0" in process.stderr
+
+
+def test_a_sample_requests_seed_is_its_sampler_and_seq_id_whatever_the_arrival_order(tmp_path):
+    """Concurrent requests reach the server in any order; each is seeded by the SDK's numbering (the sampler's
+    sampling_session_seq_id, the request's seq_id), so the server samples what the in-process client does for
+    the same calls in the order they were made."""
+    from rlrunbook.service.state import ServeState
+    from rlrunbook.service.store import ServeStore
+
+    settings = LocalSettings.from_env({**os.environ, "TINKER_LOCAL_STORAGE": str(tmp_path / "a")})
+    state = ServeState(LocalServiceClient(settings), ServeStore(tmp_path / "a"))
+    local = LocalServiceClient(LocalSettings.from_env({**os.environ, "TINKER_LOCAL_STORAGE": str(tmp_path / "b")}))
+    try:
+        other, session = (state.create_session(types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="x"),
+                                               "open")["session_id"] for _ in range(2))
+        state.create_sampling_session(types.CreateSamplingSessionRequest(  # another client's sampler, made first
+            session_id=other, sampling_session_seq_id=0, base_model="tiny"), "open")
+        for index in range(2):  # the SDK numbers a ServiceClient's samplers from 0: sampler 1 seeds apart from 0
+            state.create_sampling_session(types.CreateSamplingSessionRequest(
+                session_id=session, sampling_session_seq_id=index, base_model="tiny"), "open")
+            local_sampler = local.create_sampling_client(base_model="tiny")
+        prompts = [types.ModelInput.from_ints([5 + i, 7, 11]) for i in range(4)]
+        params = types.SamplingParams(max_tokens=4, temperature=1.0)  # unseeded: the seed is the backend's
+        expected = [local_sampler.sample(prompt, 2, params).result() for prompt in prompts]
+        rids = {seq: state.sample(types.SampleRequest(sampling_session_id=f"{session}:sample:1", seq_id=seq,
+                                                      num_samples=2, prompt=prompts[seq], sampling_params=params),
+                                  "open")["request_id"] for seq in (2, 0, 3, 1)}
+        import asyncio
+
+        got = [asyncio.run(state.futures.wait(rids[seq], "open", 60))[1] for seq in range(4)]
+    finally:
+        state.close()
+        local.close()
+    decoded = [response_conv.deserialize_sample_response(body) for body in got]
+    assert [[s.tokens for s in r.sequences] for r in decoded] == [[s.tokens for s in r.sequences] for r in expected]

@@ -90,6 +90,7 @@ class LocalServiceClient:
         self._timeline = Timeline(self.settings.timeline) if self.settings.timeline is not None else None
         self._sample_log = SampleLog(self.settings.sample_log) if self.settings.sample_log is not None else None
         self._worker = OrderedWorker(max_batch_rows=self.settings.max_batch_rows, threads=training_threads,
+                                     batch_window_s=self.settings.batch_window_ms / 1000,
                                      timeline=self._timeline)
         self._sampling_worker: OrderedWorker | None = None  # made on first use, with concurrent_sampling
         self._base_hosts: dict[str, ModelHost] = {}
@@ -256,6 +257,7 @@ class LocalServiceClient:
             return self._worker
         if self._sampling_worker is None:
             self._sampling_worker = OrderedWorker(name="rlrunbook-sampler", max_batch_rows=self.settings.max_batch_rows,
+                                                  batch_window_s=self.settings.batch_window_ms / 1000,
                                                   threads=self._sampler_threads, timeline=self._timeline)
         return self._sampling_worker
 

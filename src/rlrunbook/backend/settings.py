@@ -118,6 +118,9 @@ class LocalSettings:
         storage_dir: where ``tinker://`` checkpoints live (``TINKER_LOCAL_STORAGE``;
             default ``$RLRUNBOOK_CACHE_DIR/tinker`` or ``~/.cache/rlrunbook/tinker``).
         max_batch_rows: most sequences per generate call (``TINKER_LOCAL_MAX_BATCH_ROWS``, 256).
+        batch_window_ms: how long a sampling call the worker is about to start waits for more requests of the same
+            client and settings to join its batch (``TINKER_LOCAL_BATCH_WINDOW_MS``, 2; ``rlrunbook serve``: 20,
+            as requests sent at once arrive over HTTP a few milliseconds apart). It changes no result.
         zero_advantage_batches: what ``forward_backward`` does with an advantage-based loss on a batch
             whose advantages are all 0 (``TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES``): ``error`` (default,
             NoLearningSignalError: a silent no-op step is a bug in this project's loop) or ``accept``
@@ -159,6 +162,7 @@ class LocalSettings:
     prefix_cache_tokens: int = 65536
     storage_dir: Path | None = None
     max_batch_rows: int = 256
+    batch_window_ms: int = 2
     zero_advantage_batches: str = "error"
     load_in_4bit: bool = False
     vllm: VllmSettings = field(default_factory=VllmSettings)
@@ -273,6 +277,7 @@ class LocalSettings:
             grad_accum_chunks=_int_env(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1),
             lora_alpha=_int_env(env, "TINKER_LOCAL_LORA_ALPHA", 32, 1),
             max_batch_rows=_int_env(env, "TINKER_LOCAL_MAX_BATCH_ROWS", 256, 1),
+            batch_window_ms=_int_env(env, "TINKER_LOCAL_BATCH_WINDOW_MS", 2, 0),
             prefix_cache_tokens=_int_env(env, "TINKER_LOCAL_PREFIX_CACHE_TOKENS", 65536, 0),
             sampler_threads=_int_env(env, "TINKER_LOCAL_SAMPLER_THREADS", 0, 0),
             sampler=sampler,

@@ -23,6 +23,7 @@ API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"  # one key, or several separated by comm
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_MIB = 64
 LOCK_FILE = "serve.lock"
+SERVE_BATCH_WINDOW_MS = 20
 
 logger = logging.getLogger("rlrunbook.serve")
 
@@ -145,13 +146,17 @@ def local_service(options: ServeOptions):
     """The local backend's ServiceClient, with the settings of ``TINKER_LOCAL_*`` and the options on top.
 
     A batch whose advantages are all 0 is trained as the hosted service trains it (loss and gradient 0), as
-    the scripts the server serves expect, unless ``TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES`` says otherwise."""
+    the scripts the server serves expect, unless ``TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES`` says otherwise; sample
+    requests sent at once (they arrive a few milliseconds apart) are batched within ``SERVE_BATCH_WINDOW_MS``
+    unless ``TINKER_LOCAL_BATCH_WINDOW_MS`` says otherwise."""
     from rlrunbook.backend import LocalServiceClient, LocalSettings
 
     settings = LocalSettings.from_env()
     changes: dict[str, object] = {}
     if not os.environ.get("TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES", "").strip():
         changes["zero_advantage_batches"] = "accept"
+    if not os.environ.get("TINKER_LOCAL_BATCH_WINDOW_MS", "").strip():
+        changes["batch_window_ms"] = SERVE_BATCH_WINDOW_MS
     if options.storage is not None:
         changes["storage_dir"] = options.storage
     if options.device is not None:

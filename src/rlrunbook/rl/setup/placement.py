@@ -32,7 +32,9 @@ def resolved_sampler(stated: BackendSettings, env: Mapping[str, str]) -> tuple[s
 def placement(stated: BackendSettings, env: Mapping[str, str]) -> list[str]:
     """Lines saying which engine samples, over which base weights, and how the trainer scores."""
     if env.get("TINKER_BACKEND", "local").strip().lower() == "api":
-        return ["sampling and training: the hosted Tinker service (TINKER_BACKEND=api); backend.* is not used"]
+        url = env.get("TINKER_BASE_URL", "").strip()
+        where = f"the Tinker service at {url}" if url else "the hosted Tinker service"
+        return [f"sampling and training: {where} (TINKER_BACKEND=api); backend.* is not used"]
     sampler, source = resolved_sampler(stated, env)
     dtype = stated.dtype or "bfloat16 on cuda, float32 on cpu"
     device = stated.device or "cuda where available, else cpu"

@@ -47,6 +47,12 @@ def test_the_hosted_service_runs_everything():
         "sampling and training: the hosted Tinker service (TINKER_BACKEND=api); backend.* is not used"]
 
 
+def test_a_service_at_a_url_is_named():
+    assert placement(BackendSettings(), {"TINKER_BACKEND": "api", "TINKER_BASE_URL": "http://127.0.0.1:8000"}) == [
+        "sampling and training: the Tinker service at http://127.0.0.1:8000 (TINKER_BACKEND=api); backend.* is not "
+        "used"]
+
+
 def test_a_4bit_base_with_the_in_process_sampler_is_refused_before_loading():
     config = TrainConfig(backend=BackendSettings(device="cuda", load_in_4bit=True, sampler="hf"))
     with pytest.raises(ConfigError, match="backend.sampler: generate"):
