@@ -13,6 +13,8 @@
     python scripts/serve_bench.py --model tiny --json serve.json
 
 The server is started and stopped here (a temporary storage, a key); numbers are this machine's, say which.
+Both sides run with the allocator settings ``rlrunbook serve`` applies to itself (``keep_freed_memory``), so the
+in-process side is not the one re-faulting its activation buffers every step.
 """
 
 from __future__ import annotations
@@ -163,7 +165,10 @@ def main() -> int:
     import torch
 
     from rlrunbook.backend import LocalServiceClient, LocalSettings
+    from rlrunbook.service.server import keep_freed_memory
     from rlrunbook.testing.serve import start_server
+
+    keep_freed_memory()  # as the server does for itself
 
     storage = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     env = {**os.environ, "TINKER_LOCAL_DEVICE": os.environ.get("TINKER_LOCAL_DEVICE", "cpu"),
