@@ -178,6 +178,15 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int, side: str = "left
     return PaddedBatch(ids, mask, positions)
 
 
+def check_context(length: int, max_context: int | None, what: str) -> None:
+    """Raise ``InputError`` for a sequence of ``length`` tokens longer than the model's context ``max_context``
+    (None: no limit known). Past it the model's positions mean nothing, and the work grows with the square of
+    the length: a request that long is refused, not computed for hours."""
+    if max_context is not None and length > max_context:
+        raise InputError(f"{what} has {length} tokens, more than this model's context of {max_context} "
+                         "(config max_position_embeddings); truncate or split it.")
+
+
 def check_token_ids(tokens: Sequence[int], vocab_size: int, what: str) -> None:
     """Raise ``InputError`` unless ``tokens`` is a non-empty list of ids in ``[0, vocab_size)``."""
     if len(tokens) == 0:

@@ -229,6 +229,9 @@ def test_a_failing_call_names_the_cause_and_the_server_goes_on(service, server):
     chunks = (b"\0" * 2**20 for _ in range(MAX_BODY_MIB + 1))  # no Content-Length: counted as it arrives
     chunked = httpx.post(f"{server}/api/v1/forward_backward", content=chunks, headers=headers)
     assert chunked.status_code == 413 and "exceeds this server's limit" in chunked.text
+    too_long = [_datum([5] * 2049, [6] * 2049, [1.0] * 2049)]  # tiny's context is 2,048 positions
+    with pytest.raises(tinker.RequestFailedError, match="2049 tokens, more than this model's context of 2048"):
+        training.forward_backward(too_long, "cross_entropy").result()
     sampler = training.save_weights_and_get_sampling_client().result()
     with pytest.raises(tinker.BadRequestError, match="num_samples=1000000000 is above"):
         sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 10**9, types.SamplingParams(max_tokens=2)).result()

@@ -28,7 +28,7 @@ from tinker import types
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import split_mismatch_config
 from rlrunbook.errors import InputError
-from rlrunbook.tokens import check_token_ids
+from rlrunbook.tokens import check_context, check_token_ids
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -37,11 +37,12 @@ class CustomLossError(InputError):
     """The caller's loss raised, or returned something that is not a finite scalar tensor."""
 
 
-def _items(data: Sequence[types.Datum], vocab_size: int, item_type) -> list[Any]:
+def _items(data: Sequence[types.Datum], vocab_size: int, item_type, max_context: int | None = None) -> list[Any]:
     """Every datum as a trainer item whose loss sees every target position."""
     items = []
     for index, datum in enumerate(data):
         tokens = datum.model_input.to_ints()
+        check_context(len(tokens), max_context, f"datum {index} model_input")
         check_token_ids(tokens, vocab_size, f"datum {index} model_input")
         if "target_tokens" not in datum.loss_fn_inputs:
             raise InputError(f"datum {index} has no loss_fn_inputs['target_tokens'] (forward_backward_custom needs "
@@ -106,7 +107,7 @@ def forward_backward_custom(trainer, data: Sequence[types.Datum], loss_fn) -> ty
     data = list(data)
     if not data:
         raise InputError("empty batch: forward_backward_custom needs at least one Datum.")
-    items = _items(data, trainer.vocab_size, _Item)
+    items = _items(data, trainer.vocab_size, _Item, trainer.max_context)
     filters = split_mismatch_config({})[0].filters
     batches = micro_batches([item.input_tokens for item in items], trainer.micro_batch_tokens,
                             trainer.grad_accum_chunks)

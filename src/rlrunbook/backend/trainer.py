@@ -40,7 +40,7 @@ from rlrunbook.regularizers import (
     sampler_mismatch,
     split_regularizer_config,
 )
-from rlrunbook.tokens import check_token_ids
+from rlrunbook.tokens import check_context, check_token_ids
 
 
 class NonFiniteGradientError(RlrunbookError, FloatingPointError):
@@ -83,8 +83,10 @@ class _Item:
     regularized: torch.Tensor  # [L] bool: trained positions, where KL and entropy terms apply (within mask)
 
 
-def _datum_item(datum: types.Datum, index: int, spec: LossSpec, vocab_size: int) -> _Item:
+def _datum_item(datum: types.Datum, index: int, spec: LossSpec, vocab_size: int,
+                max_context: int | None = None) -> _Item:
     tokens = datum.model_input.to_ints()
+    check_context(len(tokens), max_context, f"datum {index} model_input")
     check_token_ids(tokens, vocab_size, f"datum {index} model_input")
     arrays = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
     if "target_tokens" not in arrays:
@@ -225,6 +227,7 @@ class LoraTrainer:
         self.accept_zero_advantages = accept_zero_advantages
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
+        self.max_context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.grad_accum_chunks = grad_accum_chunks
         self.weights_version = 0  # bumped by every optimizer step or load; sampler snapshots record it
         self._optimizer: torch.optim.AdamW | None = None
@@ -281,7 +284,7 @@ class LoraTrainer:
         config = resolve_loss_config(spec, loss_config)
         if len(data) == 0:
             raise InputError("empty batch: forward_backward needs at least one Datum.")
-        items = [_datum_item(d, i, spec, self.vocab_size) for i, d in enumerate(data)]
+        items = [_datum_item(d, i, spec, self.vocab_size, self.max_context) for i, d in enumerate(data)]
         trained = sum(_trained_positions(item, spec) for item in items)
         if spec.uses_advantages and trained == 0 and not self.accept_zero_advantages:
             raise NoLearningSignalError(
