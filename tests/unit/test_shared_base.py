@@ -1,5 +1,5 @@
 """One resident copy of a base model's weights per ServiceClient: every training client and base-model sampler
-over it has its own modules, adapter and engine, and the very same base tensors."""
+over it has its own modules, adapter and engine, and base parameters whose data is the very same memory."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def _base_tensors(client) -> dict[str, torch.Tensor]:
     return {name: p for name, p in client._host.model.named_parameters() if ".lora_" not in name}
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
 def test_training_clients_share_the_base_weights_and_nothing_else(local_service, monkeypatch):
     loads = []
     real = host_module.load_resident
@@ -33,8 +38,8 @@ def test_training_clients_share_the_base_weights_and_nothing_else(local_service,
     assert loads == ["tiny"]  # loaded once
     shared, own = _base_tensors(first), _base_tensors(second)
     assert shared.keys() == own.keys() and len(shared) > 0
-    assert all(shared[name] is own[name] for name in shared)  # the same tensors, not copies
-    assert all(p is shared[n] for n, p in base_sampler._host.model.named_parameters() if n in shared)
+    assert all(_same_memory(shared[name], own[name]) for name in shared)  # the same memory, not copies
+    assert all(_same_memory(p, shared[n]) for n, p in base_sampler._host.model.named_parameters() if n in shared)
     first_lora = dict(first._host.model.named_parameters())
     second_lora = dict(second._host.model.named_parameters())
     lora_names = [name for name in first_lora if ".lora_" in name]
