@@ -121,8 +121,9 @@ part_debate() {
     --debate-grpo-reward task --name mini_debate_rs_grpo_summary --log-root "$work/logs"
 }
 
-part_scale() {
-  step scale gated "$py" scripts/scale_check.py --out "$work"
+part_scale() {  # GPU_CHECK_SCALE_ARGS: more arguments, e.g. "--device-memory 80GiB" to plan an H100 on a larger card
+  # shellcheck disable=SC2086
+  step scale gated "$py" scripts/scale_check.py --out "$work" ${GPU_CHECK_SCALE_ARGS:-}
 }
 
 # archive DEST: the part's work folder as DEST (.tar.gz), within ARCHIVE_LIMIT_BYTES; prints a note when it

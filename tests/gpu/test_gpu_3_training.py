@@ -98,3 +98,31 @@ def test_zero_advantages_are_refused(training_client):
     data = [_datum(prompt, t, lp, 0.0) for t, lp in samples]
     with pytest.raises(NoLearningSignalError, match="No non-zero advantages"):
         training_client.forward_backward(data, "importance_sampling").result()
+
+
+def _weighted_nll(data, logprobs):
+    """``cross_entropy`` as a Tinker user writes it: the logprobs times the datum's weights (a CPU tensor)."""
+    assert all(lp.device.type == "cpu" and lp.dtype == torch.float32 for lp in logprobs), \
+        "the SDK hands a custom loss float32 CPU tensors"
+    loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs, strict=True))
+    return loss, {}
+
+
+def test_custom_loss_written_for_tinker_trains_on_the_gpu(training_client):
+    """``forward_backward_custom`` on CUDA: the loss gets CPU logprobs as the SDK gives them, its value is the
+    built-in ``cross_entropy``'s on the same batch, and its gradient reaches the adapter on the GPU."""
+    prompt, samples = _group(training_client)
+    data = []
+    for tokens, _ in samples:
+        arrays = build_datum_arrays(prompt, tokens)
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(arrays.input_tokens),
+                                loss_fn_inputs={"target_tokens": arrays.target_tokens, "weights": arrays.weights}))
+    builtin = training_client.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+    model = training_client._host.model
+    for p in model.parameters():  # the built-in call's gradient is not part of what is checked next
+        p.grad = None
+    custom = training_client.forward_backward_custom(data, _weighted_nll).result()
+    assert custom.metrics["loss:sum"] == pytest.approx(builtin, rel=1e-4)
+    grads = [p.grad for name, p in model.named_parameters() if "lora_B" in name]
+    assert grads and all(g is not None and g.device.type == DEVICE for g in grads)
+    assert sum(float(g.float().norm()) for g in grads) > 0

@@ -1,7 +1,7 @@
 """``forward_backward_custom``: a loss the caller computes from the logprobs of each datum's targets.
 
-The SDK's contract: the loss gets the data and one float32 tensor of target logprobs per datum (shaped like
-the datum's ``target_tokens``), returns ``(loss, metrics)``, and its gradient accumulates into the adapter
+The SDK's contract: the loss gets the data and one float32 CPU tensor of target logprobs per datum (shaped like
+the datum's ``target_tokens``, on the CPU whatever device trains), returns ``(loss, metrics)``, and its gradient accumulates into the adapter
 exactly as ``forward_backward``'s does, until ``optim_step``. The hosted service needs two passes for it
 (a forward, the loss on the client, then a backward of the linear surrogate ``sum(-dL/dlp * lp)``); in
 process autograd reaches the adapter directly, so a batch that fits one micro-batch takes one forward and
@@ -58,8 +58,11 @@ def _items(data: Sequence[types.Datum], vocab_size: int, item_type, max_context:
 
 
 def _shaped(values: torch.Tensor, datum: types.Datum) -> torch.Tensor:
-    """``values`` (one per position) in the shape of the datum's ``target_tokens``, as the SDK hands them."""
+    """``values`` (one per position) on the CPU in the shape of the datum's ``target_tokens``, as the SDK hands
+    them: a loss written for Tinker combines them with ``loss_fn_inputs[...].to_torch()``, which are CPU tensors.
+    ``.cpu()`` is differentiable, so the gradient still reaches the adapter on the model's device."""
     shape = datum.loss_fn_inputs["target_tokens"].shape
+    values = values.cpu()
     return values.reshape(shape) if shape is not None else values
 
 
