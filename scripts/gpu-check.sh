@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu-check.sh --list                     # the parts, their planned minutes, what they run
 #   bash scripts/gpu-check.sh --part NAME [--dry-run]    # on the GPU machine, in the checkout: one part
+#   bash scripts/gpu-check.sh --together NAME... [--dry-run]  # several parts side by side on one card
 #   bash scripts/gpu-check.sh --merge DIR [DIR ...]      # here: fold the returned sections into the record
 #   bash scripts/gpu-check.sh --all                      # a GPU machine of your own: every part, then --merge
 #
@@ -15,7 +16,9 @@
 # is stopped and reported as timed out instead of losing the whole command. --dry-run lists each step instead of
 # running it (nothing measured; the two files are still written), for checking the mechanism without a GPU.
 # --merge DIR... appends the sections found in DIR/*.md to docs/gpu-validation.md (or --doc PATH), skipping any
-# already there.
+# already there. --together runs the named parts at once, each within its own budget, for a lease too short to
+# run them one after another: their outcomes and numerics are as alone, and each section says which parts shared
+# the card (its times are then upper bounds). A section also names the TINKER_LOCAL_* variables set for its run.
 #
 # Adding a part: write a function part_NAME that runs its steps with `step`, writing into "$work"; add NAME to
 # PARTS with its planned minutes and a line about it; give scripts/gpu_report.py a renderer for its figures.
@@ -156,7 +159,8 @@ run_part() {
   local elapsed=$SECONDS note
   note=$(archive "$out/$part.tar.gz")
   "$py" scripts/gpu_report.py section "$part" "$work" --status "$status" --planned "$planned" \
-    --seconds "$elapsed" $([ "$dry_run" = 1 ] && echo --dry-run) >"$out/$part.md" || status=1
+    --seconds "$elapsed" --alongside "${GPU_CHECK_ALONGSIDE:-}" $([ "$dry_run" = 1 ] && echo --dry-run) \
+    >"$out/$part.md" || status=1
   [ -n "$note" ] && echo "$note" >>"$out/$part.md"
   cat "$out/$part.md"
   rm -rf "$work"
@@ -176,6 +180,30 @@ main() {
         if [ "$arg" = --dry-run ]; then dry_run=1; else usage; fi
       done
       run_part "$part" ;;
+    --together)
+      shift
+      local parts=() logs pids=() i
+      for arg in "$@"; do
+        if [ "$arg" = --dry-run ]; then dry_run=1; else parts+=("$arg"); fi
+      done
+      [ ${#parts[@]} -ge 1 ] || usage
+      for part in "${parts[@]}"; do
+        [ -n "$(part_field "$part" 2)" ] || { echo "unknown part '$part'; the parts are:" >&2; list_parts >&2; exit 2; }
+      done
+      logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-together.XXXXXX")
+      for part in "${parts[@]}"; do
+        GPU_CHECK_ALONGSIDE=$(printf '%s\n' "${parts[@]}" | grep -vx "$part" | paste -sd, -) \
+          run_part "$part" >"$logs/$part.log" 2>&1 &
+        pids+=($!)
+      done
+      failed=0
+      for i in "${!parts[@]}"; do
+        wait "${pids[$i]}" || failed=1
+        echo "######## ${parts[$i]}"
+        cat "$logs/${parts[$i]}.log"
+      done
+      rm -rf "$logs"
+      return $failed ;;
     --merge)
       shift
       if [ "${1:-}" = --doc ]; then doc=$2; shift 2; fi

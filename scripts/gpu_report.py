@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import socket
 import statistics
@@ -168,8 +169,14 @@ RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _c
 
 
 def section(part: str, work: Path, status: int, planned: float, seconds: float, dry_run: bool,
-            now: datetime.datetime | None = None) -> str:
-    """The markdown section of one part's run (see the module docstring)."""
+            now: datetime.datetime | None = None, alongside: str = "",
+            environ: dict[str, str] | None = None) -> str:
+    """The markdown section of one part's run (see the module docstring).
+
+    ``alongside``: the parts that ran on the same card at the same time (comma-separated; ``gpu-check.sh
+    --together``). The ``TINKER_LOCAL_*`` variables of ``environ`` (default: this process's) are listed: they
+    change what a part measures (``TINKER_LOCAL_NUMERICS=exact``, say).
+    """
     now = now or datetime.datetime.now(datetime.timezone.utc)
     verdict = "dry run, nothing measured" if dry_run else (
         "all gated checks passed" if status == 0 else "SOME GATED CHECKS FAILED")
@@ -177,6 +184,12 @@ def section(part: str, work: Path, status: int, planned: float, seconds: float, 
              f"### Part `{part}`, {now:%Y-%m-%d %H:%M} UTC: {verdict}", "",
              f"- {seconds / 60:.1f} of {planned:g} planned minutes"]
     lines += [f"- host: {socket.gethostname()} (dry run: no GPU used)"] if dry_run else _machine()
+    if alongside:
+        lines.append(f"- ran alongside {alongside.replace(',', ', ')} on the same card: its times are upper bounds")
+    settings = sorted((k, v) for k, v in (os.environ if environ is None else environ).items()
+                      if k.startswith("TINKER_LOCAL_"))
+    if settings:
+        lines.append("- settings: " + ", ".join(f"{k}={v}" for k, v in settings))
     renderer = RENDERERS.get(part)
     lines += ["", *_steps(work), ""]
     if renderer is not None and not dry_run:
@@ -229,12 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--planned", type=float, required=True)
     one.add_argument("--seconds", type=float, required=True)
     one.add_argument("--dry-run", action="store_true")
+    one.add_argument("--alongside", default="", help="parts that shared the card (comma-separated)")
     fold = commands.add_parser("merge", help="fold returned sections into the record")
     fold.add_argument("doc", type=Path)
     fold.add_argument("folders", type=Path, nargs="+")
     args = parser.parse_args(argv)
     if args.command == "section":
-        print(section(args.part, args.work, args.status, args.planned, args.seconds, args.dry_run))
+        print(section(args.part, args.work, args.status, args.planned, args.seconds, args.dry_run,
+                      alongside=args.alongside))
         return 0
     added = merge(args.doc, args.folders)
     print(f"{args.doc}: added {', '.join(added)}" if added else f"{args.doc}: nothing new (sections already there)")

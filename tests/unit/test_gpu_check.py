@@ -185,3 +185,27 @@ def test_the_scale_section_reports_the_phases_a_stopped_run_finished(tmp_path):
     (tmp_path / "scale.json").write_text(json.dumps(figures))
     assert report._scale(tmp_path)[1] == ("one step of the h100-rlvr shape: sample 100.0 s (prefill 4.0 s, 1536 decode "
                                           "steps), peak 29.0 GiB measured, 30.0 GiB planned")
+
+
+def test_parts_run_together_each_leave_their_files_and_name_the_parts_beside_them(tmp_path):
+    result = _bash("--together", "tier", "debate", "scale", "--dry-run", out=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{part}.{ext}" for part in ("tier", "debate", "scale") for ext in ("md", "tar.gz"))
+    assert "- ran alongside debate, scale on the same card" in (tmp_path / "tier.md").read_text()
+    assert "- ran alongside tier, debate on the same card" in (tmp_path / "scale.md").read_text()
+    assert result.stdout.index("######## tier") < result.stdout.index("######## debate")
+
+
+def test_together_refuses_an_unknown_part_before_running_any(tmp_path):
+    result = _bash("--together", "tier", "nonsense", "--dry-run", out=tmp_path)
+    assert result.returncode == 2 and "unknown part 'nonsense'" in result.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_section_names_the_backend_settings_its_run_had(tmp_path):
+    (tmp_path / "steps.tsv").write_text("")
+    text = _report().section("debate", tmp_path, 0, 3, 60, True,
+                             environ={"TINKER_LOCAL_NUMERICS": "exact", "HOME": "/root"})
+    assert "- settings: TINKER_LOCAL_NUMERICS=exact" in text and "HOME" not in text
+    assert "settings" not in _report().section("debate", tmp_path, 0, 3, 60, True, environ={})
