@@ -1,15 +1,15 @@
 """``forward_backward_custom``: a loss the caller computes from the logprobs of each datum's targets.
 
-The SDK's contract: the loss gets the data and one float32 CPU tensor of target logprobs per datum (shaped like
-the datum's ``target_tokens``, on the CPU whatever device trains), returns ``(loss, metrics)``, and its gradient accumulates into the adapter
-exactly as ``forward_backward``'s does, until ``optim_step``. The hosted service needs two passes for it
-(a forward, the loss on the client, then a backward of the linear surrogate ``sum(-dL/dlp * lp)``); in
-process autograd reaches the adapter directly, so a batch that fits one micro-batch takes one forward and
-one backward. A batch split into micro-batches (a token budget, see ``backend/micro_batches.py``) cannot keep
-every micro-batch's graph alive, and a custom loss may couple datums (DPO pairs a chosen and a rejected
-one): it is scored without gradient first, the loss's gradient with respect to each logprob is taken on those
-values, and each micro-batch is then run again with that gradient as the weights of a linear surrogate,
-which gives the same parameter gradient.
+The SDK's contract: the loss gets the data and one float32 tensor of target logprobs per datum (shaped like
+the datum's ``target_tokens``, on the CPU whatever device trains), returns ``(loss, metrics)``, and its
+gradient accumulates into the adapter exactly as ``forward_backward``'s does, until ``optim_step``. The hosted
+service needs two passes for it (a forward, the loss on the client, then a backward of the linear surrogate
+``sum(-dL/dlp * lp)``); in process autograd reaches the adapter directly, so a batch that fits one micro-batch
+takes one forward and one backward. A batch split into micro-batches (a token budget, see
+``backend/micro_batches.py``) cannot keep every micro-batch's graph alive, and a custom loss may couple datums
+(DPO pairs a chosen and a rejected one): it is scored without gradient first, the loss's gradient with respect
+to each logprob is taken on those values, and each micro-batch is then run again with that gradient as the
+weights of a linear surrogate, which gives the same parameter gradient.
 
 A loss that raises, or returns something other than a finite scalar tensor, fails the call with the cause;
 nothing is added to the gradients then (the caller's training client refuses its later training calls, as

@@ -3,12 +3,13 @@
 
 A line is ``{"seed": s, "prompt": [token ids], "num_samples": n, "max_tokens": m, "prompt_logprobs": bool,
 "sequences": [{"tokens": [...], "logprobs": [...], "stop_reason": "stop" | "length"}, ...]}``, written when
-the request's batch is done (so in the order of completion, not of submission). An unseeded request's seed is fixed by its sampler and its place among that
-sampler's requests (:class:`~rlrunbook.backend.LocalSamplingClient`), so two runs of one script, in process or
-through ``rlrunbook serve``, write the same lines; sorted, the files compare equal, but for one thing: the SDK
-sends ``compute_logprobs`` as a one-token sample with prompt logprobs (its token dropped), which the server
-samples and records, while in process it draws no token (:func:`compute_logprobs_probe` tells such lines).
-Logprobs are the float32 values the SDK returns, written exactly. Nothing in the backend reads it back.
+the request's batch is done (so in the order of completion, not of submission). An unseeded request's seed is
+fixed by its sampler and its place among that sampler's requests
+(:class:`~rlrunbook.backend.LocalSamplingClient`), so two runs of one script, in process or through
+``rlrunbook serve``, write the same lines; sorted, the files compare equal, but for one thing: the SDK sends
+``compute_logprobs`` as a one-token sample with prompt logprobs (its token dropped), which the server samples
+and records, while in process it draws no token (:func:`compute_logprobs_probe` tells such lines). Logprobs
+are the float32 values the SDK returns, written exactly. Nothing in the backend reads it back.
 """
 
 from __future__ import annotations
