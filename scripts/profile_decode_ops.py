@@ -5,8 +5,9 @@ bookkeeping, launched one by one every step).
     python scripts/profile_decode_ops.py                          # SmolLM2-135M, bf16, 16 rows x 64 tokens, CPU
     python scripts/profile_decode_ops.py --model tiny --rows 64 --tokens 256
 
-Counted on any device: the same ops run on CPU and on CUDA. Top-level aten ops are counted (an op called by
-another op is part of it); view-only ops (view, slice, unsqueeze, transpose, ...) launch no kernel.
+Counted on any device: the same ops run on CPU and on CUDA. Top-level aten ops and the fixed-order kernels of the
+default numerics (``rlrunbook::*``) are counted (an op called by another op is part of it); view-only ops (view,
+slice, unsqueeze, transpose, ...) launch no kernel.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ from rlrunbook.models.registry import resolve_model
 MODEL_STEP = "decode/model_step"
 
 
+_COUNTED = ("aten::", "rlrunbook::")
+
+
 def _top_level(events) -> list:
-    """The aten ops of ``events`` that no other aten op called."""
+    """The aten ops and fixed-order kernels of ``events`` that no other counted op called."""
     found = []
     for event in events:
-        if not event.name.startswith("aten::"):
+        if not event.name.startswith(_COUNTED):
             continue
         parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
+        while parent is not None and not parent.name.startswith(_COUNTED):
             parent = parent.cpu_parent
         if parent is None:
             found.append(event)

@@ -67,18 +67,6 @@ def _check_settings(args: argparse.Namespace):
     return dataclasses.replace(settings, **changes)
 
 
-def _products_note(settings) -> str:
-    """Which library computes the frozen-weight products, where the choice applies (fp32 on CPU, invariant)."""
-    import torch
-
-    from rlrunbook.engines.products import onednn_applies
-
-    if settings.device != "cpu" or settings.resolved_dtype() != torch.float32 or settings.numerics != "invariant":
-        return ""
-    applies = onednn_applies(settings.numerics, settings.cpu_products, settings.device, settings.resolved_dtype())
-    return f"  cpu products: {'onednn' if applies else 'mkl'}"
-
-
 def cmd_check_logprobs(args: argparse.Namespace) -> int:
     from rlrunbook.backend import LocalServiceClient
     from rlrunbook.diagnostics import parity_gates, sampler_trainer_parity
@@ -106,7 +94,7 @@ def cmd_check_logprobs(args: argparse.Namespace) -> int:
         first = training.get_tokenizer().decode(report.completions[0]) if report.completions else None
         engine = sampler.engine_name
     print(f"engine: {engine}")
-    print(f"numerics: {settings.numerics}  dtype: {dtype_name}  device: {settings.device}{_products_note(settings)}")
+    print(f"numerics: {settings.numerics}  dtype: {dtype_name}  device: {settings.device}")
     print(f"prompt tokens: {len(prompt)}  sampled tokens: {report.num_tokens} "
           f"in {len(report.completions)} completion(s)")
     if first is not None:

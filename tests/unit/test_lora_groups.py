@@ -1,5 +1,6 @@
 """LoRA updates of a projection group computed with stacked factors inside Decoder.weights_fixed()
-(engines/lora_groups.py): the same numbers as peft's module-by-module updates to fp32 rounding (the
+(engines/lora_groups.py, under native numerics of a float32 CPU model: invariant numerics compute every
+update with the fixed-order kernels instead): the same numbers as peft's module-by-module updates to fp32 rounding (the
 update is added into the base output by one fused product, so the last bits may differ), the same
 sampled tokens, built once per block, and never used where they would be wrong (outside the block,
 with gradients, adapters disabled).
@@ -47,7 +48,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("alpha", [8, 3], ids=["scaling-2", "scaling-0.75"])
 def test_grouped_updates_equal_peft_updates(tiny_folder, alpha):
     model = _lora_model(tiny_folder, alpha=alpha)
-    decoder = Decoder(model)
+    decoder = Decoder(model, "native")
     ids = torch.tensor([[5, 17], [300, 2], [41, 41]])
     with torch.no_grad():
         plain = _decode_logits(decoder, ids)
@@ -59,7 +60,7 @@ def test_grouped_updates_equal_peft_updates(tiny_folder, alpha):
 
 def test_factors_are_built_once_per_block_and_rebuilt_for_new_weights(tiny_folder):
     model = _lora_model(tiny_folder)
-    decoder = Decoder(model)
+    decoder = Decoder(model, "native")
     ids = torch.tensor([[5, 17], [300, 2]])
     attn = model.get_base_model().model.layers[0].self_attn
     a_q = attn.q_proj.lora_A["default"].weight
@@ -79,7 +80,7 @@ def test_factors_are_built_once_per_block_and_rebuilt_for_new_weights(tiny_folde
 
 def test_no_factors_outside_the_block_with_gradients_or_without_adapters(tiny_folder):
     model = _lora_model(tiny_folder)
-    decoder = Decoder(model)
+    decoder = Decoder(model, "native")
     attn = model.get_base_model().model.layers[0].self_attn
     group = (attn.q_proj, attn.k_proj, attn.v_proj)
     x = torch.randn(3, model.config.hidden_size, requires_grad=True)
@@ -106,7 +107,8 @@ def test_the_engine_samples_the_same_with_grouped_updates(tiny_folder):
     from rlrunbook.engines.hf import HFSamplingEngine
 
     model = _lora_model(tiny_folder)
-    engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=model.config.vocab_size)
+    engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=model.config.vocab_size, numerics="native")
+    assert engine.decoder.grouped_adapters
     request = GenerationRequest(max_tokens=12, filters=SamplingFilters(1.0), stop=(), seed=3)
     grouped = engine.sample([[5, 17, 300], [41, 2]], 3, request)
     engine.decoder.grouped_adapters = False

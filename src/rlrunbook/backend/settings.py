@@ -14,7 +14,6 @@ import torch
 
 from rlrunbook.backend.vllm_settings import VllmSettings
 from rlrunbook.engines.decoder import NUMERICS, Numerics
-from rlrunbook.engines.products import CPU_PRODUCTS
 from rlrunbook.errors import ConfigError
 
 SAMPLERS = ("hf", "generate", "vllm")
@@ -104,13 +103,10 @@ class LocalSettings:
             (a vLLM server, configured by ``vllm``; the in-process engine then only validates requests,
             draws seeds and scores prompts).
         numerics: how sampler and trainer round (``TINKER_LOCAL_NUMERICS``): ``invariant`` (default:
-            float64 attention core, bitwise sampler-trainer agreement on CPU), ``exact`` (also float64
-            matrix products: agreement on any device, slower) or ``native`` (the model's dtype throughout,
-            as transformers computes; for comparison). See rlrunbook.engines.decoder.
-        cpu_products: which library computes float32 products with the frozen base weights on CPU under
-            ``invariant`` numerics, in sampler and trainer alike (``TINKER_LOCAL_CPU_PRODUCTS``):
-            ``onednn`` (default; faster on the project's CPU, see rlrunbook.engines.products) or ``mkl``
-            (``F.linear``).
+            every sum that reaches a logprob in an order fixed by the code, in the working precision:
+            bitwise sampler-trainer agreement on CPU and CUDA), ``exact`` (float64 products and attention,
+            a reference; slower, 8 bytes per frozen weight) or ``native`` (PyTorch's own kernels, as
+            transformers computes; for comparison). See rlrunbook.engines.decoder and rlrunbook.kernels.
         cuda_graphs: capture the decode step as CUDA graphs on a CUDA device (``TINKER_LOCAL_CUDA_GRAPHS``:
             1 | 0; default 1).
         prefix_cache_tokens: most tokens whose keys/values the engine keeps for reuse by later calls under
@@ -159,7 +155,6 @@ class LocalSettings:
     lora_alpha: int = 32
     sampler: str = "hf"
     numerics: str = "invariant"
-    cpu_products: str = "onednn"
     cuda_graphs: bool = True
     prefix_cache_tokens: int = 65536
     storage_dir: Path | None = None
@@ -180,9 +175,6 @@ class LocalSettings:
             raise ConfigError(f"sampler {self.sampler!r} must be one of {SAMPLERS} (TINKER_LOCAL_SAMPLER).")
         if self.numerics not in NUMERICS:
             raise ConfigError(f"numerics {self.numerics!r} must be one of {NUMERICS} (TINKER_LOCAL_NUMERICS).")
-        if self.cpu_products not in CPU_PRODUCTS:
-            raise ConfigError(f"cpu_products {self.cpu_products!r} must be one of {CPU_PRODUCTS} "
-                              "(TINKER_LOCAL_CPU_PRODUCTS).")
         if self.load_in_4bit and self.sampler == "hf":
             raise ConfigError("4-bit base weights (backend.load_in_4bit) with the in-process sampler (sampler 'hf', "
                               "the default): its decoder computes with floating-point weights only. Set "
@@ -211,7 +203,7 @@ class LocalSettings:
 
     def decoder_numerics(self) -> Numerics:
         """How the in-process engine and the trainer round (both get the same)."""
-        return Numerics(self.numerics, self.cpu_products)
+        return Numerics(self.numerics)
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:
@@ -247,8 +239,6 @@ class LocalSettings:
         kwargs["zero_advantage_batches"] = zero
         if env.get("TINKER_LOCAL_NUMERICS"):
             kwargs["numerics"] = env["TINKER_LOCAL_NUMERICS"].strip().lower()
-        if env.get("TINKER_LOCAL_CPU_PRODUCTS"):
-            kwargs["cpu_products"] = env["TINKER_LOCAL_CPU_PRODUCTS"].strip().lower()
         graphs = env.get("TINKER_LOCAL_CUDA_GRAPHS", "").strip()
         if graphs:
             if graphs not in ("0", "1"):

@@ -1,37 +1,28 @@
 """Attention whose result for a query does not depend on how the keys were batched, in linear memory.
 
-Why the float64 core exists: in bf16 a one-token cached decode step and a full-sequence pass run
-different attention kernels (one query row against the cache, or blocks of queries against blocks of
-keys). Their fp32 partial sums are added in different orders, a handful of outputs round to a
-different bf16 value, and every later layer amplifies those one-ulp differences: on SmolLM2-135M the
-sampler and the trainer then disagree by 0.034 nats per token on average (measured on this project's
-CPU, the same size as on an H100), as much as bf16 itself is away from fp32.
+Three cores compute the same masked softmax attention (``core``):
 
-The remedy is to make the attention core exact enough that the order no longer matters: scores,
-softmax and the weighted sum of values are computed in float64 and rounded once to the model's dtype.
-A product of two bf16 (or fp32) numbers is exact in float64, the sum of a head's ``D`` products nearly
-always is, and what is left (the exp, the normalising sum, the sum over key blocks) is off by ~1e-16,
-far below the 2^-9 rounding step of bf16. So whichever order the partial sums come in (a 1-row decode
-step or a 512-row training pass, any padding, any layout of the keys, any split into blocks) a query
-gets the same bf16 output except when its exact value lies within ~1e-16 of a rounding boundary.
-``native`` numerics skip this and use PyTorch's fused SDPA kernel in the model's dtype (what
-transformers does); it is there to measure what the float64 core buys.
+- ``fixed`` (``invariant`` numerics): :func:`rlrunbook.kernels.ops.attention`, every sum in an order
+  fixed by the code in float32 over the model's dtype; a query reads its allowed keys in increasing
+  key index, so any layout that lists a query's keys in position order (a one-token decode step over a
+  cache, a training pass over a shared prefix, padding anywhere) gives it the same bits. It keeps one
+  float32 per query and head for backward and no queries x keys tensor.
+- ``float64`` (``exact`` numerics): scores, softmax and the weighted sum of values in float64, rounded
+  once to the model's dtype. A product of two bf16 (or fp32) numbers is exact in float64 and what is
+  left is off by ~1e-16, far below a rounding step of the model's dtype, so the order of the sums stops
+  mattering except within ~1e-16 of a rounding boundary: a reference that needs no fixed order.
+- ``sdpa`` (``native`` numerics): PyTorch's fused kernel in the model's dtype, as transformers computes.
 
-Memory grows linearly with the tokens. Nothing of size queries x keys outlives one block:
+Memory grows linearly with the tokens. For the ``float64`` and ``sdpa`` cores nothing of size queries x
+keys outlives one block:
 
 - the mask is never stored: it is computed block by block from the positions (``[R, T]`` queries,
   ``[R, S]`` keys), a query reading every valid key at the same or an earlier position;
-- keys and values are converted to float64 a block of at most ``KEY_ELEMENTS`` elements at a time (a
-  decode step of many long rows never holds a float64 copy of its whole KV window);
+- keys and values are converted to float64 a block of at most ``KEY_ELEMENTS`` elements at a time;
 - queries go in chunks of at most ``SCORE_ELEMENTS`` score elements (``rows x heads x chunk x keys``; per device),
   and when gradients are recorded over more than ``RECOMPUTE_FROM_KEYS`` keys each chunk is recomputed
   in the backward pass instead of keeping its scores (activation checkpointing), so what a layer keeps
-  for backward is ``q``, ``k``, ``v`` and the output: O(T) per row. (SDPA keeps only its mask, so it
-  is recomputed only past ``RECOMPUTE_FROM_KEYS[False]`` keys.)
-
-At T = 2,048 (1.5B-model attention shape, one row, bf16, forward + backward) that is 14 MB held after the
-forward (what backward keeps besides the inputs: the float64 keys and values, and the output) instead of
-1.3 GB, and a peak of 164 MB instead of 1.7 GB; the cost is one more forward of the core in the backward pass.
+  for backward is ``q``, ``k``, ``v`` and the output: O(T) per row.
 
 Shapes: ``R`` rows, ``T`` queries per row, ``S`` keys per row, ``H`` query heads in ``Hkv`` groups of
 ``G`` (grouped-query attention: query head ``h`` reads key/value head ``h // G``), head size ``D``.
@@ -46,6 +37,8 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from rlrunbook.kernels import ops as fixed_ops
 
 # Score elements per query chunk, by device: 32 MB of float64 scores on a CPU, where they are computed a core at
 # a time anyway; 512 MB on a GPU, where every chunk costs ~15 kernel launches and fewer, larger ones pay.
@@ -62,7 +55,7 @@ _MASKED = -1e300  # the score of a key a query may not read (see _float64_core)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
-           key_positions: torch.Tensor, key_valid: torch.Tensor, scale: float, exact: bool = True,
+           key_positions: torch.Tensor, key_valid: torch.Tensor, scale: float, core: str = "fixed",
            recompute: bool | None = None) -> torch.Tensor:
     """Masked softmax attention of each row's queries over that row's keys.
 
@@ -71,18 +64,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     (or ``[1, S]``, shared by every row). A query reads the valid keys at its own or an earlier position
     (the causal mask of any layout: keys gathered from a shared prefix, a per-row cache, padding).
     Returns ``[R, T, H * D]`` in ``q``'s dtype; a query with no key to read (padding) gets zeros.
-    ``exact`` selects the float64 core (see the module docstring); otherwise SDPA in the input dtype.
-    ``recompute``: whether query chunks are recomputed in backward; ``None`` decides by the key count
-    (see the module docstring); ``False`` for a caller that recomputes a larger unit itself.
+    ``core``: ``fixed``, ``float64`` or ``sdpa`` (see the module docstring). ``recompute``: whether query
+    chunks of the ``float64`` and ``sdpa`` cores are recomputed in backward; ``None`` decides by the key
+    count (see the module docstring); ``False`` for a caller that recomputes a larger unit itself.
     """
-    rows, queries, heads, _ = q.shape
+    rows, queries, heads, dim = q.shape
+    if core == "fixed":
+        return fixed_ops.attention(q, k, v, query_positions, key_positions, key_valid, scale).reshape(
+            rows, queries, heads * dim)
+    if core not in ("float64", "sdpa"):
+        raise ValueError(f"attention core {core!r} is not one of fixed, float64, sdpa")
+    exact = core == "float64"
     keys = k.shape[1]
-    core = _float64_core if exact else _sdpa_core
+    core_fn = _float64_core if exact else _sdpa_core
     chunk = max(1, score_elements(q.device) // max(1, rows * heads * keys))
     if recompute is None:
-        recompute = recompute_pays(keys, exact, q, k, v)
+        recompute = recompute_pays(keys, core, q, k, v)
     if chunk >= queries and not recompute:
-        return core(q, k, v, query_positions, key_positions, key_valid, scale)
+        return core_fn(q, k, v, query_positions, key_positions, key_valid, scale)
     if exact and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
         # Converted once, so the chunks' gradients of the keys and values add up in float64 and are rounded to
         # the input's dtype once (converted per chunk, each chunk's share would be rounded before the sum).
@@ -91,7 +90,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     for start in range(0, queries, chunk):
         args = (q[:, start:start + chunk], k, v, query_positions[:, start:start + chunk], key_positions,
                 key_valid, scale)
-        parts.append(checkpoint(core, *args, use_reentrant=False) if recompute else core(*args))
+        parts.append(checkpoint(core_fn, *args, use_reentrant=False) if recompute else core_fn(*args))
     return torch.cat(parts, dim=1)
 
 
@@ -111,10 +110,14 @@ def planning_for(device_type: str) -> Iterator[None]:
         _PLANNED_DEVICE.reset(token)
 
 
-def recompute_pays(keys: int, exact: bool, *inputs: torch.Tensor) -> bool:
-    """Whether attention over ``keys`` keys, recording gradients for ``inputs``, should be recomputed in
-    backward rather than keep its scores (see ``RECOMPUTE_FROM_KEYS``)."""
-    return keys > RECOMPUTE_FROM_KEYS[exact] and torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+def recompute_pays(keys: int, core: str, *inputs: torch.Tensor) -> bool:
+    """Whether attention over ``keys`` keys through ``core``, recording gradients for ``inputs``, should be
+    recomputed in backward rather than keep its scores (see ``RECOMPUTE_FROM_KEYS``; the ``fixed`` core keeps
+    no scores, so never)."""
+    if core == "fixed":
+        return False
+    return (keys > RECOMPUTE_FROM_KEYS[core == "float64"] and torch.is_grad_enabled()
+            and any(x.requires_grad for x in inputs))
 
 
 def _allowed(query_positions: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:

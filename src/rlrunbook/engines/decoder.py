@@ -13,25 +13,24 @@ at least two rows (a single row may take a different matrix-vector kernel that r
 
 Numerics (``Numerics``):
 
-- ``invariant`` (default): the model's dtype everywhere; for half-precision models (bf16, fp16) the
-  attention core in float64. On CPU this makes a token's logits bitwise equal between decoding and
-  the training pass (measured on SmolLM2-135M in bf16; see README "Numerics"). An fp32 model needs
-  no float64 core: its two passes differ by ~1e-6 whatever the kernels, far inside the 1e-4 gate,
-  because fp32 rounding steps are too small to cascade the way bf16's do.
-- ``exact``: also every matrix product and every RMSNorm's statistics accumulated in float64 and
-  rounded once to the model's dtype, so no kernel's summation order (which on CUDA follows the number
-  of rows and the shape) can matter on any device; slower (measured in the README).
-- ``native``: the model's dtype and PyTorch's SDPA, as transformers computes (the reference the
-  other two are measured against).
-
-Under ``invariant`` numerics a float32 model on CPU computes its products with frozen (base)
-weights through oneDNN (:mod:`rlrunbook.engines.products`; ``Numerics.cpu_products``), in the
-sampler and the trainer alike.
+- ``invariant`` (default): every sum that reaches a logprob in an order fixed by the code, in the
+  model's dtype with float32 accumulation (:mod:`rlrunbook.kernels`: the products with base weights and
+  LoRA factors, RMSNorm's statistics, the rotary tables, SiLU's exponential, the attention core, the
+  output layer and its log-sum-exp). A token's numbers then depend on its own tokens and the weights
+  only, whatever the batch, the layout of its keys, the thread count or the CPU's libraries: the
+  sampler's decode step and the trainer's pass agree bit for bit, on CPU and CUDA. Float64 models use
+  PyTorch's kernels (their rounding step is far below any gate).
+- ``exact``: every matrix product, RMSNorm statistic and the attention core accumulated in float64 and
+  rounded once to the model's dtype: a reference that needs no fixed order, at 8 bytes per weight and
+  float64 speed.
+- ``native``: the model's dtype and PyTorch's kernels (SDPA), as transformers computes (the reference
+  the other two are measured against).
 
 Projections that read the same input (q/k/v, gate/up) with frozen base weights run as one product over
-their stacked weights (:mod:`rlrunbook.engines.stacking`, bitwise the same numbers on CPU). Inside
-:meth:`Decoder.weights_fixed` (one sampling call) a float32 model on CPU also adds the LoRA updates of
-each group with stacked factors (:mod:`rlrunbook.engines.lora_groups`, equal to fp32 rounding).
+their stacked weights (:mod:`rlrunbook.engines.stacking`; each output column is the same sum, so the
+same bits). Inside :meth:`Decoder.weights_fixed` (one sampling call) a float32 model on CPU under
+``native`` numerics also adds the LoRA updates of each group with stacked factors
+(:mod:`rlrunbook.engines.lora_groups`, equal to fp32 rounding).
 
 Supported: the Llama, Qwen2, Qwen3 and Mistral families (RMSNorm, rotary positions with a static
 frequency table, grouped-query attention, gated MLP), plain or with peft LoRA adapters.
@@ -51,14 +50,15 @@ from torch.utils.checkpoint import checkpoint
 from rlrunbook.engines.float64_weights import float64_weights
 from rlrunbook.engines.lora_groups import GroupFactors, adapter_names, adapter_weights, add_group_updates, group_factors
 from rlrunbook.engines.pinned_adapter import PinnedAdapter
-from rlrunbook.engines.products import CPU_PRODUCTS, frozen_linear, onednn_applies
 from rlrunbook.engines.stacking import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
+from rlrunbook.kernels import ops as fixed
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NUMERICS = ("invariant", "exact", "native")
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FIXED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # computed by the fixed-order kernels
 
 
 def quantised_weights(model: torch.nn.Module) -> str | None:
@@ -106,28 +106,21 @@ class KeyValueLayout(Protocol):
     """Where each layer's keys and values go and which of them each flat token attends to."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               exact: bool) -> torch.Tensor:
-        """Store this layer's ``k``, ``v`` (``[N, Hkv, D]``) and attend with ``q`` (``[N, H, D]``) → ``[N, H*D]``."""
+               core: str) -> torch.Tensor:
+        """Store this layer's ``k``, ``v`` (``[N, Hkv, D]``) and attend with ``q`` (``[N, H, D]``) → ``[N, H*D]``
+        through attention ``core`` (see :func:`rlrunbook.engines.attention.attend`)."""
 
 
 @dataclass(frozen=True)
 class Numerics:
-    """How a forward pass rounds; see the module docstring.
-
-    ``cpu_products``: the library for float32 products with frozen weights on CPU under ``invariant``
-    numerics, ``onednn`` (default, where the torch build has it) or ``mkl`` (``F.linear``).
-    """
+    """How a forward pass rounds; see the module docstring."""
 
     name: str = "invariant"
-    cpu_products: str = "onednn"
 
     def __post_init__(self) -> None:
         if self.name not in NUMERICS:
             raise ConfigError(f"numerics {self.name!r} must be one of {NUMERICS} "
                               "(TINKER_LOCAL_NUMERICS; 'invariant' is the default).")
-        if self.cpu_products not in CPU_PRODUCTS:
-            raise ConfigError(f"cpu_products {self.cpu_products!r} must be one of {CPU_PRODUCTS} "
-                              "(TINKER_LOCAL_CPU_PRODUCTS; 'onednn' is the default).")
 
     @property
     def float64_matmuls(self) -> bool:
@@ -177,19 +170,26 @@ class Decoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.vocab_size = config.vocab_size
         self._float64 = float64_weights(model)  # one cache per model: the sampler's and the trainer's decoders share it
-        half = self.dtype in (torch.bfloat16, torch.float16)
-        self.exact_attention = self.numerics.name == "exact" or (self.numerics.name == "invariant" and half)
         weight = self.lm.model.embed_tokens.weight
-        # Grouped LoRA updates (inside weights_fixed): not under CUDA graphs (a replay would not see
-        # factors rebuilt for new weights), not in half precision (where the sampler's and the trainer's
-        # bits must agree exactly), not in float64.
+        # The fixed-order kernels: invariant numerics on a float32, bfloat16 or float16 model (CPU, CUDA, or the
+        # meta device of a memory plan).
+        self.fixed = self.numerics.name == "invariant" and weight.dtype in _FIXED_DTYPES
+        self.attention_core = "fixed" if self.fixed else "float64" if self.numerics.name == "exact" else "sdpa"
+        if self.fixed and getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"invariant numerics compute SiLU MLPs; this model's hidden_act is "
+                              f"{config.hidden_act!r}. Use TINKER_LOCAL_NUMERICS=native or exact.")
+        self._rope = None
+        if self.fixed:
+            rotary = self.lm.model.rotary_emb
+            self._rope = fixed.RopeTable(rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0))
+        # Grouped LoRA updates (inside weights_fixed): only where the sampler may round differently from the
+        # trainer (native numerics of a float32 CPU model); not under CUDA graphs (a replay would not see
+        # factors rebuilt for new weights).
         self.grouped_adapters = (weight.device.type == "cpu" and weight.dtype == torch.float32
-                                 and not self.numerics.float64_matmuls)
+                                 and self.numerics.name == "native")
         self._plans: dict[tuple[int, ...], tuple[int, _GroupPlan | None]] = {}  # per weights_fixed epoch
         self._epoch = 0
         self._fixed_depth = 0
-        self.onednn_products = onednn_applies(self.numerics.name, self.numerics.cpu_products, weight.device,
-                                              weight.dtype)
         # Where set (a sampling engine's call), LoRA factors and whether the adapter is on are read from these
         # engine-owned copies, not from the modules the trainer updates (engines/pinned_adapter.py).
         self.pinned: PinnedAdapter | None = None
@@ -215,26 +215,29 @@ class Decoder:
         """The float64 copy of a frozen base weight, made once per model (:mod:`rlrunbook.engines.float64_weights`)."""
         return self._float64.of(weight)
 
-    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` as these numerics compute it."""
-        if self.onednn_products and x.dim() == 2 and not (torch.is_grad_enabled() and (
-                weight.requires_grad or (bias is not None and bias.requires_grad))):
-            return frozen_linear(x, weight, bias)
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` as these numerics compute it (``out_dtype``: the result's dtype,
+        by default ``x``'s)."""
+        if self.fixed:
+            return fixed.linear(x, weight, bias, out_dtype)
         if not self.numerics.float64_matmuls:
-            return F.linear(x, weight, bias)
+            out = F.linear(x, weight, bias)
+            return out if out_dtype is None else out.to(out_dtype)
         weight = self._frozen_float64(weight) if not weight.requires_grad else weight.double()
         bias = None if bias is None else bias.double()
-        return F.linear(x.double(), weight, bias).to(x.dtype)
+        return F.linear(x.double(), weight, bias).to(out_dtype or x.dtype)
 
-    def linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` for an ``nn.Linear`` or a peft LoRA ``Linear`` (active adapters applied as peft does)."""
+    def linear(self, module: torch.nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``module(x)`` for an ``nn.Linear`` or a peft LoRA ``Linear`` (active adapters applied as peft does);
+        ``out_dtype``: the base product's result dtype (default ``x``'s)."""
         base = getattr(module, "base_layer", None)
         if base is None:
             if not isinstance(module, torch.nn.Linear):
                 raise ConfigError(f"{type(module).__name__} is not a linear layer this engine can run; "
                                   "use TINKER_LOCAL_SAMPLER=generate or vllm.")
-            return self._product(x, module.weight, module.bias)
-        return self._with_adapters(module, self.linear(base, x), x)
+            return self._product(x, module.weight, module.bias, out_dtype)
+        return self._with_adapters(module, self.linear(base, x, out_dtype), x)
 
     def linears(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
         """``[self.linear(m, x) for m in modules]`` for projections reading the same ``x``.
@@ -301,6 +304,9 @@ class Decoder:
             if self.numerics.float64_matmuls:
                 delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling
                 result = (result.double() + delta).to(result_dtype)
+            elif self.fixed:  # peft's order of operations, each product in fixed order
+                delta = fixed.linear(fixed.linear(x.to(a.dtype), a), b) * scaling
+                result = (result + delta).to(result_dtype)
             else:  # peft: x cast to the adapter's dtype, result + lora_B(lora_A(x)) * scaling, cast back
                 delta = F.linear(F.linear(x.to(a.dtype), a), b) * scaling
                 result = (result + delta).to(result_dtype)
@@ -315,6 +321,10 @@ class Decoder:
         reduction's thread layout follows the number of rows (a 2-row decode step and a 500-row training pass
         add a row's squares in different orders), which in float32 can move the rounded result by an ulp.
         """
+        if self.fixed:  # the mean of squares as a fixed-order sum, then the same elementwise steps
+            x32 = x.float()
+            mean = fixed.row_sumsq(x)[..., None] / x.shape[-1]
+            return norm.weight * (x32 * torch.rsqrt(mean + norm.variance_epsilon)).to(x.dtype)
         stats_dtype = torch.float64 if self.numerics.float64_matmuls else torch.promote_types(x.dtype, torch.float32)
         x32 = x.to(stats_dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
@@ -333,12 +343,13 @@ class Decoder:
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = layout.attend(index, q, k, v, attn.scaling, self.exact_attention)  # [N, H*D]
+        out = layout.attend(index, q, k, v, attn.scaling, self.attention_core)  # [N, H*D]
         return self.linears((attn.o_proj,), out)[0]
 
     def _mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linears((mlp.gate_proj, mlp.up_proj), x)
-        return self.linears((mlp.down_proj,), mlp.act_fn(gate) * up)[0]
+        act = fixed.silu(gate) if self.fixed else mlp.act_fn(gate)
+        return self.linears((mlp.down_proj,), act * up)[0]
 
     # -- the whole pass ---------------------------------------------------------------------------
     def _layer(self, index: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -358,8 +369,11 @@ class Decoder:
             return self.hidden(ids.repeat(2), positions.repeat(2), _FirstOfTwo(layout), recompute_layers)[:1]
         body = self.lm.model
         h = body.embed_tokens(ids)  # [N, E]
-        cos, sin = body.rotary_emb(h, positions[None])  # [1, N, D] each, in h's dtype
-        cos, sin = cos[0], sin[0]
+        if self._rope is not None:  # a table computed once per position: the same values in any batch
+            cos, sin = self._rope.lookup(positions, h.dtype)  # [N, D] each
+        else:
+            cos, sin = body.rotary_emb(h, positions[None])  # [1, N, D] each, in h's dtype
+            cos, sin = cos[0], sin[0]
         recompute = recompute_layers and torch.is_grad_enabled()
         for index, layer in enumerate(body.layers):
             if recompute:
@@ -369,9 +383,22 @@ class Decoder:
         return self._norm(body.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output-layer logits ``[M, V]`` of final hidden states ``[M, E]``, in float32 (float64 for a float64 model)."""
+        """Output-layer logits ``[M, V]`` of final hidden states ``[M, E]``, in float32 (float64 for a float64 model).
+
+        Under fixed numerics the products accumulate in float32 and are kept in float32 (not rounded to a
+        half-precision model's dtype first).
+        """
+        if self.fixed:
+            return self.linear(self.lm.lm_head, hidden, torch.float32).float()
         logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def log_softmax_at(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``log_softmax(logits, -1)`` at ``targets`` (float32 ``[M, V]`` logits, ``[M]`` targets) as these numerics
+        compute it: the fixed-order log-sum-exp under ``invariant``, PyTorch's otherwise."""
+        if self.fixed:
+            return fixed.log_softmax_at(logits, targets)
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 class _FirstOfTwo:
@@ -380,6 +407,6 @@ class _FirstOfTwo:
     def __init__(self, layout: KeyValueLayout):
         self.layout = layout
 
-    def attend(self, layer, q, k, v, scale, exact):
-        out = self.layout.attend(layer, q[:1], k[:1], v[:1], scale, exact)
+    def attend(self, layer, q, k, v, scale, core):
+        out = self.layout.attend(layer, q[:1], k[:1], v[:1], scale, core)
         return torch.cat([out, out])

@@ -332,7 +332,8 @@ class HFSamplingEngine(InProcessEngine):
         for step in range(request.max_tokens):
             running = [row for row in in_cache if row is not None and tracker.ends[row] is None]
             self._check_no_leak(logits, filters, step)
-            draw = draw_tokens(logits, filters, seeds[torch.tensor(running, device=device)], step)
+            draw = draw_tokens(logits, filters, seeds[torch.tensor(running, device=device)], step,
+                               self.decoder.log_softmax_at)
             tokens = draw.token.tolist()
             for row, lp, plp in zip(running, draw.sampled_logprob.tolist(), draw.policy_logprob.tolist(),
                                     strict=True):

@@ -127,24 +127,24 @@ class TreeLayout:
                       query_valid.flatten().nonzero().flatten().to(device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               exact: bool) -> torch.Tensor:
+               core: str) -> torch.Tensor:
         if self.store is not None:
             self.store.write(layer, self.new_slots, k, v)
             keys, values = self.store.keys[layer], self.store.values[layer]
         else:
             keys, values = k, v
         # Recomputing a batch in backward (gathers included) keeps only the flat q, k, v for it: O(tokens).
-        recompute = recompute_pays(self.longest_row, exact, q, keys, values)
-        parts = [checkpoint(_attend_batch, batch, q, keys, values, scale, exact, use_reentrant=False) if recompute
-                 else _attend_batch(batch, q, keys, values, scale, exact) for batch in self.batches]
+        recompute = recompute_pays(self.longest_row, core, q, keys, values)
+        parts = [checkpoint(_attend_batch, batch, q, keys, values, scale, core, use_reentrant=False) if recompute
+                 else _attend_batch(batch, q, keys, values, scale, core) for batch in self.batches]
         return take_rows(torch.cat(parts), self.order)  # each flat token's output, in flat order
 
 
 def _attend_batch(batch: _Batch, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                  exact: bool) -> torch.Tensor:
+                  core: str) -> torch.Tensor:
     """The outputs ``[n, H*D]`` of one batch's real queries, row-major."""
     out = attend(take_rows(q, batch.query_index), take_rows(keys, batch.key_index), take_rows(values, batch.key_index),
-                 batch.query_positions, batch.key_positions, batch.key_valid, scale, exact, recompute=False)
+                 batch.query_positions, batch.key_positions, batch.key_valid, scale, core, recompute=False)
     return take_rows(out.flatten(0, 1), batch.query_rows)
 
 
@@ -202,13 +202,13 @@ class RowCache:
         return self.keys[0].shape[1]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               exact: bool) -> torch.Tensor:
+               core: str) -> torch.Tensor:
         keys, values = self.keys[layer], self.values[layer]
         keys[self.row_index, self.lengths] = k
         values[self.row_index, self.lengths] = v
         window = self.window
         out = attend(q[:, None], keys[:, :window], values[:, :window], self.lengths[:, None],
-                     self._columns[:, :window], self._all_valid[:, :window], scale, exact)
+                     self._columns[:, :window], self._all_valid[:, :window], scale, core)
         return out[:, 0]
 
     def reset(self) -> None:

@@ -97,8 +97,7 @@ class SharedPrefixScorer:
     def _head(self, h: torch.Tensor, targets: torch.Tensor, filters: SamplingFilters | None,
               with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.decoder.logits(h)  # [m, V] float32
-        picked = targets[:, None]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, picked).squeeze(-1)
+        logprobs = self.decoder.log_softmax_at(logits, targets)  # the sampler's own expression
         empty = logprobs.new_zeros(0)
         sampled = empty
         if filters is not None and not filters.greedy and filters.temperature == 1.0 and not filters.filters_tokens:
@@ -106,6 +105,6 @@ class SharedPrefixScorer:
         elif filters is not None:
             with torch.no_grad():
                 transformed = logits.detach() if filters.greedy else apply_filters(logits.detach(), filters)
-                sampled = torch.log_softmax(transformed, dim=-1).gather(-1, picked).squeeze(-1)
+                sampled = self.decoder.log_softmax_at(transformed, targets)
         entropy = token_entropy(logits) if with_entropy else empty
         return logprobs, sampled, entropy

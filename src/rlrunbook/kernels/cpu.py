@@ -1,0 +1,215 @@
+"""The fixed-order CPU kernels on tensors (no autograd): shapes checked, storage types mapped, threads passed.
+
+Every function takes float32 or bfloat16 CPU tensors (2-D matrices may be row-strided views; their
+last dimension must be contiguous) and computes with PyTorch's intra-op thread count. The orders are
+those of ``fixed_order.c``: ``lanes16`` for :func:`gemm_nt`, :func:`row_sumsq` and :func:`row_logsumexp`,
+``sequential`` for :func:`gemm_seq` (see :mod:`rlrunbook.kernels`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch.autograd.profiler import record_function
+
+from rlrunbook.kernels.build import KernelBuildError, load_library
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _code(t: torch.Tensor, what: str) -> int:
+    code = _CODES.get(t.dtype)
+    if code is None or t.device.type != "cpu":
+        raise TypeError(f"{what}: a float32 or bfloat16 CPU tensor is needed, got {t.dtype} on {t.device}")
+    return code
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix whose rows are contiguous (a copy only where they are not)."""
+    return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _profiled(function):
+    """``function``, seen by ``torch.profiler`` as an event ``rlrunbook::<name>`` while a profiler runs."""
+    name = f"rlrunbook::{function.__name__}"
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if not torch.autograd._profiler_enabled():
+            return function(*args, **kwargs)
+        with record_function(name):
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _check(status: int, name: str) -> None:
+    if status:
+        raise MemoryError(f"the fixed-order kernel {name} could not allocate its scratch memory")
+
+
+@_profiled
+def gemm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T (+ bias)``: ``a`` ``[M, K]``, ``b`` ``[N, K]`` -> ``[M, N]``; each sum over k in lanes16 order."""
+    a, b = _rows(a), _rows(b)
+    (m, k), n = a.shape, b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"gemm_nt: a is {tuple(a.shape)} and b is {tuple(b.shape)}")
+    out = torch.empty(m, n, dtype=out_dtype)
+    if m and n:
+        bias32 = None if bias is None else bias.detach().float().contiguous()
+        _check(load_library().gemm_nt(_ptr(a), _code(a, "a"), a.stride(0), _ptr(b), _code(b, "b"), b.stride(0),
+                                      _ptr(bias32), _ptr(out), _code(out, "out"), n, m, n, k, _threads()), "gemm_nt")
+    return out
+
+
+@_profiled
+def gemm_seq(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+             a_transposed: bool = False) -> torch.Tensor:
+    """``a @ b (+ bias)`` with each sum over k in increasing k: ``a`` ``[M, K]`` (or, with ``a_transposed``,
+    ``[K, M]`` standing for its transpose), ``b`` ``[K, N]`` -> ``[M, N]``."""
+    a, b = _rows(a), _rows(b)
+    m, k = (a.shape[1], a.shape[0]) if a_transposed else a.shape
+    n = b.shape[1]
+    if b.shape[0] != k:
+        raise ValueError(f"gemm_seq: a is {tuple(a.shape)} (transposed: {a_transposed}) and b is {tuple(b.shape)}")
+    out = torch.empty(m, n, dtype=out_dtype)
+    if m and n:
+        if k == 0:
+            return out.zero_() if bias is None else out.copy_(bias.float().expand(m, n))
+        sam, sak = (1, a.stride(0)) if a_transposed else (a.stride(0), 1)
+        bias32 = None if bias is None else bias.detach().float().contiguous()
+        _check(load_library().gemm_seq(_ptr(a), _code(a, "a"), sam, sak, _ptr(b), _code(b, "b"), b.stride(0),
+                                       _ptr(bias32), _ptr(out), _code(out, "out"), n, m, n, k, _threads()),
+               "gemm_seq")
+    return out
+
+
+@_profiled
+def row_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """``(x ** 2).sum(-1)`` in float32 for ``[M, E]`` ``x``, lanes16 order."""
+    x = _rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    if x.shape[0]:
+        load_library().row_sumsq(_ptr(x), _code(x, "x"), x.stride(0), x.shape[0], x.shape[1], _ptr(out), _threads())
+    return out
+
+
+@_profiled
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(x, -1)`` of float32 ``[M, V]`` ``x``: the max, then a lanes16 sum of ``exp(x - max)``."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"row_logsumexp takes float32, got {x.dtype}")
+    x = _rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    if x.shape[0]:
+        load_library().row_logsumexp(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(out), _threads())
+    return out
+
+
+def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name} takes float32, got {x.dtype}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        getattr(load_library(), name)(_ptr(x), _ptr(out), x.numel(), _threads())
+    return out
+
+
+@_profiled
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` elementwise (float32), the same bits wherever an element sits."""
+    return _elementwise("exp_f32", x)
+
+
+@_profiled
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` elementwise (float32), the same bits wherever an element sits."""
+    return _elementwise("sigmoid_f32", x)
+
+
+@_profiled
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` ``[P, F]`` (float32) of ``float32(position * inv_freq)``, each from libm in double."""
+    positions = positions.to(torch.int64).contiguous()
+    inv_freq = inv_freq.detach().float().contiguous()
+    cos = torch.empty(positions.numel(), inv_freq.numel())
+    sin = torch.empty_like(cos)
+    if cos.numel():
+        load_library().rope_table(_ptr(positions), positions.numel(), _ptr(inv_freq), inv_freq.numel(), _ptr(cos),
+                                  _ptr(sin))
+    return cos, sin
+
+
+def _attention_layout(q, k, v, query_positions, key_positions, key_valid):
+    rows, queries, heads, dim = q.shape
+    keys, kv_heads = k.shape[1], k.shape[2]
+    if heads % kv_heads or v.shape != k.shape or k.shape[0] != rows or k.shape[3] != dim:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise TypeError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    q = q if q[0].is_contiguous() else q.contiguous()
+    k = k if k[0].is_contiguous() else k.contiguous()
+    v = v if v.stride() == k.stride() else v.contiguous()
+    if v.stride() != k.stride():
+        k, v = k.contiguous(), v.contiguous()
+    query_positions = query_positions.to(torch.int64).contiguous()
+    pos_rows = key_positions.shape[0]
+    key_positions = key_positions.to(torch.int64).expand(pos_rows, keys).contiguous()
+    key_valid = key_valid.to(torch.uint8).expand(pos_rows, keys).contiguous()
+    return q, k, v, query_positions, key_positions, key_valid, pos_rows
+
+
+@_profiled
+def attention_forward(q, k, v, query_positions, key_positions, key_valid, scale: float):
+    """``(out, lse)``: ``out`` ``[R, T, H, D]`` in q's dtype, ``lse`` ``[R, T, H]`` float32 (see fixed_order.c)."""
+    q, k, v, qpos, kpos, kvalid, pos_rows = _attention_layout(q, k, v, query_positions, key_positions, key_valid)
+    rows, queries, heads, dim = q.shape
+    keys, kv_heads = k.shape[1], k.shape[2]
+    out = torch.empty(rows, queries, heads, dim, dtype=q.dtype)
+    lse = torch.empty(rows, queries, heads, dtype=torch.float32)
+    if out.numel():
+        _check(load_library().attention_fwd(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(qpos), _ptr(kpos), _ptr(kvalid), _ptr(out), _ptr(lse), rows, queries,
+            keys, heads, kv_heads, dim, q.stride(0), k.stride(0), pos_rows, _code(q, "q"), _code(k, "k"), scale,
+            _threads()), "attention_fwd")
+    return out, lse
+
+
+@_profiled
+def attention_backward(q, k, v, query_positions, key_positions, key_valid, out, grad_out, lse, scale: float):
+    """``(dq, dk, dv)`` of :func:`attention_forward`, each contiguous in its input's shape and dtype."""
+    q, k, v, qpos, kpos, kvalid, pos_rows = _attention_layout(q, k, v, query_positions, key_positions, key_valid)
+    rows, queries, heads, dim = q.shape
+    keys, kv_heads = k.shape[1], k.shape[2]
+    out = out.contiguous() if out.stride() != q.stride() else out
+    grad_out = grad_out.to(q.dtype)
+    grad_out = grad_out.contiguous() if grad_out.stride() != q.stride() else grad_out
+    if out.stride() != q.stride() or grad_out.stride() != q.stride():
+        q, out, grad_out = q.contiguous(), out.contiguous(), grad_out.contiguous()
+    dq = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype)
+    dk = torch.empty(rows, keys, kv_heads, dim, dtype=k.dtype)
+    dv = torch.empty_like(dk)
+    if dq.numel() and dk.numel():
+        _check(load_library().attention_bwd(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(qpos), _ptr(kpos), _ptr(kvalid), _ptr(out), _ptr(grad_out),
+            _ptr(lse.contiguous()), _ptr(dq), _ptr(dk), _ptr(dv), rows, queries, keys, heads, kv_heads, dim,
+            q.stride(0), k.stride(0), pos_rows, _code(q, "q"), _code(k, "k"), scale, _threads()), "attention_bwd")
+    else:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    return dq, dk, dv
+
+
+__all__ = ["KernelBuildError", "attention_backward", "attention_forward", "exp", "gemm_nt", "gemm_seq", "row_logsumexp",
+           "row_sumsq", "rope_table", "sigmoid"]

@@ -1,0 +1,242 @@
+"""The fixed-order operations with autograd, dispatched by device: C kernels on CPU, Triton kernels on CUDA.
+
+Forward values follow the orders stated in :mod:`rlrunbook.kernels`; gradients are computed by
+kernels of the same family (every sum in an order fixed by the code, no atomics), so a backward pass
+is also the same from run to run and at any thread count, though a gradient summed over rows naturally
+depends on which rows the batch holds. On the meta device (memory plans) each operation only
+allocates what it returns and keeps for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SMALL_K = 64  # products reducing over at most this many terms (LoRA's second factor) use the sequential order
+
+
+def _backend(device: torch.device):
+    if device.type == "cpu":
+        from rlrunbook.kernels import cpu
+
+        return cpu
+    if device.type == "cuda":
+        from rlrunbook.kernels import gpu
+
+        return gpu
+    raise TypeError(f"the fixed-order kernels run on CPU and CUDA, not on {device}")
+
+
+def _meta(*tensors: torch.Tensor) -> bool:
+    return any(t is not None and t.device.type == "meta" for t in tensors)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``x`` ``[M, K]``, ``weight`` ``[N, K]``) without autograd, in the forward order:
+    sequential over k for ``K <= SMALL_K``, else lanes16 (float32) or pairs16 (two bfloat16 inputs)."""
+    backend = _backend(x.device)
+    if weight.shape[1] <= SMALL_K:
+        return backend.gemm_seq(x, weight.t().contiguous(), bias, out_dtype)
+    return backend.gemm_nt(x, weight, bias, out_dtype)
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad.T @ x`` (``[N, K]``), sequential over the rows, oriented so the smaller side is gathered."""
+    backend = _backend(x.device)
+    n, k = grad.shape[1], x.shape[1]
+    if n <= k:
+        return backend.gemm_seq(grad, x, None, dtype, a_transposed=True)
+    return backend.gemm_seq(x, grad, None, dtype, a_transposed=True).t().contiguous()
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_dtype):
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.has_bias = bias is not None
+        if _meta(x, weight):
+            return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+        return product(x, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx = dw = dbias = None
+        meta = _meta(grad, weight)
+        if grad.dtype != weight.dtype and weight.dtype != torch.float32:
+            # A half-precision product whose result was kept in float32 (the output layer): its gradient in the
+            # weight's dtype, as autograd would round it through a half-precision result converted to float32.
+            grad = grad.to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            shape = (grad.shape[0], weight.shape[1])
+            dx = (grad.new_empty(shape, dtype=weight.dtype) if meta
+                  else _backend(grad.device).gemm_seq(grad.contiguous(), weight, None, weight.dtype))
+        if ctx.needs_input_grad[1]:
+            dw = weight.new_empty(weight.shape) if meta else _weight_gradient(grad.contiguous(), x, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = grad.float().sum(0)
+        return dx, dw, dbias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[..., K]`` in fixed order; the result in ``out_dtype``
+    (default: ``x``'s dtype). Inputs of two different dtypes are computed in float32."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.dtype != weight.dtype:
+        flat, weight = flat.float(), weight.float()
+    out = _Linear.apply(flat, weight, bias, out_dtype or x.dtype)
+    return out.view(*lead, weight.shape[0])
+
+
+class _RowSumSq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        if _meta(x):
+            return x.new_empty(x.shape[0], dtype=torch.float32)
+        return _backend(x.device).row_sumsq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return (2.0 * grad[:, None] * x.float()).to(x.dtype)
+
+
+def row_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """``(x.float() ** 2).sum(-1)`` of ``[..., E]`` ``x`` in lanes16 order: float32 ``[...]``."""
+    flat = x.reshape(-1, x.shape[-1])
+    return _RowSumSq.apply(flat).view(x.shape[:-1])
+
+
+class _RowLogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        if _meta(x):
+            out = x.new_empty(x.shape[0])
+        else:
+            out = _backend(x.device).row_logsumexp(x)
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        if _meta(x):
+            return torch.empty_like(x)
+        return grad[:, None] * _backend(x.device).exp(x - lse[:, None])
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, -1)`` of float32 ``[..., V]`` ``x``: the max, then ``exp(x - max)`` summed in lanes16
+    order (a row of ``-inf`` gives ``-inf``)."""
+    flat = x.float().reshape(-1, x.shape[-1])
+    return _RowLogSumExp.apply(flat).view(x.shape[:-1])
+
+
+def log_softmax_at(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits, -1)`` at ``targets`` (``[...]`` indices of ``[..., V]`` float32 logits)."""
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - row_logsumexp(logits)
+
+
+class _Sigmoid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.empty_like(x) if _meta(x) else _backend(x.device).sigmoid(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y * (1.0 - y)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` computed in float32 (sigmoid from the kernels' exp), rounded once to ``x``'s dtype."""
+    x32 = x.float()
+    return (x32 * _Sigmoid.apply(x32.contiguous())).to(x.dtype)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp`` of a float32 tensor, no autograd: the same bits for an element wherever it sits."""
+    return torch.empty_like(x) if _meta(x) else _backend(x.device).exp(x)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, query_positions, key_positions, key_valid, scale):
+        if _meta(q, k, v):
+            out = q.new_empty(q.shape)
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        else:
+            out, lse = _backend(q.device).attention_forward(q, k, v, query_positions, key_positions, key_valid, scale)
+        ctx.save_for_backward(q, k, v, query_positions, key_positions, key_valid, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, query_positions, key_positions, key_valid, out, lse = ctx.saved_tensors
+        if _meta(q, k, v):
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None, None
+        dq, dk, dv = _backend(q.device).attention_backward(q, k, v, query_positions, key_positions, key_valid, out,
+                                                            grad, lse, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
+              key_positions: torch.Tensor, key_valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked softmax attention ``[R, T, H, D]`` (see :func:`rlrunbook.engines.attention.attend` for the layout);
+    each query reads its allowed keys in increasing index: scores sequential over ``D``, the normaliser in
+    lanes16 order, the weighted values sequential over the keys. Keeps ``q``, ``k``, ``v``, the output and
+    one float32 per query and head for backward: no ``[T, S]`` tensor."""
+    return _Attention.apply(q, k, v, query_positions, key_positions, key_valid, scale)
+
+
+class RopeTable:
+    """``cos`` and ``sin`` of every position's rotary angles, computed once per position by libm (or the GPU's
+    own functions) and looked up afterwards, so a position's values never depend on the batch.
+
+    ``inv_freq`` ``[D / 2]`` and ``attention_scaling`` are the model's rotary embedding's; the table grows in
+    blocks of 1,024 positions as longer sequences arrive.
+    """
+
+    BLOCK = 1024
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
+        self.inv_freq = inv_freq.detach().float()
+        self.scaling = float(attention_scaling)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cos = self._sin = torch.empty(0, self.inv_freq.numel())
+
+    def _grow(self, positions: int) -> None:
+        have = self._cos.shape[0]
+        if positions <= have:
+            return
+        size = (positions + self.BLOCK - 1) // self.BLOCK * self.BLOCK
+        from rlrunbook.kernels import cpu
+
+        cos, sin = cpu.rope_table(torch.arange(have, size), self.inv_freq.cpu())
+        self._cos, self._sin = torch.cat([self._cos, cos]), torch.cat([self._sin, sin])
+        self._tables.clear()
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[N, D]`` for ``[N]`` positions, as transformers' rotary embedding lays them out
+        (the ``D / 2`` frequencies twice), scaled by ``attention_scaling`` and rounded to ``dtype``."""
+        if positions.device.type == "meta":
+            shape = (positions.shape[0], 2 * self.inv_freq.numel())
+            return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+        if positions.numel():
+            self._grow(int(positions.max()) + 1)
+        key = (positions.device, dtype)
+        table = self._tables.get(key)
+        if table is None:
+            tables = []
+            for half in (self._cos, self._sin):
+                full = torch.cat([half, half], dim=-1)
+                full = full * self.scaling if self.scaling != 1.0 else full
+                tables.append(full.to(device=positions.device, dtype=dtype))
+            table = self._tables[key] = (tables[0], tables[1])
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
