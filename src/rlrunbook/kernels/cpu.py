@@ -2,8 +2,9 @@
 
 Every function takes float32 or bfloat16 CPU tensors (2-D matrices may be row-strided views; their
 last dimension must be contiguous) and computes with PyTorch's intra-op thread count. The orders are
-those of ``fixed_order.c``: ``lanes16`` for :func:`gemm_nt`, :func:`row_sumsq` and :func:`row_logsumexp`,
-``sequential`` for :func:`gemm_seq` (see :mod:`rlrunbook.kernels`).
+those of ``fixed_order.c``: ``lanes16`` (``pairs16`` for two bfloat16 inputs) for :func:`gemm_nt` and
+:func:`row_sumsq`, ``lanes64`` for :func:`row_logsumexp`, ``sequential`` for :func:`gemm_seq` (see
+:mod:`rlrunbook.kernels`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _check(status: int, name: str) -> None:
 
 @_profiled
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b.T (+ bias)``: ``a`` ``[M, K]``, ``b`` ``[N, K]`` -> ``[M, N]``; each sum over k in lanes16 order."""
+    """``a @ b.T (+ bias)``: ``a`` ``[M, K]``, ``b`` ``[N, K]`` -> ``[M, N]``; each sum over k in lanes16 order
+    (pairs16 when both are bfloat16)."""
     a, b = _rows(a), _rows(b)
     (m, k), n = a.shape, b.shape[0]
     if b.shape[1] != k:
@@ -107,7 +109,7 @@ def row_sumsq(x: torch.Tensor) -> torch.Tensor:
 
 @_profiled
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """``logsumexp(x, -1)`` of float32 ``[M, V]`` ``x``: the max, then a lanes16 sum of ``exp(x - max)``."""
+    """``logsumexp(x, -1)`` of float32 ``[M, V]`` ``x``: the max, then a lanes64 sum of ``exp(x - max)``."""
     if x.dtype != torch.float32:
         raise TypeError(f"row_logsumexp takes float32, got {x.dtype}")
     x = _rows(x)

@@ -9,9 +9,11 @@
  * tail loop with other arithmetic.
  *
  * The orders:
- *   lanes16 (gemm_nt, row_sumsq, row_logsumexp, attention's normaliser): lane j in 0..15 accumulates
- *     the terms at indices i = j (mod 16) in increasing i; the lanes are then added by a fixed tree:
+ *   lanes16 (gemm_nt, row_sumsq, attention's normaliser): lane j in 0..15 accumulates the terms at
+ *     indices i = j (mod 16) in increasing i; the lanes are then added by a fixed tree:
  *     s_j = l_j + l_{j+8} (j < 8), t_j = s_j + s_{j+4} (j < 4), u_j = t_j + t_{j+2} (j < 2), u_0 + u_1.
+ *   lanes64 (row_logsumexp, over a vocabulary): 64 lanes as above, mod 64; lane j is added to lane j + 32,
+ *     then j to j + 16 (j < 16), then the lanes16 tree.
  *   sequential (gemm_seq, attention's scores, weighted values and gradients): one accumulator, the terms
  *     in increasing index.
  * A product term is accumulated with a fused multiply-add where the compiler targets a CPU that has one
@@ -541,7 +543,7 @@ void row_sumsq(const void *X, int tx, int64_t ldx, int64_t M, int64_t E, float *
   }
 }
 
-/* out[m] = log sum_v exp(X[m, v]): max, then lanes16 sum of exp(x - max), then max + log(sum).
+/* out[m] = log sum_v exp(X[m, v]): max, then lanes64 sum of exp(x - max), then max + log(sum).
  * A row of -inf gives -inf; a row with a NaN gives NaN. */
 void row_logsumexp(const float *X, int64_t ldx, int64_t M, int64_t V, float *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(M, nthreads))
@@ -561,7 +563,7 @@ void row_logsumexp(const float *X, int64_t ldx, int64_t M, int64_t V, float *out
       out[m] = mx;
       continue;
     }
-    v16 acc = {0};
+    v16 acc[4] = {{0}, {0}, {0}, {0}}; /* lanes64: lane j takes v = j (mod 64) */
     for (int64_t v = 0; v < V; v += 16) {
       int n = (int)(V - v < 16 ? V - v : 16);
       v16 xv = load16(x, v, F32, n);
@@ -571,9 +573,9 @@ void row_logsumexp(const float *X, int64_t ldx, int64_t M, int64_t V, float *out
         for (int j = 0; j < 16; j++) keep[j] = j < n ? -1 : 0;
         e = select16(keep, e, splat(0.0f));
       }
-      acc += e;
+      acc[(v >> 4) & 3] += e;
     }
-    out[m] = mx + logf(tree16(acc));
+    out[m] = mx + logf(tree16((acc[0] + acc[2]) + (acc[1] + acc[3])));
   }
 }
 

@@ -128,7 +128,7 @@ class _RowLogSumExp(torch.autograd.Function):
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(x, -1)`` of float32 ``[..., V]`` ``x``: the max, then ``exp(x - max)`` summed in lanes16
+    """``torch.logsumexp(x, -1)`` of float32 ``[..., V]`` ``x``: the max, then ``exp(x - max)`` summed in lanes64
     order (a row of ``-inf`` gives ``-inf``)."""
     flat = x.float().reshape(-1, x.shape[-1])
     return _RowLogSumExp.apply(flat).view(x.shape[:-1])

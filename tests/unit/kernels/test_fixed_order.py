@@ -1,0 +1,234 @@
+"""The fixed-order CPU kernels compute the sums their docstrings state, in exactly that order.
+
+Each order is re-implemented here in numpy, one float32 addition at a time, on inputs whose products are
+exact in float32 (values with at most 8 significant bits, as bfloat16 numbers have): a fused multiply-add
+and a multiply-then-add then give the same bits, so the reference is exact and the kernels must equal it
+bit for bit. A kernel that summed in any other order (a library's GEMM, a split of the sum across threads,
+another lane count) would differ in the last bits of some outputs: the last test shows that for the
+library's own kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlrunbook.kernels import cpu, ops
+
+
+def _bf16_valued(*shape, seed: int, spread: float = 3.0) -> torch.Tensor:
+    """float32 values that bfloat16 represents exactly, spread over several binades (so order matters)."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(*shape, generator=generator) * torch.exp2(torch.randint(-4, 4, shape, generator=generator)
+                                                                  * spread / 4)
+    return values.bfloat16().float()
+
+
+def _tree16(lanes: np.ndarray) -> np.float32:
+    s = [np.float32(lanes[j] + lanes[j + 8]) for j in range(8)]
+    t = [np.float32(s[j] + s[j + 4]) for j in range(4)]
+    u = [np.float32(t[j] + t[j + 2]) for j in range(2)]
+    return np.float32(u[0] + u[1])
+
+
+def lanes16(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """lanes16: lane j adds the terms at k = j (mod 16) in increasing k; then the fixed tree."""
+    lanes = np.zeros(16, dtype=np.float32)
+    for k in range(len(a)):
+        lanes[k % 16] = np.float32(lanes[k % 16] + np.float32(a[k] * b[k]))
+    return _tree16(lanes)
+
+
+def pairs16(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """pairs16: in each block of 32 k, lane j adds the term at 2j + 1, then the one at 2j; then the fixed tree."""
+    lanes = np.zeros(16, dtype=np.float32)
+    for block in range(0, len(a), 32):
+        for j in range(16):
+            for k in (block + 2 * j + 1, block + 2 * j):
+                if k < len(a):
+                    lanes[j] = np.float32(lanes[j] + np.float32(a[k] * b[k]))
+    return _tree16(lanes)
+
+
+def sequential(a: np.ndarray, b: np.ndarray) -> np.float32:
+    total = np.float32(0.0)
+    for k in range(len(a)):
+        total = np.float32(total + np.float32(a[k] * b[k]))
+    return total
+
+
+def _reference(order, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xs, ws = x.numpy(), w.numpy()
+    return torch.tensor([[order(xs[m], ws[n]) for n in range(ws.shape[0])] for m in range(xs.shape[0])])
+
+
+@pytest.mark.parametrize("k", [1, 15, 16, 33, 100, 577])
+def test_gemm_nt_float32_is_the_lanes16_sum(k):
+    x, w = _bf16_valued(5, k, seed=k), _bf16_valued(7, k, seed=k + 1)
+    assert torch.equal(cpu.gemm_nt(x, w, None, torch.float32), _reference(lanes16, x, w))
+
+
+@pytest.mark.parametrize("k", [1, 31, 32, 33, 100, 577])
+def test_gemm_nt_bfloat16_is_the_pairs16_sum(k):
+    x, w = _bf16_valued(5, k, seed=k), _bf16_valued(7, k, seed=k + 1)
+    out = cpu.gemm_nt(x.bfloat16(), w.bfloat16(), None, torch.float32)
+    assert torch.equal(out, _reference(pairs16, x, w))
+
+
+@pytest.mark.parametrize("k", [1, 17, 64, 300])
+def test_gemm_seq_float32_is_the_sequential_sum(k):
+    x, w = _bf16_valued(5, k, seed=k), _bf16_valued(40, k, seed=k + 1)
+    expected = _reference(sequential, x, w)
+    assert torch.equal(cpu.gemm_seq(x, w.t().contiguous(), None, torch.float32), expected)
+    # the transposed form of A gives the same sums (as for a weight gradient)
+    assert torch.equal(cpu.gemm_seq(x.t().contiguous(), w.t().contiguous(), None, torch.float32, a_transposed=True),
+                       expected)
+
+
+def test_bias_is_added_once_after_the_sum_and_the_result_rounded_once():
+    x, w = _bf16_valued(3, 70, seed=1), _bf16_valued(4, 70, seed=2)
+    bias = torch.randn(4)
+    expected = (_reference(lanes16, x, w) + bias).bfloat16()
+    assert torch.equal(cpu.gemm_nt(x, w, bias, torch.bfloat16), expected)
+
+
+def test_row_sumsq_is_the_lanes16_sum_of_squares():
+    x = _bf16_valued(6, 577, seed=3)
+    expected = torch.tensor([lanes16(row, row) for row in x.numpy()])
+    assert torch.equal(cpu.row_sumsq(x), expected)
+    assert torch.equal(cpu.row_sumsq(x.bfloat16()), expected)
+
+
+def test_a_rows_result_depends_on_that_row_only():
+    """Every row alone, in any subset of rows and at any position gives the same bits (products, bf16 and fp32)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(37, 576).to(dtype), torch.randn(200, 576).to(dtype)
+        whole = cpu.gemm_nt(x, w, None, dtype)
+        seq = cpu.gemm_seq(x, w.t().contiguous(), None, dtype)
+        for rows in ([5], [36, 0], list(range(3, 20)), list(range(36, -1, -3))):
+            assert torch.equal(cpu.gemm_nt(x[rows], w, None, dtype), whole[rows])
+            assert torch.equal(cpu.gemm_seq(x[rows], w.t().contiguous(), None, dtype), seq[rows])
+
+
+def test_thread_count_does_not_change_a_bit():
+    x, w = torch.randn(50, 1536), torch.randn(300, 1536)
+    q, k, v = torch.randn(3, 20, 6, 64), torch.randn(3, 20, 2, 64), torch.randn(3, 20, 2, 64)
+    positions = torch.arange(20)[None].repeat(3, 1)
+    valid = torch.ones(3, 20, dtype=torch.bool)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in sorted({1, 2, threads}):
+            torch.set_num_threads(count)
+            results.append((cpu.gemm_nt(x, w, None, torch.float32), cpu.gemm_seq(x, w.t().contiguous(), None,
+                                                                                 torch.float32),
+                            cpu.row_logsumexp(x), cpu.attention_forward(q, k, v, positions, positions, valid, 0.1)[0]))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+def test_exp_is_within_two_ulp_and_the_same_for_an_element_anywhere():
+    x = torch.linspace(-103, 88.7, 200_003)
+    got, exact = cpu.exp(x).double(), torch.exp(x.double())
+    ulp = torch.exp2(torch.floor(torch.log2(exact.clamp(min=2.0 ** -126)) - 23))
+    assert ((got - exact).abs() <= 2 * ulp).all()
+    special = cpu.exp(torch.tensor([-float("inf"), float("nan"), 0.0, -104.0, 89.0]))
+    assert special[0] == 0 and special[1].isnan() and special[2] == 1 and special[3] == 0 and special[4].isinf()
+    for offset in (1, 5, 15):  # where an element falls in the vectors (and the tail) changes nothing
+        assert torch.equal(cpu.exp(x[offset:]), cpu.exp(x)[offset:])
+    # (PyTorch's own silu differs with the offset on this kind of CPU: its vector and scalar tails round apart)
+
+
+def test_row_logsumexp_is_the_lanes64_sum_of_the_kernels_exp():
+    x = torch.randn(3, 1000) * 4
+    x[1, ::3] = -float("inf")  # a filtered row (top-k, top-p)
+    for row, got in zip(x, cpu.row_logsumexp(x), strict=True):
+        terms = cpu.exp(row - row.max()).numpy()
+        lanes = np.zeros(64, dtype=np.float32)
+        for v, term in enumerate(terms):
+            lanes[v % 64] = np.float32(lanes[v % 64] + term)
+        lanes = lanes[:32] + lanes[32:]
+        lanes = lanes[:16] + lanes[16:]
+        expected = np.float32(row.max().item()) + np.log(np.float64(_tree16(lanes)))  # libm's log may round apart
+        assert abs(got.item() - expected) <= np.spacing(np.float32(expected))
+
+
+def test_row_logsumexp_matches_float64_and_handles_masked_rows():
+    x = torch.randn(7, 49152) * 4
+    x[3, ::2] = -float("inf")  # a filtered row (top-k, top-p)
+    got = cpu.row_logsumexp(x)
+    assert torch.allclose(got.double(), torch.logsumexp(x.double(), -1), rtol=0, atol=3e-6)
+    assert cpu.row_logsumexp(torch.full((1, 9), -float("inf")))[0] == -float("inf")
+    assert cpu.row_logsumexp(torch.tensor([[0.0, float("nan")]]))[0].isnan()
+
+
+def test_rope_table_is_the_float32_angle_through_libm():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    positions = torch.tensor([0, 1, 7, 1000, 32767])
+    cos, sin = cpu.rope_table(positions, inv_freq)
+    angle = (positions[:, None].float() * inv_freq[None]).double()  # float32 product, as transformers computes it
+    assert torch.equal(cos, torch.cos(angle).float()) and torch.equal(sin, torch.sin(angle).float())
+
+
+def _reference_attention(q, k, v, query_positions, key_positions, key_valid, scale):
+    groups = q.shape[2] // k.shape[2]
+    keys, values = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("rthd,rshd->rhts", q, keys) * scale
+    allowed = key_valid[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
+    weights = torch.softmax(scores.masked_fill(~allowed[:, None], -float("inf")), -1).nan_to_num(0.0)
+    return torch.einsum("rhts,rshd->rthd", weights, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_and_its_gradients_match_float64(dtype):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 5, 6, 64, generator=generator).to(dtype)
+    k, v = (torch.randn(3, 9, 2, 64, generator=generator).to(dtype) for _ in range(2))
+    query_positions = torch.tensor([[0, 1, 2, 3, 4], [2, 3, 4, 5, -1], [8, 7, 6, 5, 4]])
+    key_positions = torch.arange(9)[None].repeat(3, 1)
+    key_valid = torch.ones(3, 9, dtype=torch.bool)
+    key_valid[1, 0] = False
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ops.attention(*mine, query_positions, key_positions, key_valid, 0.125)
+    grad = torch.randn(out.shape, generator=generator).to(dtype)
+    out.backward(grad)
+    reference = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = _reference_attention(*reference, query_positions, key_positions, key_valid, 0.125)
+    expected.backward(grad.double())
+    tolerance = 2e-6 if dtype == torch.float32 else 3e-2
+    assert (out.double() - expected).abs().max() <= tolerance
+    for got, want in zip(mine, reference, strict=True):
+        assert (got.grad.double() - want.grad).abs().max() <= tolerance
+    assert torch.equal(out[1, 4], torch.zeros_like(out[1, 4]))  # the padding query
+
+
+def test_a_query_reads_its_keys_in_order_whatever_else_the_batch_holds():
+    """One query alone, beside other rows, and with its keys spread out by invalid (padding) keys: the same bits."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 6, 4, 64, generator=generator).bfloat16()
+    k, v = (torch.randn(4, 12, 2, 64, generator=generator).bfloat16() for _ in range(2))
+    positions = torch.arange(12)[None].repeat(4, 1)
+    valid = torch.ones(4, 12, dtype=torch.bool)
+    batch = ops.attention(q, k, v, positions[:, 6:], positions, valid, 0.1)
+    alone = ops.attention(q[2:3, 3:4], k[2:3, :10], v[2:3, :10], positions[2:3, 9:10], positions[:1, :10],
+                          valid[:1, :10], 0.1)
+    assert torch.equal(alone[0, 0], batch[2, 3])
+    # the same keys with padding slots between them (a layout that interleaves another row's slots)
+    padded_k = torch.zeros(1, 24, 2, 64, dtype=torch.bfloat16)
+    padded_v = torch.zeros_like(padded_k)
+    padded_k[0, ::2], padded_v[0, ::2] = k[2], v[2]
+    padded_positions = torch.arange(24)[None] // 2
+    padded_valid = (torch.arange(24) % 2 == 0)[None]
+    spread = ops.attention(q[2:3, 3:4], padded_k, padded_v, positions[2:3, 9:10], padded_positions, padded_valid, 0.1)
+    assert torch.equal(spread[0, 0], batch[2, 3])
+
+
+def test_the_librarys_product_is_not_the_fixed_order():
+    """The control: on the same exact inputs the library's GEMM (MKL) rounds differently from lanes16 somewhere,
+    so the tests above can tell the fixed order from a library kernel."""
+    x, w = _bf16_valued(16, 577, seed=5), _bf16_valued(64, 577, seed=6)
+    assert not torch.equal(F.linear(x, w), cpu.gemm_nt(x, w, None, torch.float32))
