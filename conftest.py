@@ -15,6 +15,9 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``, or ``pytest --hypothesis-profile NA
 
 An input that once failed becomes an explicit ``@example`` on its property, so it runs in every profile.
 
+Triton: on a machine without CUDA, ``TRITON_INTERPRET=1`` is set before anything imports triton, so the CUDA kernels
+of the default numerics run interpreted on CPU (``tests/unit/kernels/test_triton_kernels.py``).
+
 Data (``rlrunbook.testing.data``): no test reaches the Hugging Face hub for data, nor reads a data set cached from
 it on this machine (``datasets`` offline with an empty cache; models offline unless ``HF_HUB_OFFLINE`` says
 otherwise); a test marked ``data`` reads the project's real data sets where they are
@@ -30,7 +33,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rlrunbook.testing import data as data_requirement
+import torch
+
+# Without CUDA the Triton kernels of the default numerics can only run interpreted (tests/unit/kernels): the knob must
+# be set before triton is imported, because its own library functions (tl.sum, ...) are compiled at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rlrunbook.testing import data as data_requirement  # noqa: E402
 
 # The session's scratch: an empty data root for the tests not marked `data`, an empty cache for `datasets`. The
 # hub's variables are set before anything imports huggingface_hub or datasets, which read them once.

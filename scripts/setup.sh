@@ -4,6 +4,7 @@
 # The venv sees the system site-packages, so a CUDA torch that is already installed
 # system-wide (GPU servers, GH200 images) is used and never replaced by a CPU wheel.
 # Only where no torch is importable at all does it install torch==2.13.0.
+# On Linux with a CPU-only torch it also installs the `triton` extra (the CUDA kernels, run interpreted by the tests).
 # Idempotent: a second run only re-checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,13 @@ if "$py" -c "import torch" 2>/dev/null; then
 else
   echo "[setup] no torch found: installing torch==2.13.0"
   "${pip[@]}" "torch==2.13.0"
+fi
+
+# A CPU-only torch on Linux: add the `triton` extra, so the tests run the CUDA kernels of the default numerics
+# interpreted (a CUDA build of torch brings its own triton).
+if [ -z "${RLRUNBOOK_EXTRAS:-}" ] && [ "$(uname -s)" = Linux ] && "$py" -c "import torch, sys
+sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null; then
+  case "$(uname -m)" in x86_64 | aarch64) extras="$extras,triton" ;; esac
 fi
 
 stamp="$venv/.rlrunbook-installed"

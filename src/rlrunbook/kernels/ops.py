@@ -196,8 +196,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions
 
 
 class RopeTable:
-    """``cos`` and ``sin`` of every position's rotary angles, computed once per position by libm (or the GPU's
-    own functions) and looked up afterwards, so a position's values never depend on the batch.
+    """``cos`` and ``sin`` of every position's rotary angles, on CPU computed once per position by libm and looked
+    up afterwards (PyTorch's vectorised ``cos`` rounds a position apart from its scalar tail), so a position's
+    values never depend on the batch.
 
     ``inv_freq`` ``[D / 2]`` and ``attention_scaling`` are the model's rotary embedding's; the table grows in
     blocks of 1,024 positions as longer sequences arrive.
@@ -224,10 +225,17 @@ class RopeTable:
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[N, D]`` for ``[N]`` positions, as transformers' rotary embedding lays them out
-        (the ``D / 2`` frequencies twice), scaled by ``attention_scaling`` and rounded to ``dtype``."""
+        (the ``D / 2`` frequencies twice), scaled by ``attention_scaling`` and rounded to ``dtype``.
+
+        On CUDA they are computed on the spot by PyTorch's ``cos`` and ``sin`` (every element by the same function
+        wherever it sits, and no host synchronisation, so a captured CUDA graph can hold it)."""
         if positions.device.type == "meta":
             shape = (positions.shape[0], 2 * self.inv_freq.numel())
             return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+        if positions.device.type == "cuda":
+            angle = positions.float()[:, None] * self.inv_freq.to(positions.device)[None]
+            halves = [torch.cat([f, f], dim=-1) for f in (torch.cos(angle), torch.sin(angle))]
+            return tuple((h * self.scaling if self.scaling != 1.0 else h).to(dtype) for h in halves)
         if positions.numel():
             self._grow(int(positions.max()) + 1)
         key = (positions.device, dtype)
