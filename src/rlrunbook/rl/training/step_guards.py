@@ -89,7 +89,7 @@ def check_mismatch(step: int, fb_metrics: Mapping[str, float], settings, tempera
             f"{'' if scale == 1 else f' (= {settings.max} / T)'}; "
             f"{'the optimizer step had already been applied' if applied else 'the weights are unchanged'}. "
             "Their numerics differ: run `rlrunbook check-logprobs` with this run's settings, use "
-            "TINKER_LOCAL_NUMERICS=exact (bitwise on any device) or fp32, or correct for it with "
+            "the default TINKER_LOCAL_NUMERICS=invariant (bitwise by construction), or correct for it with "
             "mismatch.correction=truncate and a higher mismatch.max.")
     if value > settings.warn * scale:
         log(f"[warn] step {step}: sampler-trainer mismatch {value:.4f} nats/token is above mismatch.warn "

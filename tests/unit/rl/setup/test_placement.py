@@ -62,21 +62,14 @@ def test_a_4bit_base_with_the_in_process_sampler_is_refused_before_loading():
     assert LocalSettings(device="cpu", load_in_4bit=True, sampler="generate").load_in_4bit
 
 
-@pytest.mark.parametrize(("stated", "env", "warned"), [
-    (BackendSettings(device="cuda"), {}, True),  # bf16 by default on CUDA
-    (BackendSettings(device="cuda", dtype="float16"), {}, True),
-    (BackendSettings(device="cuda"), {"TINKER_LOCAL_NUMERICS": "exact"}, False),
-    (BackendSettings(device="cuda", dtype="float32"), {}, False),
-    (BackendSettings(device="cpu", dtype="bfloat16"), {}, False),  # bitwise on CPU
-    (BackendSettings(), {"TINKER_LOCAL_DEVICE": "cuda:1"}, True),
+@pytest.mark.parametrize(("stated", "env", "expected"), [
+    (BackendSettings(device="cuda"), {}, "invariant (default); fixed-order Triton kernels"),
+    (BackendSettings(device="cuda", dtype="float16"), {}, "invariant (default); fixed-order Triton kernels"),
+    (BackendSettings(device="cpu", dtype="bfloat16"), {}, "invariant (default); fixed-order C kernels"),
+    (BackendSettings(), {"TINKER_LOCAL_DEVICE": "cuda:1"}, "invariant (default); fixed-order Triton kernels"),
+    (BackendSettings(device="cuda"), {"TINKER_LOCAL_NUMERICS": "exact"}, "exact (TINKER_LOCAL_NUMERICS); float64"),
+    (BackendSettings(device="cpu"), {"TINKER_LOCAL_NUMERICS": "native"}, "native (TINKER_LOCAL_NUMERICS); PyTorch's"),
 ])
-def test_invariant_numerics_in_half_precision_on_cuda_names_the_setting_that_holds_there(stated, env, warned):
+def test_the_numerics_line_names_the_kernels_that_compute_them(stated, env, expected):
     line = placement(stated, env)[-1]
-    assert line.startswith("numerics: ")
-    assert ("TINKER_LOCAL_NUMERICS=exact" in line) is warned
-
-
-def test_the_numerics_line_says_where_the_setting_came_from():
-    assert placement(BackendSettings(device="cpu"), {})[-1] == "numerics: invariant (default)"
-    assert placement(BackendSettings(device="cpu"), {"TINKER_LOCAL_NUMERICS": "exact"})[-1] == (
-        "numerics: exact (TINKER_LOCAL_NUMERICS)")
+    assert line.startswith(f"numerics: {expected}"), line
