@@ -36,6 +36,7 @@ PARTS=(
   "bench|6|the benchmarks: decode, sampling, batching, training, RL step, peer against TRL where installed"
   "debate|3|the runbook's mini debate RS->GRPO at full shape (-n 64, 4 groups, 10 steps) and its rubric"
   "scale|8|one step of the h100-rlvr shape (1.5B config, random weights): peak memory vs the plan, phases, decode ms/step, MFU"
+  "invariance|4|scripts/invariance_check.py on smollm2-135m bf16: batch compositions bitwise, sampler vs trainer, default vs native time"
 )
 ARCHIVE_LIMIT_BYTES=$((15 * 1024 * 1024))
 
@@ -63,7 +64,7 @@ list_parts() {
   local entry
   for entry in "${PARTS[@]}"; do
     IFS='|' read -r name minutes what <<<"$entry"
-    printf '%-8s %3s min  %s\n' "$name" "$minutes" "$what"
+    printf '%-10s %3s min  %s\n' "$name" "$minutes" "$what"
   done
 }
 
@@ -122,6 +123,10 @@ part_debate() {
   step mini-debate gated "$py" -m rlrunbook train --mode debate --env summary --dataset cnn_dailymail \
     --reward-fn compression -n 64 --num-groups 4 -s 10 --mock-judge --debate-train rs_grpo \
     --debate-grpo-reward task --name mini_debate_rs_grpo_summary --log-root "$work/logs"
+}
+
+part_invariance() {
+  step invariance gated "$py" scripts/invariance_check.py --device cuda --dtype bfloat16 --json "$work/invariance.json"
 }
 
 part_scale() {  # GPU_CHECK_SCALE_ARGS: more arguments, e.g. "--device-memory 80GiB" to plan an H100 on a larger card

@@ -164,8 +164,21 @@ def _scale(work: Path) -> list[str]:
     return [*lines, *(f"plan: {line}" for line in r.get("plan", []))]
 
 
+def _invariance(work: Path) -> list[str]:
+    path = work / "invariance.json"
+    if not path.exists():
+        return ["invariance: no invariance.json (scripts/invariance_check.py did not finish)"]
+    r = json.loads(path.read_text())
+    lines = [f"{name}: {'bitwise equal' if same else 'DIFFERENT'} to one batch" for name, same in r["equal"].items()]
+    lines += [f"sampler vs trainer {label}: max |d| {p['max']:.3g}, mean {p['mean']:.3g} over {p['tokens']} tokens"
+              for label, p in r.get("parity", {}).items()]
+    lines += [f"{what}: default {statistics.median(f['invariant']):.4g} s, native {statistics.median(f['native']):.4g} s"
+              f" (x{f['ratio']:.2f})" for what, f in r.get("seconds", {}).items()]
+    return [f"- {line}" for line in lines]
+
+
 RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _checks, "bench": _bench,
-                                                     "debate": _debate, "scale": _scale}
+                                                     "debate": _debate, "scale": _scale, "invariance": _invariance}
 
 
 def section(part: str, work: Path, status: int, planned: float, seconds: float, dry_run: bool,

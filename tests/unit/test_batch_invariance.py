@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,7 @@ def test_any_batch_composition_gives_every_sequence_its_own_logprobs(scorer, alo
             assert got == alone[index], f"sequence {index} in a batch of {len(batch)}"
 
 
-def test_the_thread_count_changes_no_bit(scorer, alone):
+def test_the_thread_count_and_the_cpu_libraries_change_no_bit(scorer, alone):
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
@@ -97,6 +98,10 @@ def test_the_thread_count_changes_no_bit(scorer, alone):
             assert logprobs(scorer, SEQUENCES) == alone, f"{count} thread(s)"
     finally:
         torch.set_num_threads(threads)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # torch 2.13, not relevant
+        with torch.backends.mkldnn.flags(enabled=False):
+            assert logprobs(scorer, SEQUENCES) == alone, "oneDNN off"
 
 
 # Ops a pass may run besides the fixed-order kernels: no reduction and no transcendental function, so no library

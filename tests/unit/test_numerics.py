@@ -1,11 +1,11 @@
 """Sampler-trainer agreement in bf16 on CPU: the mechanism, its gates, and what happens without it.
 
 The sampler's cached one-token decode and the trainer's full pass run the same forward
-(``rlrunbook.engines.decoder``); with the default ``invariant`` numerics (float64 attention core,
-matrix products of at least two rows) they agree bit for bit on this CPU, and ``exact`` numerics
-(float64 matrix products too) make that independent of the kernels. ``native`` numerics are
-transformers' own (SDPA in bf16): the configuration the gates must catch. Measured on SmolLM2-135M,
-16 samples x 128 tokens: native mean 0.036 / max 0.27 (T = 1), invariant 0 / 0.
+(``rlrunbook.engines.decoder``); with the default ``invariant`` numerics every sum on the way to a logprob
+is added in an order the fixed-order kernels fix (``rlrunbook.kernels``), so the two agree bit for bit,
+and ``exact`` numerics (float64 sums) agree as well. ``native`` numerics are transformers' own (SDPA in
+bf16, the BLAS): the configuration the gates must catch. Measured on SmolLM2-135M, 16 samples x 128
+tokens: native mean 0.036 / max 0.27 (T = 1), invariant 0 / 0.
 """
 
 from __future__ import annotations

@@ -116,9 +116,8 @@ class LocalSettings:
         max_batch_rows: most sequences per generate call (``TINKER_LOCAL_MAX_BATCH_ROWS``, 256).
         batch_window_ms: how long a sampling call the worker is about to start waits for more requests of the same
             client and settings to join its batch (``TINKER_LOCAL_BATCH_WINDOW_MS``, 2; ``rlrunbook serve``: 20,
-            as requests sent at once arrive over HTTP a few milliseconds apart). It changes no result where a row's
-            numbers do not depend on its batch: on CPU, and with ``exact`` numerics on CUDA (with ``invariant`` in
-            bf16 on an H200, batched and one-by-one requests sampled different tokens).
+            as requests sent at once arrive over HTTP a few milliseconds apart). It changes no result: under the default
+            numerics (and ``exact``) a row's numbers do not depend on its batch.
         zero_advantage_batches: what ``forward_backward`` does with an advantage-based loss on a batch
             whose advantages are all 0 (``TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES``): ``error`` (default,
             NoLearningSignalError: a silent no-op step is a bug in this project's loop) or ``accept``

@@ -2,14 +2,14 @@
 
 The sampler's cached one-token decode steps and the trainer's full-sequence pass call the same
 functions on the same modules of the (possibly LoRA-wrapped) transformers model, so the two can
-only differ where a kernel does: the attention core (made order-independent in
-:mod:`rlrunbook.engines.attention`) and, under ``exact`` numerics, the matrix products.
+only differ where a kernel's order of summation does; the default numerics leave no such kernel (below).
 
 Tokens are laid out flat (``[N]`` ids with their ``[N]`` positions): the projections, norms and MLP
 see every token as one row of one matrix, and attention is left to a :class:`KeyValueLayout`, which
 knows which earlier tokens each token may read: a shared prompt computed once (prefix sharing), a
-per-row KV cache (decoding), or a pool of cached prefixes. Every row-wise operation is computed with
-at least two rows (a single row may take a different matrix-vector kernel that rounds differently).
+per-row KV cache (decoding), or a pool of cached prefixes. Under ``exact`` and ``native`` numerics every
+row-wise operation is computed with at least two rows (a single row may take a different matrix-vector
+kernel that rounds differently).
 
 Numerics (``Numerics``):
 
@@ -323,7 +323,7 @@ class Decoder:
         """
         if self.fixed:  # the mean of squares as a fixed-order sum, then the same elementwise steps
             x32 = x.float()
-            mean = fixed.row_sumsq(x)[..., None] / x.shape[-1]
+            mean = fixed.row_sumsq(x32)[..., None] / x.shape[-1]
             return norm.weight * (x32 * torch.rsqrt(mean + norm.variance_epsilon)).to(x.dtype)
         stats_dtype = torch.float64 if self.numerics.float64_matmuls else torch.promote_types(x.dtype, torch.float32)
         x32 = x.to(stats_dtype)
@@ -365,7 +365,7 @@ class Decoder:
         backward pass and recomputes the rest there (activation checkpointing): the pass then holds
         ``layers x N x E`` values instead of every layer's activations, for one more forward in backward.
         """
-        if ids.shape[0] == 1:  # one token: compute it as two identical rows (see _at_least_two_rows)
+        if ids.shape[0] == 1 and not self.fixed:  # one token: as two identical rows (see _at_least_two_rows)
             return self.hidden(ids.repeat(2), positions.repeat(2), _FirstOfTwo(layout), recompute_layers)[:1]
         body = self.lm.model
         h = body.embed_tokens(ids)  # [N, E]

@@ -72,9 +72,9 @@ def _missing_compiler() -> KernelBuildError:
         "then agree only within the parity gates).")
 
 
-def _compile(compiler: str, folder: Path) -> None:
+def _compile(compiler: str, folder: Path, flag_sets=FLAG_SETS) -> None:
     errors = []
-    for extra in FLAG_SETS:
+    for extra in flag_sets:
         command = [compiler, *BASE_FLAGS, *extra, str(SOURCE), "-o", str(folder / LIBRARY_NAME), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if result.returncode == 0:
@@ -108,6 +108,18 @@ def load_library() -> ctypes.CDLL:
     except OSError as error:
         raise KernelBuildError(f"loading the fixed-order CPU kernels from {folder} failed ({error}); remove that "
                                "folder to rebuild them.") from None
+    _declare(library)
+    return library
+
+
+def load_variant(folder: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernels compiled with ``flags`` in place of ``-march=native`` into ``folder`` (not cached): another
+    CPU's build, run on this one, to show that the results do not depend on the vector width."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise _missing_compiler()
+    _compile(compiler, folder, (flags,))
+    library = ctypes.CDLL(str(folder / LIBRARY_NAME))
     _declare(library)
     return library
 

@@ -28,8 +28,15 @@ def _code(t: torch.Tensor, what: str) -> int:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a matrix whose rows are contiguous (a copy only where they are not)."""
+    """``t`` as a matrix whose rows are contiguous (a copy only where they are not); float16, which the kernels do
+    not read, as float32 (exact)."""
+    t = t.float() if t.dtype == torch.float16 else t
     return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+
+
+def _stored(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel writes for a result wanted in ``out_dtype`` (float16 is rounded from float32 after)."""
+    return torch.float32 if out_dtype == torch.float16 else out_dtype
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
@@ -67,6 +74,8 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dty
     (m, k), n = a.shape, b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"gemm_nt: a is {tuple(a.shape)} and b is {tuple(b.shape)}")
+    if out_dtype != _stored(out_dtype):
+        return gemm_nt(a, b, bias, _stored(out_dtype)).to(out_dtype)
     out = torch.empty(m, n, dtype=out_dtype)
     if m and n:
         bias32 = None if bias is None else bias.detach().float().contiguous()
@@ -85,6 +94,8 @@ def gemm_seq(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dt
     n = b.shape[1]
     if b.shape[0] != k:
         raise ValueError(f"gemm_seq: a is {tuple(a.shape)} (transposed: {a_transposed}) and b is {tuple(b.shape)}")
+    if out_dtype != _stored(out_dtype):
+        return gemm_seq(a, b, bias, _stored(out_dtype), a_transposed).to(out_dtype)
     out = torch.empty(m, n, dtype=out_dtype)
     if m and n:
         if k == 0:
@@ -176,6 +187,9 @@ def _attention_layout(q, k, v, query_positions, key_positions, key_valid):
 @_profiled
 def attention_forward(q, k, v, query_positions, key_positions, key_valid, scale: float):
     """``(out, lse)``: ``out`` ``[R, T, H, D]`` in q's dtype, ``lse`` ``[R, T, H]`` float32 (see fixed_order.c)."""
+    if q.dtype == torch.float16:  # computed from the exact float32 values, rounded back
+        out, lse = attention_forward(q.float(), k.float(), v.float(), query_positions, key_positions, key_valid, scale)
+        return out.half(), lse
     q, k, v, qpos, kpos, kvalid, pos_rows = _attention_layout(q, k, v, query_positions, key_positions, key_valid)
     rows, queries, heads, dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
@@ -192,6 +206,10 @@ def attention_forward(q, k, v, query_positions, key_positions, key_valid, scale:
 @_profiled
 def attention_backward(q, k, v, query_positions, key_positions, key_valid, out, grad_out, lse, scale: float):
     """``(dq, dk, dv)`` of :func:`attention_forward`, each contiguous in its input's shape and dtype."""
+    if q.dtype == torch.float16:
+        grads = attention_backward(q.float(), k.float(), v.float(), query_positions, key_positions, key_valid,
+                                   out.float(), grad_out.float(), lse, scale)
+        return tuple(g.half() for g in grads)
     q, k, v, qpos, kpos, kvalid, pos_rows = _attention_layout(q, k, v, query_positions, key_positions, key_valid)
     rows, queries, heads, dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]

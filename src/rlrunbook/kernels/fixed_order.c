@@ -208,8 +208,13 @@ static inline v16 tree16x16(const v16 acc[16]) {
  * instruction itself computes each step; elsewhere the same two additions in float32. Other dtype pairs
  * are converted to float32 first. */
 
+#if defined(__AVX512F__) /* a micro-tile's 16-lane accumulators must fit the vector registers (32 on AVX-512) */
 #define NT_ROWS 4
 #define NT_COLS 4
+#else
+#define NT_ROWS 2
+#define NT_COLS 3
+#endif
 #define NT_PANEL 64 /* B rows per work item */
 
 typedef struct {
@@ -217,6 +222,16 @@ typedef struct {
   int64_t lda, ldb, K;
   int rows, cols;
 } nt_args;
+
+/* out[i] = tree16(acc[i]) for a micro-tile's accumulators (16 at once where the tile has 16) */
+static inline void reduce_tile(const v16 acc[NT_ROWS * NT_COLS], float out[NT_ROWS * NT_COLS]) {
+#if NT_ROWS * NT_COLS == 16
+  v16 sums = tree16x16(acc);
+  memcpy(out, &sums, 64);
+#else
+  for (int i = 0; i < NT_ROWS * NT_COLS; i++) out[i] = tree16(acc[i]);
+#endif
+}
 
 static void nt_tile_f32(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
   v16 acc[NT_ROWS * NT_COLS];
@@ -239,8 +254,7 @@ static void nt_tile_f32(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
     for (int i = 0; i < NT_ROWS; i++)
       for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] += av[i] * bv[j];
   }
-  v16 sums = tree16x16(acc);
-  memcpy(out, &sums, 64);
+  reduce_tile(acc, out);
 }
 
 /* 32 bf16 values from p (the first n of them; the rest 0) as 16 words: element 2j in the low half of word j */
@@ -302,8 +316,7 @@ static void nt_tile_bf16(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
     for (int i = 0; i < NT_ROWS; i++)
       for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] = pair_step(acc[i * NT_COLS + j], av[i], bv[j]);
   }
-  v16 sums = tree16x16(acc);
-  memcpy(out, &sums, 64);
+  reduce_tile(acc, out);
 }
 
 int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias, void *C,
@@ -339,7 +352,7 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
       for (int64_t n = n0; n < n1; n += NT_COLS) {
         nt_args t = {(const char *)a + m * la * esize, (const char *)b + n * lb * esize, la, lb, K,
                      (int)(m1 - m < NT_ROWS ? m1 - m : NT_ROWS), (int)(n1 - n < NT_COLS ? n1 - n : NT_COLS)};
-        float out[NT_ROWS * NT_COLS];
+        float out[16];
         if (pairs) nt_tile_bf16(&t, out);
         else nt_tile_f32(&t, out);
         for (int i = 0; i < t.rows; i++) {

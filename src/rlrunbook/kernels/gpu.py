@@ -43,7 +43,9 @@ def _block_dot(a, b, acc, INTERPRETED: tl.constexpr):
     ``tl.sum`` (a fixed order for the block's shape)."""
     if INTERPRETED:
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    return tl.dot(a, b, acc, input_precision="ieee")
+    if a.dtype == tl.float32:  # full-precision products, not TF32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit(do_not_specialize=["M", "N", "K"])

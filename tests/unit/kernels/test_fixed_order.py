@@ -232,3 +232,48 @@ def test_the_librarys_product_is_not_the_fixed_order():
     so the tests above can tell the fixed order from a library kernel."""
     x, w = _bf16_valued(16, 577, seed=5), _bf16_valued(64, 577, seed=6)
     assert not torch.equal(F.linear(x, w), cpu.gemm_nt(x, w, None, torch.float32))
+
+
+def test_float16_is_computed_from_its_exact_float32_values():
+    """The C kernels read float32 and bfloat16; a float16 model's tensors are widened exactly and rounded back once."""
+    x, w = _bf16_valued(5, 100, seed=7).half(), _bf16_valued(6, 100, seed=8).half()
+    assert torch.equal(ops.linear(x, w), cpu.gemm_nt(x.float(), w.float(), None, torch.float32).half())
+    q = torch.randn(1, 4, 2, 64).half()
+    k = torch.randn(1, 4, 1, 64).half()
+    positions, valid = torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool)
+    out = ops.attention(q, k, k, positions, positions, valid, 0.1)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, ops.attention(q.float(), k.float(), k.float(), positions, positions, valid, 0.1).half())
+
+
+def _x86_features() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "avx512f"} <= _x86_features(),
+                    reason="needs an x86 CPU with AVX-512, to run an AVX2 build beside this machine's own")
+def test_the_vector_width_changes_no_bit(tmp_path):
+    """The orders are stated per element, not per register: the kernels built for AVX2 (8-lane registers, no bf16
+    instruction) give the same bits as this machine's AVX-512 build (16 lanes, VDPBF16PS where it has it)."""
+    import ctypes
+
+    from rlrunbook.kernels import build
+
+    other = build.load_variant(tmp_path, ("-march=x86-64-v3", "-fopenmp"))
+    generator = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(37, 577, generator=generator).to(dtype)
+        b = torch.randn(70, 577, generator=generator).to(dtype)
+        code = 0 if dtype == torch.float32 else 1
+        out = torch.empty(37, 70)
+        other.gemm_nt(ctypes.c_void_p(a.data_ptr()), code, 577, ctypes.c_void_p(b.data_ptr()), code, 577, None,
+                      ctypes.c_void_p(out.data_ptr()), 0, 70, 37, 70, 577, 2)
+        assert torch.equal(out, cpu.gemm_nt(a, b, None, torch.float32)), dtype
+    x = torch.randn(3, 1000, generator=generator) * 4
+    lse = torch.empty(3)
+    other.row_logsumexp(ctypes.c_void_p(x.data_ptr()), 1000, 3, 1000, ctypes.c_void_p(lse.data_ptr()), 2)
+    assert torch.equal(lse, cpu.row_logsumexp(x))

@@ -1,0 +1,65 @@
+"""Compile every CUDA kernel of rlrunbook.kernels.gpu for a GPU architecture, on any machine (Triton ships ptxas).
+
+    python tests/unit/kernels/compile_cuda.py 90   # H100, H200
+    python tests/unit/kernels/compile_cuda.py 80   # A100
+
+Prints one line per kernel and dtype: its name, whether it uses the tensor cores, and its shared memory in bytes.
+Run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from rlrunbook.kernels import gpu
+
+HEAD_DIM = 128  # the larger of the built-in shapes (Qwen2.5-1.5B; SmolLM2 has 64)
+
+
+def kernels(dtype: str):
+    ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    attention = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "qpos_ptr": "*i64",
+                 "kpos_ptr": "*i64", "kvalid_ptr": "*i8"}
+    blocks = {"D": "constexpr", "DP": "constexpr", "BT": "constexpr", "BS": "constexpr", "F32DOT": "constexpr"}
+    shape = {"D": HEAD_DIM, "DP": HEAD_DIM, "F32DOT": False}
+    yield gpu._matmul_kernel, {
+        "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "bias_ptr": "*fp32", "c_ptr": f"*{dtype}",
+        **ints("M", "N", "K", "sam", "sak", "sbk", "sbn", "scm", "scn"), "HAS_BIAS": "constexpr", "BM": "constexpr",
+        "BN": "constexpr", "BK": "constexpr", "F32DOT": "constexpr"}, {
+        "HAS_BIAS": True, "BM": gpu.BLOCK_M, "BN": gpu.BLOCK_N, "BK": gpu.BLOCK_K, "F32DOT": False}
+    yield gpu._row_sumsq_kernel, {"x_ptr": f"*{dtype}", "out_ptr": "*fp32", "E": "i32", "sx": "i32",
+                                  "BLOCK": "constexpr"}, {"BLOCK": gpu.ROW_BLOCK}
+    yield gpu._row_logsumexp_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32", "sx": "i32",
+                                      "BLOCK": "constexpr"}, {"BLOCK": gpu.ROW_BLOCK}
+    yield gpu._attention_fwd_kernel, {
+        **attention, "out_ptr": f"*{dtype}", "lse_ptr": "*fp32",
+        **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r"), "scale": "fp32", **blocks}, {
+        **shape, "BT": gpu.ATTN_BLOCK_T, "BS": gpu.ATTN_BLOCK_S}
+    gradients = {"do_ptr": f"*{dtype}", "delta_ptr": "*fp32", "lse_ptr": "*fp32"}
+    yield gpu._attention_dkdv_kernel, {
+        **attention, **gradients, "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
+        **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r", "sdk_r", "sdk_s"), "scale": "fp32", **blocks}, {
+        **shape, "BT": gpu.BWD_BLOCK_T, "BS": gpu.BWD_BLOCK_S}
+    yield gpu._attention_dq_kernel, {
+        **attention, **gradients, "dq_ptr": f"*{dtype}",
+        **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r"), "scale": "fp32", **blocks}, {
+        **shape, "BT": gpu.BWD_BLOCK_T, "BS": gpu.BWD_BLOCK_S}
+
+
+def main(arch: int) -> None:
+    target = GPUTarget("cuda", arch, 32)
+    for dtype in ("bf16", "fp32"):
+        for fn, signature, constexprs in kernels(dtype):
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
+                                      options={"num_warps": gpu.NUM_WARPS})
+            ptx = compiled.asm["ptx"]
+            tensor_cores = "mma" in ptx
+            print(f"{fn.__name__} {dtype} tensor_cores={tensor_cores} shared={compiled.metadata.shared}", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
