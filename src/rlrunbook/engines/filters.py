@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.kernels import ops as fixed
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,15 @@ class SamplingFilters:
         return self.top_k != -1 or self.top_p < 1 or self.min_p > 0
 
 
+def _probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """``softmax(scores, -1)`` of float32 scores as ``exp(scores - logsumexp(scores))`` by the fixed-order kernels
+    (:mod:`rlrunbook.kernels`): a row's probabilities, and so which tokens a filter keeps, do not depend on its
+    batch."""
+    shape = scores.shape
+    flat = scores.reshape(-1, shape[-1]).float()
+    return fixed.exp(flat - fixed.row_logsumexp(flat)[:, None]).view(shape)
+
+
 def apply_filters(logits: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:
     """Scores of the sampling distribution: ``logits / T`` with removed tokens set to ``-inf``.
 
@@ -62,13 +72,13 @@ def apply_filters(logits: torch.Tensor, filters: SamplingFilters) -> torch.Tenso
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if filters.top_p < 1:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # ascending mass
+        cumulative = _probabilities(sorted_scores).cumsum(dim=-1)  # ascending mass, summed in order
         remove_sorted = cumulative <= (1 - filters.top_p)
         remove_sorted[..., -1:] = False  # the most likely token always stays
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     if filters.min_p > 0:
-        probs = scores.softmax(dim=-1)
+        probs = _probabilities(scores)
         threshold = filters.min_p * probs.amax(dim=-1, keepdim=True)
         remove = probs < threshold
         remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
