@@ -5,8 +5,8 @@ number of rows, so on a GPU a row's sums follow the batch. Here every tile size 
 by shape: a product sums its ``k`` in blocks of ``BLOCK_K`` in increasing order, each block by one tensor-core
 instruction sequence (whose internal order is the hardware's, the same for every output element), into a
 float32 accumulator; a row reduction runs in one program per row over blocks of ``BLOCK`` in increasing order,
-its lanes added by the compiler's fixed tree; attention walks a query's keys in blocks of ``ATTN_BLOCK_S``
-from key 0 (a block the query may not read changes nothing: its weights are exactly 0 and its rescaling
+its lanes added by the compiler's fixed tree; attention walks a query's keys in blocks of a size fixed per dtype
+(``ATTN_BLOCKS``) from key 0 (a block the query may not read changes nothing: its weights are exactly 0 and its rescaling
 factor exactly 1). No atomics; the sizes that vary (rows, queries, keys) are not specialised on. Elementwise
 functions (exp, sigmoid, cos) are PyTorch's: on CUDA each element is computed by the same function
 wherever it sits.
@@ -25,8 +25,10 @@ import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 ROW_BLOCK = 1024
-ATTN_BLOCK_T, ATTN_BLOCK_S = 32, 64
-BWD_BLOCK_T, BWD_BLOCK_S = 32, 32
+# Attention blocks (queries, keys) by dtype: float32 tiles are twice the bytes, and a block's shared memory must fit
+# the smaller GPUs too (99 KB per block on sm_86 and sm_89) at head size 128.
+ATTN_BLOCKS = {"forward": {torch.bfloat16: (32, 64), torch.float16: (32, 64), torch.float32: (32, 32)},
+               "backward": {torch.bfloat16: (32, 32), torch.float16: (32, 32), torch.float32: (16, 32)}}
 NUM_WARPS = 4
 
 
@@ -222,11 +224,12 @@ def attention_forward(q, k, v, query_positions, key_positions, key_valid, scale:
     out = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, queries, heads, dtype=torch.float32, device=q.device)
     if out.numel():
-        grid = (rows, heads, triton.cdiv(queries, ATTN_BLOCK_T))
+        block_t, block_s = ATTN_BLOCKS["forward"][q.dtype]
+        grid = (rows, heads, triton.cdiv(queries, block_t))
         _attention_fwd_kernel[grid](q, k, v, qpos, kpos, kvalid, out, lse, queries, k.shape[1], heads,
                                     heads // k.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                    pos_stride, scale, D=dim, DP=triton.next_power_of_2(dim), BT=ATTN_BLOCK_T,
-                                    BS=ATTN_BLOCK_S, F32DOT=_interpreted(), num_warps=NUM_WARPS)
+                                    pos_stride, scale, D=dim, DP=triton.next_power_of_2(dim), BT=block_t,
+                                    BS=block_s, F32DOT=_interpreted(), num_warps=NUM_WARPS)
     return out, lse
 
 
@@ -316,13 +319,14 @@ def attention_backward(q, k, v, query_positions, key_positions, key_valid, out, 
     dk = torch.empty(rows, keys, kv_heads, dim, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
     if dq.numel() and dk.numel():
-        common = dict(D=dim, DP=triton.next_power_of_2(dim), BT=BWD_BLOCK_T, BS=BWD_BLOCK_S, F32DOT=_interpreted(),
+        block_t, block_s = ATTN_BLOCKS["backward"][q.dtype]
+        common = dict(D=dim, DP=triton.next_power_of_2(dim), BT=block_t, BS=block_s, F32DOT=_interpreted(),
                       num_warps=NUM_WARPS)
-        _attention_dkdv_kernel[(rows, kv_heads, triton.cdiv(keys, BWD_BLOCK_S))](
+        _attention_dkdv_kernel[(rows, kv_heads, triton.cdiv(keys, block_s))](
             q, k, v, qpos, kpos, kvalid, grad_out, delta, lse, dk, dv, queries, keys, heads, heads // kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), pos_stride, dk.stride(0), dk.stride(1), scale,
             **common)
-        _attention_dq_kernel[(rows, heads, triton.cdiv(queries, BWD_BLOCK_T))](
+        _attention_dq_kernel[(rows, heads, triton.cdiv(queries, block_t))](
             q, k, v, qpos, kpos, kvalid, grad_out, delta, lse, dq, queries, keys, heads, heads // kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), pos_stride, scale, **common)
     else:

@@ -2,6 +2,7 @@
 
     python tests/unit/kernels/compile_cuda.py 90   # H100, H200
     python tests/unit/kernels/compile_cuda.py 80   # A100
+    python tests/unit/kernels/compile_cuda.py 89   # L4, L40S, RTX 4090
 
 Prints one line per kernel and dtype: its name, whether it uses the tensor cores, and its shared memory in bytes.
 Run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -20,12 +22,17 @@ from rlrunbook.kernels import gpu
 HEAD_DIM = 128  # the larger of the built-in shapes (Qwen2.5-1.5B; SmolLM2 has 64)
 
 
+_TORCH = {"bf16": "bfloat16", "fp32": "float32"}
+
+
 def kernels(dtype: str):
     ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
     attention = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "qpos_ptr": "*i64",
                  "kpos_ptr": "*i64", "kvalid_ptr": "*i8"}
     blocks = {"D": "constexpr", "DP": "constexpr", "BT": "constexpr", "BS": "constexpr", "F32DOT": "constexpr"}
     shape = {"D": HEAD_DIM, "DP": HEAD_DIM, "F32DOT": False}
+    torch_dtype = getattr(torch, _TORCH[dtype])
+    forward, backward = gpu.ATTN_BLOCKS["forward"][torch_dtype], gpu.ATTN_BLOCKS["backward"][torch_dtype]
     yield gpu._matmul_kernel, {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "bias_ptr": "*fp32", "c_ptr": f"*{dtype}",
         **ints("M", "N", "K", "sam", "sak", "sbk", "sbn", "scm", "scn"), "HAS_BIAS": "constexpr", "BM": "constexpr",
@@ -38,16 +45,16 @@ def kernels(dtype: str):
     yield gpu._attention_fwd_kernel, {
         **attention, "out_ptr": f"*{dtype}", "lse_ptr": "*fp32",
         **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r"), "scale": "fp32", **blocks}, {
-        **shape, "BT": gpu.ATTN_BLOCK_T, "BS": gpu.ATTN_BLOCK_S}
+        **shape, "BT": forward[0], "BS": forward[1]}
     gradients = {"do_ptr": f"*{dtype}", "delta_ptr": "*fp32", "lse_ptr": "*fp32"}
     yield gpu._attention_dkdv_kernel, {
         **attention, **gradients, "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
         **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r", "sdk_r", "sdk_s"), "scale": "fp32", **blocks}, {
-        **shape, "BT": gpu.BWD_BLOCK_T, "BS": gpu.BWD_BLOCK_S}
+        **shape, "BT": backward[0], "BS": backward[1]}
     yield gpu._attention_dq_kernel, {
         **attention, **gradients, "dq_ptr": f"*{dtype}",
         **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r"), "scale": "fp32", **blocks}, {
-        **shape, "BT": gpu.BWD_BLOCK_T, "BS": gpu.BWD_BLOCK_S}
+        **shape, "BT": backward[0], "BS": backward[1]}
 
 
 def main(arch: int) -> None:
