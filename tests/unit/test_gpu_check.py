@@ -188,6 +188,21 @@ def test_the_scale_section_reports_the_phases_a_stopped_run_finished(tmp_path):
                                           "steps), peak 29.0 GiB measured, 30.0 GiB planned")
 
 
+def test_the_invariance_section_reports_each_equality_the_parity_and_the_times(tmp_path):
+    report = _report()
+    assert report._invariance(tmp_path) == ["invariance: no invariance.json (scripts/invariance_check.py did not "
+                                            "finish)"]
+    figures = {"equal": {"one batch": True, "one by one": False},
+               "parity": {"T=1.0": {"tokens": 2048, "max": 0.0, "mean": 0.0}},
+               "seconds": {"forward_backward (12 sequences)": {"invariant": [1.0, 2.0, 3.0], "native": [2.0, 2.0, 2.0],
+                                                               "ratio": 1.0}}}
+    (tmp_path / "invariance.json").write_text(json.dumps(figures))
+    assert report._invariance(tmp_path) == [
+        "- one batch: bitwise equal to one batch", "- one by one: DIFFERENT to one batch",
+        "- sampler vs trainer T=1.0: max |d| 0, mean 0 over 2048 tokens",
+        "- forward_backward (12 sequences): default 2 s, native 2 s (x1.00)"]
+
+
 def test_parts_run_together_each_leave_their_files_and_name_the_parts_beside_them(tmp_path):
     result = _bash("--together", "tier", "debate", "scale", "--dry-run", out=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
