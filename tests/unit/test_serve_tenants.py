@@ -30,7 +30,8 @@ def _datum(tokens: list[int]) -> types.Datum:
 
 
 DATA = [_datum([1, 2, 3, 4, 5, 6]), _datum([9, 8, 7, 6])]
-LONG = [_datum([(5 * i + j) % 200 + 3 for j in range(300)]) for i in range(8)]  # a few tenths of a second
+LONG = [_datum([(5 * i + j) % 200 + 3 for j in range(1000)]) for i in range(8)]  # ~1 s: the SDK sends the 8
+# calls ~0.06 s apart, so each must take far longer than that for them all to be queued at once
 PROMPT = types.ModelInput.from_ints([3, 1, 4, 1, 5])
 PARAMS = types.SamplingParams(max_tokens=6, seed=5, temperature=1.0)
 
