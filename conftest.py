@@ -40,7 +40,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from rlrunbook.testing import data as data_requirement  # noqa: E402
+from rlrunbook.testing import data as data_requirement
 
 # The session's scratch: an empty data root for the tests not marked `data`, an empty cache for `datasets`. The
 # hub's variables are set before anything imports huggingface_hub or datasets, which read them once.

@@ -192,8 +192,8 @@ def _timings(args, data) -> dict:
         params = types.SamplingParams(max_tokens=64, temperature=1.0, seed=1)
         figures = {"forward_backward (12 sequences)": {name: [] for name in services},
                    "sampling, per decode step (16 rows x 64 tokens)": {name: [] for name in services}}
-        for name in clients:  # warm-up: kernels compiled, caches and graphs built
-            clients[name].forward_backward(data, "cross_entropy").result()
+        for name, client in clients.items():  # warm-up: kernels compiled, caches and graphs built
+            client.forward_backward(data, "cross_entropy").result()
             samplers[name].sample(prompt, 16, params).result()
         for _ in range(args.repeats):
             for name, client in clients.items():

@@ -20,41 +20,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from tinker import types
 
+from rlrunbook.backend.datum_items import target_item
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import split_mismatch_config
 from rlrunbook.errors import InputError
-from rlrunbook.tokens import check_context, check_token_ids
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
 class CustomLossError(InputError):
     """The caller's loss raised, or returned something that is not a finite scalar tensor."""
-
-
-def _items(data: Sequence[types.Datum], vocab_size: int, item_type, max_context: int | None = None) -> list[Any]:
-    """Every datum as a trainer item whose loss sees every target position."""
-    items = []
-    for index, datum in enumerate(data):
-        tokens = datum.model_input.to_ints()
-        check_context(len(tokens), max_context, f"datum {index} model_input")
-        check_token_ids(tokens, vocab_size, f"datum {index} model_input")
-        if "target_tokens" not in datum.loss_fn_inputs:
-            raise InputError(f"datum {index} has no loss_fn_inputs['target_tokens'] (forward_backward_custom needs "
-                             "them: the logprobs it hands the loss are those of the targets).")
-        targets = datum.loss_fn_inputs["target_tokens"].to_torch().long().reshape(-1)
-        check_token_ids(targets.tolist(), vocab_size, f"datum {index} target_tokens")
-        if len(targets) != len(tokens):
-            raise InputError(f"datum {index}: {len(tokens)} model_input tokens but {len(targets)} target_tokens; "
-                             "there is one target per input position (see rlrunbook.tokens.build_datum_arrays).")
-        everywhere = torch.ones(len(tokens), dtype=torch.bool)
-        items.append(item_type(tokens, targets, {}, everywhere, everywhere))
-    return items
 
 
 def _shaped(values: torch.Tensor, datum: types.Datum) -> torch.Tensor:
@@ -73,7 +52,7 @@ def _call(loss_fn, data: list[types.Datum], logprobs: list[torch.Tensor]) -> tup
     name = loss_fn.name if isinstance(loss_fn, LossHandle) else getattr(loss_fn, "__name__", type(loss_fn).__name__)
     try:
         result = run_loss_handle(loss_fn, data, logprobs) if isinstance(loss_fn, LossHandle) else loss_fn(data, logprobs)
-    except Exception as error:  # noqa: BLE001 - the caller's code: its failure is this call's, named
+    except Exception as error:
         raise CustomLossError(f"the custom loss {name!r} raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) == 2):
         raise CustomLossError(f"the custom loss {name!r} returned {type(result).__name__}; it must return "
@@ -104,13 +83,12 @@ def _call(loss_fn, data: list[types.Datum], logprobs: list[torch.Tensor]) -> tup
 
 
 def forward_backward_custom(trainer, data: Sequence[types.Datum], loss_fn) -> types.ForwardBackwardOutput:
-    """Score ``data``, compute ``loss_fn`` on the targets' logprobs, and add its gradient to the adapter's."""
-    from rlrunbook.backend.trainer import _Item
-
+    """Score ``data`` with ``trainer`` (a :class:`~rlrunbook.backend.trainer.LoraTrainer`), compute ``loss_fn`` on
+    the targets' logprobs, and add its gradient to the adapter's."""
     data = list(data)
     if not data:
         raise InputError("empty batch: forward_backward_custom needs at least one Datum.")
-    items = _items(data, trainer.vocab_size, _Item, trainer.max_context)
+    items = [target_item(datum, index, trainer.vocab_size, trainer.max_context) for index, datum in enumerate(data)]
     filters = split_mismatch_config({})[0].filters
     batches = micro_batches([item.input_tokens for item in items], trainer.micro_batch_tokens,
                             trainer.grad_accum_chunks)

@@ -26,6 +26,7 @@ from tinker import types
 
 from rlrunbook import distributed
 from rlrunbook.backend.chunk_scores import ChunkScores, ChunkScoring, PaddedScoring, SharedPrefixScoring
+from rlrunbook.backend.datum_items import TrainingItem, datum_item
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
@@ -40,7 +41,6 @@ from rlrunbook.regularizers import (
     sampler_mismatch,
     split_regularizer_config,
 )
-from rlrunbook.tokens import check_context, check_token_ids
 
 
 class NonFiniteGradientError(RlrunbookError, FloatingPointError):
@@ -72,53 +72,7 @@ def _to_cpu(value):
     return value
 
 
-@dataclass(frozen=True)
-class _Item:
-    """One datum as tensors: ``input_tokens`` (L), and every loss input as a ``[L]`` tensor."""
-
-    input_tokens: list[int]
-    targets: torch.Tensor
-    inputs: dict[str, torch.Tensor]
-    mask: torch.Tensor  # [L] bool: positions the loss sees
-    regularized: torch.Tensor  # [L] bool: trained positions, where KL and entropy terms apply (within mask)
-
-
-def _datum_item(datum: types.Datum, index: int, spec: LossSpec, vocab_size: int,
-                max_context: int | None = None) -> _Item:
-    tokens = datum.model_input.to_ints()
-    check_context(len(tokens), max_context, f"datum {index} model_input")
-    check_token_ids(tokens, vocab_size, f"datum {index} model_input")
-    arrays = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
-    if "target_tokens" not in arrays:
-        raise InputError(f"datum {index} has no loss_fn_inputs['target_tokens'].")
-    targets = arrays.pop("target_tokens").long().reshape(-1)
-    check_token_ids(targets.tolist(), vocab_size, f"datum {index} target_tokens")
-    lengths = {"model_input": len(tokens), "target_tokens": len(targets)}
-    lengths.update({key: value.numel() for key, value in arrays.items()})
-    if len(set(lengths.values())) != 1:
-        raise InputError(
-            f"datum {index}: arrays of unequal length {lengths}; model_input and every loss_fn_input "
-            "must have one entry per target position (see rlrunbook.tokens.build_datum_arrays)."
-        )
-    missing = [key for key in spec.required_inputs if key not in arrays]
-    if missing:
-        raise InputError(f"datum {index}: loss {spec.name!r} needs loss_fn_inputs {missing}.")
-    inputs = {key: arrays[key].float().reshape(-1) for key in spec.required_inputs}
-    for key, fill in spec.optional_inputs.items():
-        inputs[key] = arrays[key].float().reshape(-1) if key in arrays else torch.full((len(tokens),), fill)
-    mask = torch.ones(len(tokens), dtype=torch.bool)
-    if "logprobs" in spec.required_inputs:
-        # Sampled positions only: prompt positions carry the placeholders logprob 0 and advantage 0,
-        # and must not enter ratio metrics or dro's (lp - q)^2 penalty with a fake q.
-        mask = (inputs["logprobs"] != 0) | (inputs["advantages"] != 0)
-        if "weights" in arrays:  # an explicit mask of trained positions wins
-            mask = arrays["weights"].reshape(-1) != 0
-    # cross_entropy sees every position (weight 0 on the prompt); regularize only the weighted ones.
-    regularized = mask & (inputs["weights"] != 0) if "weights" in inputs else mask
-    return _Item(tokens, targets, inputs, mask, regularized)
-
-
-def _trained_positions(item: _Item, spec: LossSpec) -> int:
+def _trained_positions(item: TrainingItem, spec: LossSpec) -> int:
     key = "advantages" if spec.uses_advantages else "weights"
     return int(((item.inputs[key] != 0) & item.mask).sum())
 
@@ -190,7 +144,7 @@ def _regularizer_terms(scores: ChunkScores, where: torch.Tensor,
     return kl_loss + entropy_loss, stats, n
 
 
-def _per_datum(chunk: list[_Item], seen_values: torch.Tensor) -> list[torch.Tensor]:
+def _per_datum(chunk: list[TrainingItem], seen_values: torch.Tensor) -> list[torch.Tensor]:
     """Flat values over the loss positions, spread back to one ``[L]`` tensor per datum (NaN elsewhere)."""
     values = seen_values.detach().float().cpu()
     out, cursor = [], 0
@@ -284,7 +238,7 @@ class LoraTrainer:
         config = resolve_loss_config(spec, loss_config)
         if len(data) == 0:
             raise InputError("empty batch: forward_backward needs at least one Datum.")
-        items = [_datum_item(d, i, spec, self.vocab_size, self.max_context) for i, d in enumerate(data)]
+        items = [datum_item(d, i, spec, self.vocab_size, self.max_context) for i, d in enumerate(data)]
         trained = sum(_trained_positions(item, spec) for item in items)
         if spec.uses_advantages and trained == 0 and not self.accept_zero_advantages:
             raise NoLearningSignalError(
@@ -326,7 +280,7 @@ class LoraTrainer:
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
                                            metrics=metrics)
 
-    def _chunk_loss(self, chunk: list[_Item], spec: LossSpec, config: dict[str, float], reg: RegularizerConfig,
+    def _chunk_loss(self, chunk: list[TrainingItem], spec: LossSpec, config: dict[str, float], reg: RegularizerConfig,
                     mismatch: MismatchConfig) -> _ChunkOutput:
         """One forward over ``chunk``: the loss's value plus the regularizer terms, and their metrics."""
         device = self.device

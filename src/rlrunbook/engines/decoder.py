@@ -48,7 +48,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.float64_weights import float64_weights
-from rlrunbook.engines.lora_groups import GroupFactors, adapter_names, adapter_weights, add_group_updates, group_factors
+from rlrunbook.engines.lora_groups import (
+    GroupFactors,
+    adapter_names,
+    adapter_weights,
+    add_group_updates,
+    group_factors,
+)
 from rlrunbook.engines.pinned_adapter import PinnedAdapter
 from rlrunbook.engines.stacking import stackable, stacked_weights
 from rlrunbook.errors import ConfigError

@@ -166,7 +166,7 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.T
 
 
 def _attention_layout(q, k, v, query_positions, key_positions, key_valid):
-    rows, queries, heads, dim = q.shape
+    rows, _, heads, dim = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
     if heads % kv_heads or v.shape != k.shape or k.shape[0] != rows or k.shape[3] != dim:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -231,5 +231,15 @@ def attention_backward(q, k, v, query_positions, key_positions, key_valid, out, 
     return dq, dk, dv
 
 
-__all__ = ["KernelBuildError", "attention_backward", "attention_forward", "exp", "gemm_nt", "gemm_seq", "row_logsumexp",
-           "row_sumsq", "rope_table", "sigmoid"]
+__all__ = [
+    "KernelBuildError",
+    "attention_backward",
+    "attention_forward",
+    "exp",
+    "gemm_nt",
+    "gemm_seq",
+    "rope_table",
+    "row_logsumexp",
+    "row_sumsq",
+    "sigmoid",
+]

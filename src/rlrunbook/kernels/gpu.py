@@ -203,8 +203,7 @@ def _attention_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, kvalid_ptr, o
 
 
 def _layout(q, k, v, query_positions, key_positions, key_valid):
-    rows, queries, heads, dim = q.shape
-    keys, kv_heads = k.shape[1], k.shape[2]
+    heads, keys, kv_heads = q.shape[2], k.shape[1], k.shape[2]
     if heads % kv_heads or v.shape != k.shape:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     q = q if q[0].is_contiguous() else q.contiguous()
@@ -249,7 +248,7 @@ def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, kvalid_ptr, 
     v = tl.load(v_ptr + r * sk_r + rs[:, None] * sk_s + kvh * D + rd[None, :], mask=kmask, other=0.0)
     dk = tl.zeros((BS, DP), dtype=tl.float32)
     dv = tl.zeros((BS, DP), dtype=tl.float32)
-    for g in range(0, G):
+    for g in range(G):
         h = kvh * G + g
         for t0 in range(0, T, BT):
             rt = t0 + tl.arange(0, BT)
@@ -320,8 +319,8 @@ def attention_backward(q, k, v, query_positions, key_positions, key_valid, out, 
     dv = torch.empty_like(dk)
     if dq.numel() and dk.numel():
         block_t, block_s = ATTN_BLOCKS["backward"][q.dtype]
-        common = dict(D=dim, DP=triton.next_power_of_2(dim), BT=block_t, BS=block_s, F32DOT=_interpreted(),
-                      num_warps=NUM_WARPS)
+        common = {"D": dim, "DP": triton.next_power_of_2(dim), "BT": block_t, "BS": block_s,
+                  "F32DOT": _interpreted(), "num_warps": NUM_WARPS}
         _attention_dkdv_kernel[(rows, kv_heads, triton.cdiv(keys, block_s))](
             q, k, v, qpos, kpos, kvalid, grad_out, delta, lse, dk, dv, queries, keys, heads, heads // kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), pos_stride, dk.stride(0), dk.stride(1), scale,

@@ -26,7 +26,7 @@ _TORCH = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def kernels(dtype: str):
-    ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    ints = lambda *names: {name: "i32" for name in names}
     attention = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "qpos_ptr": "*i64",
                  "kpos_ptr": "*i64", "kvalid_ptr": "*i8"}
     blocks = {"D": "constexpr", "DP": "constexpr", "BT": "constexpr", "BS": "constexpr", "F32DOT": "constexpr"}

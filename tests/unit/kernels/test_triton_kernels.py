@@ -13,10 +13,11 @@ import os
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there is no CUDA, before triton loads
+    pytest.skip("on a machine with CUDA the gpu tier runs these kernels on the GPU", allow_module_level=True)
 triton = pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux)")
 
-from rlrunbook.kernels import gpu, ops  # noqa: E402
+from rlrunbook.kernels import gpu, ops
 
 # triton 3.6's interpreter turns one-element arrays (loop bounds) into Python ints, which numpy 2.2 warns about
 # (and numpy 2.3 refuses: hence numpy<2.3 where the interpreter runs); nothing of the kernels' own.
@@ -122,31 +123,3 @@ def test_a_tiny_models_decode_steps_equal_its_training_pass_through_triton(tiny_
             cache.lengths[:] = t
             step = decoder.hidden(torch.tensor([token, token]), cache.lengths.clone(), cache)
             assert torch.equal(step[0], full[flat[plan.paths[0][t]]]), f"position {t}"
-
-
-# Shared memory one block may use, by architecture (CUDA programming guide): what a kernel must fit in to launch.
-_SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, 89: 99 * 1024}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", sorted(_SHARED_LIMIT), ids=lambda arch: f"sm_{arch}")
-def test_the_cuda_kernels_compile_for_the_gpus_users_train_on(arch):
-    """Every kernel compiles for H100/H200 (sm_90), A100 (sm_80) and L4/L40S/RTX 4090 (sm_89) with Triton's own
-    ptxas, with no GPU here: bf16
-    products on the tensor cores, fp32 ones in full precision (no tensor-core TF32), and each block's shared memory
-    within what the architecture allows (head size 128)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("compile_cuda.py")
-    result = subprocess.run([sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True,
-                            timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split() for line in result.stdout.splitlines()]
-    assert len(lines) == 12, result.stdout
-    for name, dtype, tensor_cores, shared in lines:
-        assert int(shared.split("=")[1]) <= _SHARED_LIMIT[arch], f"{name} {dtype}: {shared}"
-        if name == "_matmul_kernel":
-            assert tensor_cores == f"tensor_cores={dtype == 'bf16'}", f"{name} {dtype}: {tensor_cores}"
