@@ -34,6 +34,23 @@ _DEFAULT_MAX_TOKENS = 256  # what earlier local backends used when max_tokens is
 logger = logging.getLogger(__name__)
 _sequence_ids = itertools.count()
 _HANDLE_FIELDS = ("sampler_id", "base_model", "model_path", "storage_root")  # what a sampler handle holds
+# What turns a handle's fields into a client: registered by rlrunbook.backend.service_client (the layer that can
+# make a ServiceClient), so this module never imports the one above it.
+_handle_resolver: Callable[..., LocalSamplingClient] | None = None
+
+
+def register_handle_resolver(resolver: Callable[..., LocalSamplingClient]) -> None:
+    """Set what ``from_sampler_handle`` and ``create(holder, sampling_session_id=...)`` call with a handle's
+    fields (``sampler_id``, ``base_model``, ``model_path``, ``storage_root``)."""
+    global _handle_resolver
+    _handle_resolver = resolver
+
+
+def _client_from_handle(**fields: str | None) -> LocalSamplingClient:
+    if _handle_resolver is None:  # rlrunbook.backend imports service_client, which registers it
+        raise ConfigError("no local ServiceClient module is loaded: import rlrunbook.backend (or make a "
+                          "LocalServiceClient) before resolving a sampler handle.")
+    return _handle_resolver(**fields)
 
 
 StopConditions = tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]  # (token-id sequences, strings)
@@ -367,15 +384,13 @@ class LocalSamplingClient(ResolvedClient):
     @staticmethod
     def from_sampler_handle(handle: str, *, api_key: str | None = None) -> LocalSamplingClient:
         """A new client of the sampler ``handle`` names (see ``get_sampler_handle``); ``api_key`` unused."""
-        from rlrunbook.backend.service_client import sampling_client_from_handle
-
         try:
             fields = json.loads(base64.urlsafe_b64decode(handle))
             fields = {name: fields[name] for name in _HANDLE_FIELDS}
         except (binascii.Error, ValueError, TypeError, KeyError):
             raise ConfigError(f"{handle!r} is not a sampler handle of the local backend: pass what "
                               "sampling_client.get_sampler_handle() returned.") from None
-        return sampling_client_from_handle(**fields)
+        return _client_from_handle(**fields)
 
     @staticmethod
     def create(holder, *, model_path: str | None = None, base_model: str | None = None,
@@ -386,15 +401,14 @@ class LocalSamplingClient(ResolvedClient):
         existing sampler of this process (a new client of it), else the client samples ``model_path`` or
         ``base_model``."""
         from rlrunbook.backend.futures import completed
-        from rlrunbook.backend.service_client import LocalServiceClient, sampling_client_from_handle
 
-        if not isinstance(holder, LocalServiceClient):
+        if not (callable(getattr(holder, "create_sampling_client", None)) and hasattr(holder, "_store")):
             raise ConfigError(f"SamplingClient.create takes the local ServiceClient as its holder, got "
                               f"{type(holder).__name__}; or call service.create_sampling_client(...).")
         if sampling_session_id is not None:
             record = sessions.sampler_record(sampling_session_id)
-            return completed(sampling_client_from_handle(record.sampler_id, record.base_model,
-                                                         record.model_path, str(holder._store.root)))
+            return completed(_client_from_handle(sampler_id=record.sampler_id, base_model=record.base_model,
+                                                 model_path=record.model_path, storage_root=str(holder._store.root)))
         return completed(holder.create_sampling_client(model_path=model_path, base_model=base_model,
                                                        retry_config=retry_config,
                                                        record_stability_info=record_stability_info))

@@ -25,7 +25,7 @@ from rlrunbook.backend.host import ModelHost, ResidentModel, SamplerWeights, hos
 from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
 from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities, copy_checkpoint
-from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
+from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info, register_handle_resolver
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.backend.storage import ADAPTER_FILE, CheckpointStore, RunRecord, parse_tinker_path
 from rlrunbook.backend.sample_log import SampleLog
@@ -411,3 +411,6 @@ def sampling_client_from_handle(sampler_id: str, base_model: str, model_path: st
     if model_path is not None:
         return service.create_sampling_client(model_path=model_path)
     return service.create_sampling_client(base_model=base_model)
+
+
+register_handle_resolver(sampling_client_from_handle)
