@@ -34,7 +34,7 @@ from rlrunbook.rl.setup.config_sources import PRESET_DIR, leaf_keys, list_preset
 from rlrunbook.testing.commands import installed_rlrunbook
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 PAGE_IDS = [page.relative_to(ROOT).as_posix() for page in PAGES]
 
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -351,7 +351,7 @@ def test_scripts_and_repository_paths_exist(page: Path):
     missing = sorted({path for path in REPO_PATH.findall(text)
                       if not _is_placeholder(path) and not (ROOT / path).exists()})
     assert not missing, f"{page.name}: names paths that do not exist: {missing}"
-    files = [path.relative_to(ROOT).as_posix() for folder in ("src", "tests", "scripts")
+    files = [path.relative_to(ROOT).as_posix() for folder in ("src", "tests", "scripts", "examples")
              for path in (ROOT / folder).rglob("*.py")] + ["conftest.py"]
     shell = [block.group(2) for block in FENCE.finditer(text)
              if block.group(1).strip().lower() in SHELL_BLOCKS]
