@@ -28,7 +28,7 @@ import pytest
 
 from rlrunbook.testing.commands import installed_rlrunbook
 
-pytestmark = [pytest.mark.cookbook, pytest.mark.e2e]
+pytestmark = [pytest.mark.cookbook, pytest.mark.e2e, pytest.mark.slow]
 
 DATA = Path(__file__).parent / "data"
 STAND_IN = "tiny-thinking"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 COMMON_RL = ["model_name=tiny", "lora_rank=8", "loss_fn=importance_sampling"]
 

@@ -22,7 +22,7 @@ import torch
 import rlrunbook
 from rlrunbook.run import check_run, format_results, rubric_passed
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # The summary task's compression reward is continuous, so tiny's groups have spread (non-zero advantages).
 TRAIN = ["train", "--model", "tiny", "--env", "summary", "--dataset", "cnn_dailymail", "--reward-fn", "compression",

@@ -124,6 +124,7 @@ def test_resume_refuses_another_option(tmp_path, straight, capsys):
     assert not any(tmp_path.iterdir()), "a refused resume must not create a run directory"
 
 
+@pytest.mark.slow
 def test_kill_during_save_resumes_from_previous_checkpoint(tmp_path, straight):
     driver = tmp_path / "crash_driver.py"
     driver.write_text(DRIVER.format(code=CRASH_EXIT))

@@ -53,7 +53,8 @@ def test_debate_rejection_smoke(tmp_path, capsys):
 
 @pytest.mark.parametrize("model, shape", [
     ("tiny", ["-n", "32", "--num-groups", "4", "-s", "3", "--max-tokens", "32"]),
-    ("smollm2-135m", ["-n", "8", "--num-groups", "2", "-s", "2", "--max-tokens", "24", "--learning-rate", "1e-4"]),
+    pytest.param("smollm2-135m", ["-n", "8", "--num-groups", "2", "-s", "2", "--max-tokens", "24", "--learning-rate",
+                                  "1e-4"], marks=pytest.mark.slow),
 ])
 def test_mini_debate_rs_grpo_summary(tmp_path, capsys, model, shape):
     run, out = train(tmp_path, capsys, "--mode", "debate", "--env", "summary", "--dataset", "cnn_dailymail",

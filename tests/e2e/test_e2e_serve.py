@@ -31,7 +31,7 @@ from rlrunbook.models import resolve_model
 from rlrunbook.testing.commands import installed_rlrunbook
 from rlrunbook.testing.serve import start_server
 
-pytestmark = [pytest.mark.e2e, pytest.mark.cookbook]
+pytestmark = [pytest.mark.e2e, pytest.mark.cookbook, pytest.mark.slow]
 
 KEY = "tml-cookbook-over-the-wire"
 MATH_RL = "tinker_cookbook.recipes.math_rl.train"

@@ -74,6 +74,7 @@ def saved(tmp_path_factory):
     return storage, commits
 
 
+@pytest.mark.slow
 def test_loader_reads_what_pytest_benchmark_saved(saved):
     from pytest_benchmark.utils import get_machine_id
 

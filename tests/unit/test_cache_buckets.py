@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 
-import pytest
 import torch
 
 from rlrunbook import cli
@@ -85,7 +84,6 @@ def test_reused_larger_caches_sample_what_fresh_ones_do(tiny_host):
             assert x.tokens == y.tokens and x.logprobs == y.logprobs
 
 
-@pytest.mark.slow
 def test_each_train_log_row_reports_the_engine_counters(tmp_path):
     logs = tmp_path / "logs"
     assert cli.main(["train", "--model", "tiny", "--mode", "single_turn", "--env", "qa", "--dataset", "test",

@@ -67,6 +67,14 @@ def test_the_lone_clone_part_runs_the_readme_test_command_as_a_newcomer():
     assert body.index("lone_clone") < body.index("cd ") < body.index("as_newcomer")
 
 
+def test_the_slow_tier_runs_in_the_same_lone_clone_and_home():
+    body = _function("part_slow_tier")
+    assert _runs(body, ["cd", "$work/clone/rlrunbook"]), body
+    assert _runs(body, ["as_newcomer", "$work/home", *readme_test_command(), "-m", "slow and not long"]), body
+    main = _function("main")
+    assert main.index("part_lone_clone") < main.index("part_slow_tier") < main.index("part_real_data")
+
+
 def test_the_real_data_and_vllm_parts_require_what_they_test():
     data = _function("part_real_data")
     assert _runs(data, ["RLRUNBOOK_REQUIRE_DATA=1", *readme_test_command(), "-m", "data"]), data

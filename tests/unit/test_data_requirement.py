@@ -28,6 +28,8 @@ from rlrunbook.testing.data import (
     write_data_root,
 )
 
+pytestmark = pytest.mark.slow  # pytest processes of their own
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = '''

@@ -87,6 +87,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
+@pytest.mark.slow
 def test_the_ranks_ran_as_a_group_of_two(runs):
     assert [r["rank"] for r in runs["ranks"]] == [0, 1]
     assert {r["world_size"] for r in runs["ranks"]} == {2}

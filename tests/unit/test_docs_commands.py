@@ -441,6 +441,7 @@ def test_installed_entry_point_lists_every_command():
     assert not missing, f"`rlrunbook --help` does not list {missing}:\n{done.stdout}"
 
 
+@pytest.mark.slow
 def test_installed_entry_point_takes_every_command_the_readme_shows():
     """``rlrunbook <command> -h`` through the console script for each command README.md shows (all at once: each
     is a process of its own)."""
@@ -466,6 +467,7 @@ open(sys.argv[1], "w").write(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_installed_cookbook_command_takes_the_runner_options_before_the_recipe(tmp_path):
     """The form docs/cli.md shows, typed as a user types it: the runner's options (which once ended in
     `unrecognized arguments`) take effect, and the recipe gets its own arguments, options included."""

@@ -210,6 +210,7 @@ def test_a_damaged_built_in_cache_names_the_folder_to_delete(tmp_path, monkeypat
     assert "config.json' is not readable JSON" in err and f"rm -r '{folder}'" in err
 
 
+@pytest.mark.slow
 def test_cookbook_with_an_unknown_renderer_names_the_option_and_the_renderers(tmp_path):
     result = run_command("cookbook", "--renderer", "no_such_renderer", "tinker_cookbook.recipes.rl_loop",
                          "model_name=tiny", "max_steps=1", f"log_path={tmp_path / 'run'}",
@@ -219,6 +220,7 @@ def test_cookbook_with_an_unknown_renderer_names_the_option_and_the_renderers(tm
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_cookbook_a_recipe_argument_the_cookbook_refuses_is_one_paragraph(tmp_path):
     """tinker-cookbook's own ConfigurationError (its check of a recipe argument) is the user's to fix: exit 2."""
     result = run_command("cookbook", "--renderer", "qwen3_instruct", "tinker_cookbook.recipes.math_rl.train",
@@ -231,6 +233,7 @@ def test_cookbook_a_recipe_argument_the_cookbook_refuses_is_one_paragraph(tmp_pa
     assert "change that recipe argument" in err
 
 
+@pytest.mark.slow
 def test_cookbook_with_an_unknown_recipe(tmp_path):
     result = run_command("cookbook", "tinker_cookbook.recipes.no_such_recipe", env={"TINKER_BACKEND": "local"})
     err = result.stderr
@@ -239,6 +242,7 @@ def test_cookbook_with_an_unknown_recipe(tmp_path):
     assert "tinker_cookbook.recipes.math_rl.train" in err  # the recipes there are, named
 
 
+@pytest.mark.slow
 def test_cookbook_with_a_module_whose_parent_does_not_exist():
     result = run_command("cookbook", "no_such_package.recipe", env={"TINKER_BACKEND": "local"})
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -303,6 +307,7 @@ def test_the_budget_variables_are_checked(name, value):
         api_access.Budget.from_env({name: value})
 
 
+@pytest.mark.slow
 def test_train_with_a_key_but_no_network_ends_within_the_budget(tmp_path):
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
@@ -366,6 +371,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 @pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.slow
 def test_a_missing_model_is_named_before_the_data_set_is_fetched(tmp_path, command):
     """Found as a GPU preset's hub model, missing on this machine, reported as the data set's connection error."""
     result = run_command(command, "--model", "Org/no-such-model", "--env", "math", "--dataset", "gsm8k",

@@ -422,6 +422,7 @@ def subprocess_cases(draw) -> Case:
 @settings(max_examples=SUBPROCESS_RUNS, suppress_health_check=list(HealthCheck), deadline=None,
           phases=PHASES)
 @given(case=subprocess_cases())
+@pytest.mark.slow
 def test_the_installed_command_holds_them_too(base_run, case):
     """A few examples through the console script, as a user runs it (the process's own exit code and output)."""
     with _sandbox(base_run, case) as root:

@@ -88,6 +88,7 @@ def test_an_unknown_part_or_a_missing_name_is_a_usage_error(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_part_added_by_sourcing_runs_within_its_budget(tmp_path):
     """A fake part: a step that outlasts the budget is interrupted and reported, later steps are not run, an
     ungated failure does not fail the part, and an archive over the limit drops the step records."""

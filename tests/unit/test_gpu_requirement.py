@@ -18,8 +18,8 @@ from rlrunbook.testing.gpu import REQUIRE_ENV, missing_gpu_reason
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFLIGHT = "tests/gpu/test_gpu_0_preflight.py"
 
-pytestmark = pytest.mark.skipif(missing_gpu_reason() is None,
-                                reason="a CUDA GPU is usable here: nothing to refuse")
+pytestmark = [pytest.mark.skipif(missing_gpu_reason() is None, reason="a CUDA GPU is usable here: nothing to refuse"),
+              pytest.mark.slow]
 
 
 def _run_preflight(require_gpu: bool) -> subprocess.CompletedProcess[str]:

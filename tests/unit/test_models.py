@@ -307,7 +307,6 @@ def smollm2(tmp_path_factory):
     return folder, reference_model, reference_tokenizer
 
 
-@pytest.mark.slow
 def test_smollm2_folder_is_a_plain_checkpoint(smollm2):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -320,7 +319,6 @@ def test_smollm2_folder_is_a_plain_checkpoint(smollm2):
     assert model.config.vocab_size == 49152 and model.config.tie_word_embeddings
 
 
-@pytest.mark.slow
 def test_smollm2_special_tokens_and_template(smollm2):
     folder, _, gguf_tokenizer = smollm2
     tok = load_tokenizer(folder)
@@ -356,7 +354,6 @@ def test_a_smollm2_build_with_wrong_special_tokens_is_refused(smollm2):
         check_special_tokens(wrong)
 
 
-@pytest.mark.slow
 def test_smollm2_logits_match_gguf_model(smollm2):
     folder, reference, tok = smollm2
     model = load_causal_lm(folder)
@@ -366,7 +363,6 @@ def test_smollm2_logits_match_gguf_model(smollm2):
     assert diff < 1e-4  # measured 0.0: same float32 weights, same Llama forward
 
 
-@pytest.mark.slow
 def test_smollm2_greedy_answer_is_english(smollm2):
     folder, _, _ = smollm2
     tok, model = load_tokenizer(folder), load_causal_lm(folder)

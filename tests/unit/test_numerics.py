@@ -20,7 +20,6 @@ from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.layouts import RowCache, TreeLayout
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
 
-pytestmark = pytest.mark.slow
 
 QUESTION = "Write a short story about a cat and a dog who become friends."
 

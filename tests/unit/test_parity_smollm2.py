@@ -12,7 +12,6 @@ from rlrunbook.diagnostics import FP32_TOLERANCE, logprob_parity
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
 
-pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is 7 * 8?", "Hi", "Name three colours of the rainbow.", "What is 2 + 2?",
              "Write one short sentence about the sea.", "Why is the sky blue?", "What is 12 - 5?",

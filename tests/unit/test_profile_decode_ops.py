@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_decode_step_is_counted_per_layer_and_outside_the_model():
     result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "profile_decode_ops.py"), "--model", "tiny",
                              "--rows", "4", "--tokens", "8", "--top", "60"], capture_output=True, text=True, timeout=300, check=False)

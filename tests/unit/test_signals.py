@@ -24,7 +24,8 @@ import pytest
 from rlrunbook import cli
 from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux"),
+              pytest.mark.slow]
 
 # The driver first gives SIGINT Python's own handler, as a run started from a terminal has it: a suite started in
 # the background by a shell without job control (`cmd &`, nohup, some CI runners) passes SIGINT on ignored, and

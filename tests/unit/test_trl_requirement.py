@@ -6,6 +6,8 @@ imported (``sys.modules["trl"] = None``), whether or not this machine has it.
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -48,6 +50,7 @@ def _run_peer_without_trl(require: bool) -> subprocess.CompletedProcess[str]:
                           timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_the_peer_benchmark_skips_with_one_reason_line_without_trl():
     result = _run_peer_without_trl(require=False)
     output = result.stdout + result.stderr
@@ -57,6 +60,7 @@ def test_the_peer_benchmark_skips_with_one_reason_line_without_trl():
     assert "1 skipped" in output and "failed" not in output, output
 
 
+@pytest.mark.slow
 def test_the_peer_benchmark_fails_without_trl_when_required():
     result = _run_peer_without_trl(require=True)
     output = result.stdout + result.stderr

@@ -248,6 +248,7 @@ def _run_tier(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_vllm_tier_skips_without_a_server_and_fails_when_required(tmp_path):
     missing = {"RLRUNBOOK_VLLM_VENV": str(tmp_path / "no-venv")}
     skipped = _run_tier(missing)

@@ -58,6 +58,7 @@ def test_the_rlvr_preset_fits_an_80gb_gpu_and_not_a_24gb_one():
     assert small.returncode == 1 and "DOES NOT FIT" in small.stdout, small.stdout + small.stderr
 
 
+@pytest.mark.slow
 def test_train_refuses_a_run_that_cannot_fit_before_loading_and_names_the_knob(tmp_path, tiny_folder):
     """256 rows of 60k tokens: the KV cache alone is far beyond this machine; refused (exit 2) with the largest
     part and its knob, before a model loads and before a run directory exists."""

@@ -79,6 +79,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_same_run_however_fast_each_side_runs(runs):
     a, b = runs["slow_sampler"], runs["slow_trainer"]
     assert _rows(a) == _rows(b), "losses, rewards, advantages or mismatch differ with the timing"
