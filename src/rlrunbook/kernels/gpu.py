@@ -5,11 +5,11 @@ number of rows, so on a GPU a row's sums follow the batch. Here every tile size 
 by shape: a product sums its ``k`` in blocks of ``BLOCK_K`` in increasing order, each block by one tensor-core
 instruction sequence (whose internal order is the hardware's, the same for every output element), into a
 float32 accumulator; a row reduction runs in one program per row over blocks of ``BLOCK`` in increasing order,
-its lanes added by the compiler's fixed tree; attention walks a query's keys in blocks of a size fixed per dtype
-(``ATTN_BLOCKS``) from key 0 (a block the query may not read changes nothing: its weights are exactly 0 and its rescaling
-factor exactly 1). No atomics; the sizes that vary (rows, queries, keys) are not specialised on. Elementwise
-functions (exp, sigmoid, cos) are PyTorch's: on CUDA each element is computed by the same function
-wherever it sits.
+its lanes added by the compiler's fixed tree; attention walks a query's keys in blocks of a size fixed per
+dtype (``ATTN_BLOCKS``) from key 0 (a block the query may not read changes nothing: its weights are exactly 0
+and its rescaling factor exactly 1). No atomics; the sizes that vary (rows, queries, keys) are not specialised
+on. Elementwise functions (exp, sigmoid, cos) are PyTorch's: on CUDA each element is computed by the same
+function wherever it sits.
 
 fp32 products use full-precision products (``input_precision="ieee"``), not TF32. The same kernels run on CPU
 under ``TRITON_INTERPRET=1`` (the tests check their arithmetic and their invariance there, at small shapes).

@@ -49,7 +49,8 @@ def kernels(dtype: str):
     gradients = {"do_ptr": f"*{dtype}", "delta_ptr": "*fp32", "lse_ptr": "*fp32"}
     yield gpu._attention_dkdv_kernel, {
         **attention, **gradients, "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
-        **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r", "sdk_r", "sdk_s"), "scale": "fp32", **blocks}, {
+        **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r", "sdk_r", "sdk_s"), "scale": "fp32",
+        **blocks}, {
         **shape, "BT": backward[0], "BS": backward[1]}
     yield gpu._attention_dq_kernel, {
         **attention, **gradients, "dq_ptr": f"*{dtype}",
