@@ -95,7 +95,8 @@ def _child(args, threads: int) -> list[list[float]]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _median_seconds(run, repeats: int) -> list[float]:
+def _seconds(run, repeats: int) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls of ``run`` (the device synchronised after each)."""
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -197,11 +198,11 @@ def _timings(args, data) -> dict:
             samplers[name].sample(prompt, 16, params).result()
         for _ in range(args.repeats):
             for name, client in clients.items():
-                figures["forward_backward (12 sequences)"][name] += _median_seconds(
+                figures["forward_backward (12 sequences)"][name] += _seconds(
                     lambda c=client: c.forward_backward(data, "cross_entropy").result(), 1)
                 engine = samplers[name]._host.engine
                 steps = engine.decode_steps
-                seconds = _median_seconds(lambda s=samplers[name]: s.sample(prompt, 16, params).result(), 1)[0]
+                seconds = _seconds(lambda s=samplers[name]: s.sample(prompt, 16, params).result(), 1)[0]
                 figures["sampling, per decode step (16 rows x 64 tokens)"][name].append(
                     seconds / max(1, engine.decode_steps - steps))
         return figures

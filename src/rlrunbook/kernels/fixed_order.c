@@ -678,6 +678,18 @@ static int64_t query_scores(const attn_shape *sh, const float *qv, const float *
   return count;
 }
 
+/* Query (r, t, h) at qbase: its values into qv, its allowed keys and their scores; 0 for a padding query. */
+static int64_t prepare_query(const attn_shape *sh, const void *q, int64_t qbase, int64_t qp, const float *kt,
+                             int64_t S16, float *qv, float *sc, const int64_t *kpos, const uint8_t *kvalid,
+                             int64_t *allowed) {
+  if (qp < 0) return 0;
+  for (int64_t d0 = 0; d0 < sh->D; d0 += 16) {
+    v16 x = load16(q, qbase + d0, sh->tq, (int)(sh->D - d0 < 16 ? sh->D - d0 : 16));
+    memcpy(qv + d0, &x, 64);
+  }
+  return query_scores(sh, qv, kt, S16, sc, kpos, kvalid, qp, allowed);
+}
+
 /* p_i = exp(score_{allowed i} - shift) into p (zero-padded to a multiple of 16) */
 static void allowed_exp(const float *sc, const int64_t *allowed, int64_t count, float shift, float *p) {
   for (int64_t i = 0; i < count; i += 16) {
@@ -701,9 +713,9 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
     int64_t r = item / Hkv, kvh = item % Hkv;
     float *kt = malloc((size_t)(D * S16) * 4), *vs = malloc((size_t)(S16 * D + 16) * 4);
     float *sc = malloc((size_t)(S16 + 16) * 4), *p = malloc((size_t)(S16 + 16) * 4);
-    float *qv = malloc((size_t)(D + 16) * 4), *o = malloc((size_t)(D + 16) * 4);
+    float *qv = malloc((size_t)(D + 16) * 4);
     int64_t *allowed = malloc((size_t)(S + 1) * sizeof(int64_t));
-    if (!kt || !vs || !sc || !p || !qv || !o || !allowed) {
+    if (!kt || !vs || !sc || !p || !qv || !allowed) {
       failed = 1;
     } else {
       load_kv(&sh, k, v, r, kvh, kt, vs, S16);
@@ -712,15 +724,7 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
       for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < G; g++) {
           int64_t h = kvh * G + g, qbase = r * q_row + t * sh.q_t + h * D;
-          int64_t qp = qpos[r * T + t];
-          int64_t count = 0;
-          if (qp >= 0) {
-            for (int64_t d0 = 0; d0 < D; d0 += 16) {
-              v16 x = load16(q, qbase + d0, tq, (int)(D - d0 < 16 ? D - d0 : 16));
-              memcpy(qv + d0, &x, 64);
-            }
-            count = query_scores(&sh, qv, kt, S16, sc, kp, kval, qp, allowed);
-          }
+          int64_t count = prepare_query(&sh, q, qbase, qpos[r * T + t], kt, S16, qv, sc, kp, kval, allowed);
           if (count == 0) {
             for (int64_t d = 0; d < D; d++) store1(out, qbase + d, 0.0f, tq);
             lse[(r * T + t) * H + h] = -INFINITY;
@@ -751,7 +755,6 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
     free(sc);
     free(p);
     free(qv);
-    free(o);
     free(allowed);
   }
   return failed;
@@ -794,15 +797,7 @@ int attention_bwd(const void *q, const void *k, const void *v, const int64_t *qp
       for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < G; g++) {
           int64_t h = kvh * G + g, qbase = r * q_row + t * sh.q_t + h * D;
-          int64_t qp = qpos[r * T + t];
-          int64_t count = 0;
-          if (qp >= 0) {
-            for (int64_t d0 = 0; d0 < D; d0 += 16) {
-              v16 x = load16(q, qbase + d0, tq, (int)(D - d0 < 16 ? D - d0 : 16));
-              memcpy(qv + d0, &x, 64);
-            }
-            count = query_scores(&sh, qv, kt, S16, sc, kp, kval, qp, allowed);
-          }
+          int64_t count = prepare_query(&sh, q, qbase, qpos[r * T + t], kt, S16, qv, sc, kp, kval, allowed);
           if (count == 0) {
             for (int64_t d = 0; d < D; d++) store1(dq, qbase + d, 0.0f, tq);
             continue;

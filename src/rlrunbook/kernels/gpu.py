@@ -117,13 +117,18 @@ def _row_sumsq_kernel(x_ptr, out_ptr, E, sx, BLOCK: tl.constexpr):
     tl.store(out_ptr + row, tl.sum(acc, axis=0))
 
 
-def row_sumsq(x: torch.Tensor) -> torch.Tensor:
-    """``(x.float() ** 2).sum(-1)`` of ``[M, E]`` ``x``: one program per row."""
+def _per_row(kernel, x: torch.Tensor) -> torch.Tensor:
+    """``kernel`` run as one program per row of ``[M, N]`` ``x``, each writing one float32: ``[M]``."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _row_sumsq_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=ROW_BLOCK, num_warps=NUM_WARPS)
+        kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=ROW_BLOCK, num_warps=NUM_WARPS)
     return out
+
+
+def row_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """``(x.float() ** 2).sum(-1)`` of ``[M, E]`` ``x``: one program per row."""
+    return _per_row(_row_sumsq_kernel, x)
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -146,11 +151,7 @@ def _row_logsumexp_kernel(x_ptr, out_ptr, V, sx, BLOCK: tl.constexpr):
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """``logsumexp(x, -1)`` of float32 ``[M, V]`` ``x``: one program per row, the max, then the sum of exps."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    if x.shape[0]:
-        _row_logsumexp_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=ROW_BLOCK, num_warps=NUM_WARPS)
-    return out
+    return _per_row(_row_logsumexp_kernel, x)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:

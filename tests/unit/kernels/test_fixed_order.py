@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlrunbook.kernels import cpu, ops
+from rlrunbook.kernels import build, cpu, ops
 
 
 def _bf16_valued(*shape, seed: int, spread: float = 3.0) -> torch.Tensor:
@@ -174,6 +174,22 @@ def test_rope_table_is_the_float32_angle_through_libm():
     assert torch.equal(cos, torch.cos(angle).float()) and torch.equal(sin, torch.sin(angle).float())
 
 
+def check_attention_against_float64(q, k, v, query_positions, key_positions, key_valid, tolerance, generator):
+    """``ops.attention`` of ``q``, ``k``, ``v`` (scale 0.125) and its three gradients for an output gradient drawn
+    from ``generator``, each within ``tolerance`` of the float64 reference; returns the output."""
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ops.attention(*mine, query_positions, key_positions, key_valid, 0.125)
+    grad = torch.randn(out.shape, generator=generator).to(q.dtype)
+    out.backward(grad)
+    reference = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = _reference_attention(*reference, query_positions, key_positions, key_valid, 0.125)
+    expected.backward(grad.double())
+    assert (out.double() - expected).abs().max() <= tolerance
+    for got, want in zip(mine, reference, strict=True):
+        assert (got.grad.double() - want.grad).abs().max() <= tolerance
+    return out
+
+
 def _reference_attention(q, k, v, query_positions, key_positions, key_valid, scale):
     groups = q.shape[2] // k.shape[2]
     keys, values = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
@@ -192,17 +208,8 @@ def test_attention_and_its_gradients_match_float64(dtype):
     key_positions = torch.arange(9)[None].repeat(3, 1)
     key_valid = torch.ones(3, 9, dtype=torch.bool)
     key_valid[1, 0] = False
-    mine = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = ops.attention(*mine, query_positions, key_positions, key_valid, 0.125)
-    grad = torch.randn(out.shape, generator=generator).to(dtype)
-    out.backward(grad)
-    reference = [t.double().requires_grad_() for t in (q, k, v)]
-    expected = _reference_attention(*reference, query_positions, key_positions, key_valid, 0.125)
-    expected.backward(grad.double())
     tolerance = 2e-6 if dtype == torch.float32 else 3e-2
-    assert (out.double() - expected).abs().max() <= tolerance
-    for got, want in zip(mine, reference, strict=True):
-        assert (got.grad.double() - want.grad).abs().max() <= tolerance
+    out = check_attention_against_float64(q, k, v, query_positions, key_positions, key_valid, tolerance, generator)
     assert torch.equal(out[1, 4], torch.zeros_like(out[1, 4]))  # the padding query
 
 
@@ -246,22 +253,12 @@ def test_float16_is_computed_from_its_exact_float32_values():
     assert torch.equal(out, ops.attention(q.float(), k.float(), k.float(), positions, positions, valid, 0.1).half())
 
 
-def _x86_features() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif(not {"avx2", "fma", "avx512f"} <= _x86_features(),
+@pytest.mark.skipif(not {"avx2", "fma", "avx512f"} <= set(build._cpu_flags().split()),
                     reason="needs an x86 CPU with AVX-512, to run an AVX2 build beside this machine's own")
 def test_the_vector_width_changes_no_bit(tmp_path):
     """The orders are stated per element, not per register: the kernels built for AVX2 (8-lane registers, no bf16
     instruction) give the same bits as this machine's AVX-512 build (16 lanes, VDPBF16PS where it has it)."""
     import ctypes
-
-    from rlrunbook.kernels import build
 
     other = build.load_variant(tmp_path, ("-march=x86-64-v3", "-fopenmp"))
     generator = torch.Generator().manual_seed(9)

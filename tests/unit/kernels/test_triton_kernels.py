@@ -59,7 +59,7 @@ def test_row_reductions_are_one_program_per_row():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_attention_and_its_gradients(dtype, on_triton):
-    from test_fixed_order import _reference_attention
+    from test_fixed_order import check_attention_against_float64
 
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(2, 5, 6, 64, generator=generator).to(dtype)
@@ -68,17 +68,8 @@ def test_attention_and_its_gradients(dtype, on_triton):
     key_positions = torch.arange(70)[None].repeat(2, 1)
     key_valid = torch.ones(2, 70, dtype=torch.bool)
     key_valid[1, :2] = False
-    mine = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = ops.attention(*mine, query_positions, key_positions, key_valid, 0.125)
-    grad = torch.randn(out.shape, generator=generator).to(dtype)
-    out.backward(grad)
-    reference = [t.double().requires_grad_() for t in (q, k, v)]
-    expected = _reference_attention(*reference, query_positions, key_positions, key_valid, 0.125)
-    expected.backward(grad.double())
     tolerance = 2e-5 if dtype == torch.float32 else 5e-2
-    assert (out.double() - expected).abs().max() <= tolerance
-    for got, want in zip(mine, reference, strict=True):
-        assert (got.grad.double() - want.grad).abs().max() <= tolerance
+    out = check_attention_against_float64(q, k, v, query_positions, key_positions, key_valid, tolerance, generator)
     assert torch.equal(out[1, 4], torch.zeros_like(out[1, 4]))
 
 
