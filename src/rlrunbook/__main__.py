@@ -2,6 +2,6 @@
 
 import sys
 
-from rlrunbook.cli_signals import launch
+from rlrunbook.cli.launch import launch
 
 sys.exit(launch())

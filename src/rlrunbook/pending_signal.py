@@ -3,10 +3,10 @@
 A signal handler raises ``KeyboardInterrupt`` wherever the main thread happens to be. A library may swallow
 it there (a bare ``except:`` while a module imports) or turn it into an error of its own (transformers' lazy
 imports raise ``ModuleNotFoundError``), and the command would go on as if nothing had been sent.
-:mod:`rlrunbook.cli_signals`' handlers therefore also record each signal here; :func:`raise_pending` at the
+:mod:`rlrunbook.boundary.signals`' handlers therefore also record each signal here; :func:`raise_pending` at the
 points where work begins (a command starts, a model loads, a training step starts) raises it again, and the
 error boundaries ask :func:`pending` whether an error is a signal's consequence. Once an interrupt reaches
-its handler (``cli_signals.finish``) the record is cleared.
+its handler (``boundary.signals.finish``) the record is cleared.
 """
 
 from __future__ import annotations

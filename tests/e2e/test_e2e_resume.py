@@ -129,7 +129,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(tmp_path, straight):
     driver = tmp_path / "crash_driver.py"
     driver.write_text(DRIVER.format(code=CRASH_EXIT))
     logs = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(cli.__file__).parents[1]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(cli.__file__).parents[2]),
                                                                       os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(driver), "train", "--log-root", str(logs), *TRAIN, "-s", "6"],
                           env=env, capture_output=True, text=True, timeout=600)

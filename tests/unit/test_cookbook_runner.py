@@ -122,7 +122,7 @@ def test_hub_datasets_served_from_local_files(bindings, tmp_path):
 
 
 def test_runner_options():
-    from rlrunbook.cookbook.__main__ import parse_args
+    from rlrunbook.cookbook.runner import parse_args
 
     args = parse_args(["--renderer", "qwen3_instruct", "--hf-dataset", "openai/gsm8k=/d/g.jsonl",
                        "tinker_cookbook.recipes.rl_loop", "model_name=tiny", "--flag"])
@@ -206,7 +206,7 @@ def test_stand_in_settings_parse_and_refuse_malformed_entries():
 
 
 def test_image_and_audio_recipes_are_refused_before_any_model_loads(monkeypatch):
-    from rlrunbook.cookbook.__main__ import check_recipe
+    from rlrunbook.cookbook.runner import check_recipe
 
     monkeypatch.delenv("TINKER_BACKEND", raising=False)
     with pytest.raises(ConfigError, match="vision-language model on images"):

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from rlrunbook import cli
-from rlrunbook.cookbook import __main__ as cookbook_runner
+from rlrunbook.cookbook import runner as cookbook_runner
 from rlrunbook.rl.setup.config_sources import PRESET_DIR, leaf_keys, list_presets
 from rlrunbook.testing.commands import installed_rlrunbook
 

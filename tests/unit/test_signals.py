@@ -48,7 +48,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     root = tmp_path / "logs"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(cli.__file__).parents[1]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(cli.__file__).parents[2]),
                                                                       os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, str(driver), *TRAIN, "--log-root", str(root)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -131,10 +131,10 @@ def test_the_console_script_enters_through_the_signal_handlers():
     from importlib.metadata import entry_points
 
     (script,) = entry_points(group="console_scripts", name="rlrunbook")
-    assert script.value == "rlrunbook.cli_signals:launch"
+    assert script.value == "rlrunbook.cli.launch:launch"
     # What the script imports before the handlers are in place: nothing heavy, not the command line itself.
-    probe = ("import sys, rlrunbook.cli_signals; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('torch', 'transformers', 'numpy', 'pydantic') or m == 'rlrunbook.cli'))")
+    probe = ("import sys, rlrunbook.cli.launch; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'transformers', 'numpy', 'pydantic') or m == 'rlrunbook.cli.app'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

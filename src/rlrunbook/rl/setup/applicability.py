@@ -13,13 +13,14 @@ nothing reads it, naming the setting that would. The options a task reads throug
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.rl.rollout.task_options import TaskOption
 from rlrunbook.rl.rollout.tasks import TASKS, get_task_class
+from rlrunbook.rl.setup.flags import named
 from rlrunbook.rl.setup.limits import shown
 
 CLIP_LOSSES = ("ppo", "cispo", "gspo")  # the losses that read loss.clip_low_threshold / clip_high_threshold
@@ -31,26 +32,25 @@ class Conditional:
     what this config has instead. ``default`` is what null means once it applies (None: it stays null)."""
 
     key: str
-    flag: str
     default: Any
     applies: Callable[[Any], bool]
     needs: str
     now: Callable[[Any], str]
 
 
-def _validation(key: str, flag: str, default: Any) -> Conditional:
-    return Conditional(key, flag, default, lambda c: c.validation.every > 0,
+def _validation(key: str, default: Any) -> Conditional:
+    return Conditional(key, default, lambda c: c.validation.every > 0,
                        "with validation on (--val-every above 0)", lambda c: "validation.every is 0")
 
 
 def _mismatch(key: str, default: float, correction: str) -> Conditional:
-    return Conditional(key, key, default, lambda c: c.mismatch.correction == correction,
+    return Conditional(key, default, lambda c: c.mismatch.correction == correction,
                        f"with mismatch.correction {correction}",
                        lambda c: f"mismatch.correction is {c.mismatch.correction}")
 
 
 def _clip(key: str) -> Conditional:
-    return Conditional(key, key, None, lambda c: c.loss_fn in CLIP_LOSSES,
+    return Conditional(key, None, lambda c: c.loss_fn in CLIP_LOSSES,
                        "to the clipped losses (--loss-fn ppo, cispo or gspo)", lambda c: f"--loss-fn is {c.loss_fn}")
 
 
@@ -61,7 +61,7 @@ def _judge_now(config: Any) -> str:
 
 
 CONDITIONALS: tuple[Conditional, ...] = (
-    Conditional("loss.kl_estimator", "--kl-estimator (loss.kl_estimator)", "low_var_kl",
+    Conditional("loss.kl_estimator", "low_var_kl",
                 lambda c: c.loss.kl_coef > 0, "with the KL term on (--kl-coef above 0)",
                 lambda c: "loss.kl_coef is 0"),
     _clip("loss.clip_low_threshold"),
@@ -69,23 +69,18 @@ CONDITIONALS: tuple[Conditional, ...] = (
     _mismatch("mismatch.cap", 2.0, "truncate"),
     _mismatch("mismatch.mask_low", 0.125, "mask"),
     _mismatch("mismatch.mask_high", 8.0, "mask"),
-    _validation("validation.samples", "--val-samples (validation.samples)", 4),
-    _validation("validation.num_problems", "validation.num_problems", 16),
-    _validation("validation.threshold", "validation.threshold", 1.0),
-    Conditional("judge_model", "--judge-model (judge_model)", None,
+    _validation("validation.samples", 4),
+    _validation("validation.num_problems", 16),
+    _validation("validation.threshold", 1.0),
+    Conditional("judge_model", None,
                 lambda c: c.mode == "debate" and not c.mock_judge,
                 "to debates judged by a model (--mode debate without --mock-judge)", _judge_now),
-    Conditional("data.cache_dir", "data.cache_dir", None, lambda c: c.data.cache,
+    Conditional("data.cache_dir", None, lambda c: c.data.cache,
                 "with the data set cache on (--cache-dataset)", lambda c: "data.cache is false"),
 )
 
-# Config fields that feed a task option (TaskOption.field), with the flag that sets each.
-TASK_FIELDS: Mapping[str, str] = {
-    "summary_max_words": "--summary-max-words (summary_max_words)",
-    "reward.verify_weight": "reward.verify_weight",
-    "reward.format_weight": "reward.format_weight",
-    "reward.reflect_weight": "reward.reflect_weight",
-}
+# Config fields that feed a task option (TaskOption.field).
+TASK_FIELDS = ("summary_max_words", "reward.verify_weight", "reward.format_weight", "reward.reflect_weight")
 
 
 def _get(config: Any, key: str) -> Any:
@@ -108,10 +103,10 @@ def _task_conditional(config: Any, key: str) -> Conditional:
     if option is None:
         readers = sorted(name for name, cls in TASKS.items()
                          if any(o.field == key for o in cls.declared_options.values()))
-        return Conditional(key, TASK_FIELDS[key], None, lambda c: False,
+        return Conditional(key, None, lambda c: False,
                            f"to the tasks that read it ({', '.join(f'--env {r}' for r in readers) or 'none'})",
                            lambda c: f"--env is {c.env}")
-    return Conditional(key, TASK_FIELDS[key], option.default, lambda c: option.applies(dataset, reward_fn),
+    return Conditional(key, option.default, lambda c: option.applies(dataset, reward_fn),
                        f"with {option.needs()}", lambda c: f"this run has --dataset {dataset} with --reward-fn "
                                                            f"{reward_fn}")
 
@@ -133,7 +128,7 @@ def settle(config: Any) -> dict[str, Any]:
             if value is None and conditional.default is not None:
                 fills[conditional.key] = conditional.default
         elif value is not None:
-            raise ConfigError(f"{conditional.flag} {shown(value)} has no effect in this run: it applies only "
+            raise ConfigError(f"{named(conditional.key)} {shown(value)} has no effect in this run: it applies only "
                               f"{conditional.needs}, but {conditional.now(config)}. Drop it, or change that "
                               "setting.")
     return fills

@@ -168,14 +168,17 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     version: Int = Field(CONFIG_VERSION, description="config schema version")
-    mode: str = Field("single_turn", description="interaction protocol: single_turn or debate (3 rounds)")
+    mode: str = Field("single_turn", description="interaction protocol: single_turn, debate (3 rounds), or a registered "
+                                                        "paradigm")
     env: str = Field("qa", description="task: qa, summary, math, or a registered plug-in")
-    dataset: str | None = Field(None, description='"test" (built-in arithmetic), a hub name or a JSONL path')
-    num_rollouts: Int = Field(16, description="rollouts per step (-n); split evenly into question groups")
+    dataset: str | None = Field(None, description="data set: the task's default when null (qa: test, the built-in "
+                                                      "arithmetic; summary: cnn_dailymail; math: gsm8k), a hub name "
+                                                      "or a JSONL path")
+    num_rollouts: Int = Field(16, description="rollouts per step, split evenly into question groups")
     num_groups: Int = Field(1, description="question groups per step; each group shares one question")
-    steps: Int = Field(1, description="optimizer steps (-s)")
+    steps: Int = Field(1, description="optimizer steps")
     off_policy: Int = Field(0, ge=0, description="asynchronous RL: batches sampled ahead while the trainer trains; "
-                                                 "batch i is sampled from the weights after step max(0, i - K). "
+                                                 "batch i is sampled from the weights after step max(0, i - off_policy); "
                                                  "0 = the synchronous loop")
     name: str = Field("run", description="run name, last part of the run directory's name")
     seed: Int = Field(0, description="seeds data order, LoRA init and sampling")
@@ -197,7 +200,8 @@ class TrainConfig(BaseModel):
     lora_rank: Int = Field(16, description="LoRA rank")
     train_unembed: Bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
                                                   "Llama-family models, not for Qwen2 (set false there)")
-    loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with")
+    loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with: importance_sampling, ppo, cispo, "
+                                                             "dro or gspo")
     summary_max_words: Int | None = Field(None, description="summary only: the article is cut to this many words "
                                                             "(null: 150)")
     deterministic: Bool = Field(False, description="seed Python/NumPy/torch, deterministic torch algorithms")

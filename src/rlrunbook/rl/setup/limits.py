@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.rl.setup.flags import named
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed and the sampler's seed mixing (engines.noise) take int64 seeds
 MAX_ROLLOUTS = 65_536  # rows sampled in one step: 100x the "hundreds of rows a step" this project is built for
@@ -45,12 +46,11 @@ MAX_YAML_INT_DIGITS = 30  # no setting needs more than 19 digits (2^63)
 
 @dataclass(frozen=True)
 class Limit:
-    """The inclusive range of one config value (``low_open``: ``low`` itself excluded), the flag that sets
-    it, and why the range is what it is."""
+    """The inclusive range of one config value (``low_open``: ``low`` itself excluded) and why the range is what
+    it is."""
 
     low: int | float
     high: int | float
-    flag: str
     why: str
     low_open: bool = False
 
@@ -65,46 +65,46 @@ class Limit:
 
 
 LIMITS: Mapping[str, Limit] = {
-    "seed": Limit(0, MAX_SEED, "--seed", "seeds are torch's int64 seeds (torch.manual_seed, the sampler's seed "
+    "seed": Limit(0, MAX_SEED, "seeds are torch's int64 seeds (torch.manual_seed, the sampler's seed "
                   "mixing), and a negative one would be read modulo 2^64"),
-    "num_rollouts": Limit(1, MAX_ROLLOUTS, "-n", "rollouts are rows sampled in one step; this project plans "
+    "num_rollouts": Limit(1, MAX_ROLLOUTS, "rollouts are rows sampled in one step; this project plans "
                           "hundreds a step, and the memory plan refuses far fewer on one device"),
-    "num_groups": Limit(1, MAX_ROLLOUTS, "--num-groups", "each group holds at least one rollout"),
-    "steps": Limit(1, MAX_STEPS, "-s", "a million optimizer steps outlasts any run this project plans"),
-    "off_policy": Limit(0, MAX_OFF_POLICY, "--off-policy", "each batch in flight holds a snapshot of the "
+    "num_groups": Limit(1, MAX_ROLLOUTS, "each group holds at least one rollout"),
+    "steps": Limit(1, MAX_STEPS, "a million optimizer steps outlasts any run this project plans"),
+    "off_policy": Limit(0, MAX_OFF_POLICY, "each batch in flight holds a snapshot of the "
                         "adapter, and a lag of 64 steps is 8x the widest that asynchronous RL stacks default to "
                         "(prime-rl, 8)"),
-    "max_tokens": Limit(1, MAX_TOKENS, "--max-tokens", "2^20 tokens is beyond any published model's context "
+    "max_tokens": Limit(1, MAX_TOKENS, "2^20 tokens is beyond any published model's context "
                         "window, and the sampler's cache is sized rows x tokens"),
-    "lora_rank": Limit(1, MAX_LORA_RANK, "--lora-rank", "a rank above a layer's width adds no capacity, and "
+    "lora_rank": Limit(1, MAX_LORA_RANK, "a rank above a layer's width adds no capacity, and "
                        "16,384 is the widest layer of a published dense model"),
-    "learning_rate": Limit(0, MAX_LEARNING_RATE, "--learning-rate", "Adam moves every weight by about the "
+    "learning_rate": Limit(0, MAX_LEARNING_RATE, "Adam moves every weight by about the "
                            "learning rate each step whatever the gradient's scale, so above 1 each adapter weight "
                            "moves by more than its own size and the run diverges; LoRA runs use 1e-6 to 1e-3",
                            low_open=True),
-    "summary_max_words": Limit(1, MAX_SUMMARY_WORDS, "--summary-max-words", "the words of the article kept in "
+    "summary_max_words": Limit(1, MAX_SUMMARY_WORDS, "the words of the article kept in "
                                "the prompt: 0 asks to summarise nothing, and 100,000 is 50x the longest "
                                "CNN/DailyMail article"),
-    "temperature": Limit(0, MAX_TEMPERATURE, "--temperature", "the logits are divided by it, and at 100 every "
+    "temperature": Limit(0, MAX_TEMPERATURE, "the logits are divided by it, and at 100 every "
                          "token of the vocabulary is about equally likely: sampling stops depending on the policy; "
                          "RL runs use 0.6 to 1.2"),
-    "loss.entropy_coef": Limit(0, MAX_ENTROPY_COEF, "--entropy-coef", "a token's entropy is at most "
+    "loss.entropy_coef": Limit(0, MAX_ENTROPY_COEF, "a token's entropy is at most "
                                "ln(vocabulary size), about 11 nats, while the policy term is about one advantage a "
                                "token, so above 10 the bonus is the whole objective; runs use 0.001 to 0.01"),
-    "checkpoint.every": Limit(0, MAX_STEPS, "--checkpoint-every", "a step count (0 = off)"),
-    "validation.every": Limit(0, MAX_STEPS, "--val-every", "a step count (0 = off)"),
-    "validation.samples": Limit(1, MAX_ROLLOUTS, "--val-samples", "samples per problem are rows sampled at "
+    "checkpoint.every": Limit(0, MAX_STEPS, "a step count (0 = off)"),
+    "validation.every": Limit(0, MAX_STEPS, "a step count (0 = off)"),
+    "validation.samples": Limit(1, MAX_ROLLOUTS, "samples per problem are rows sampled at "
                                 "once, bounded like -n"),
-    "validation.num_problems": Limit(1, MAX_HELD_OUT, "validation.num_problems", "held-out problems come out of "
+    "validation.num_problems": Limit(1, MAX_HELD_OUT, "held-out problems come out of "
                                      "the data set, and no data set here has a million rows"),
-    "data.max_prompt_tokens": Limit(1, MAX_TOKENS, "--max-prompt-tokens", "bounded like --max-tokens"),
-    "dynamic_sampling.max_rounds": Limit(1, MAX_SAMPLING_ROUNDS, "dynamic_sampling.max_rounds", "each round "
+    "data.max_prompt_tokens": Limit(1, MAX_TOKENS, "bounded like --max-tokens"),
+    "dynamic_sampling.max_rounds": Limit(1, MAX_SAMPLING_ROUNDS, "each round "
                                          "samples the step's missing groups again; a step still tied after 64 "
                                          "rounds is better skipped"),
-    "dynamic_sampling.max_skipped_steps": Limit(1, MAX_STEPS, "dynamic_sampling.max_skipped_steps", "a step count"),
-    "backend.grad_accum_steps": Limit(1, MAX_ROLLOUTS, "backend.grad_accum_steps", "chunks of a step's rows: "
+    "dynamic_sampling.max_skipped_steps": Limit(1, MAX_STEPS, "a step count"),
+    "backend.grad_accum_steps": Limit(1, MAX_ROLLOUTS, "chunks of a step's rows: "
                                       "more chunks than rows are empty"),
-    "backend.micro_batch_tokens": Limit(0, MAX_BATCH_TOKENS, "backend.micro_batch_tokens", "a step's rows x "
+    "backend.micro_batch_tokens": Limit(0, MAX_BATCH_TOKENS, "a step's rows x "
                                         "(prompt + completion) tokens at the limits of -n and --max-tokens"),
 }
 
@@ -139,6 +139,5 @@ def check_limits(config: Any) -> None:
             continue
         side = "above" if value > limit.high else "below"
         bound = limit.high if value > limit.high else limit.low
-        name = limit.flag if limit.flag == key else f"{limit.flag} ({key})"
-        raise ConfigError(f"{name} {shown(value)} is {side} its limit of {_number(bound)}: {limit.why}. "
+        raise ConfigError(f"{named(key)} {shown(value)} is {side} its limit of {_number(bound)}: {limit.why}. "
                           f"Pass a value {limit.range()}.")

@@ -29,7 +29,7 @@ from rlrunbook.rl.setup.config_sources import build_config, load_config_file, pa
     ({"env": "summary", "summary_max_words": 0}, "--summary-max-words (summary_max_words) 0 is below its limit of 1"),
     ({"env": "summary", "summary_max_words": -5}, "summary_max_words) -5 is below its limit of 1"),
     ({"validation.every": 1, "validation.samples": 70_000}, "--val-samples (validation.samples) 70000 is above"),
-    ({"dynamic_sampling.max_rounds": 65}, "dynamic_sampling.max_rounds 65 is above its limit of 64"),
+    ({"dynamic_sampling.max_rounds": 65}, "--dynamic-sampling-max-rounds (dynamic_sampling.max_rounds) 65 is above its limit of 64"),
     ({"temperature": 1e6}, "--temperature (temperature) 1000000.0 is above its limit of 100"),
     ({"loss.entropy_coef": 1e6}, "--entropy-coef (loss.entropy_coef) 1000000.0 is above its limit of 10"),
 ])

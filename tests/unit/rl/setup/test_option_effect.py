@@ -31,22 +31,22 @@ def _validated(overrides=(), **cli):
      "but --mock-judge is set, and the mock judge reads no model"),
     ({"summary_max_words": 100}, (), "--summary-max-words (summary_max_words) 100 has no effect in this run: it "
                                      "applies only to the tasks that read it (--env summary), but --env is qa"),
-    ({}, ("loss.clip_low_threshold=0.5",), "loss.clip_low_threshold 0.5 has no effect in this run: it applies only "
-                                           "to the clipped losses (--loss-fn ppo, cispo or gspo), but --loss-fn is "
+    ({}, ("loss.clip_low_threshold=0.5",), "--loss-clip-low-threshold (loss.clip_low_threshold) 0.5 has no "
+                                           "effect in this run: it applies only to the clipped losses (--loss-fn ppo, cispo or gspo), but --loss-fn is "
                                            "importance_sampling"),
     ({"loss_fn": "dro"}, ("loss.clip_high_threshold=1.5",), "but --loss-fn is dro"),
     ({"loss.kl_estimator": "k3"}, (), "--kl-estimator (loss.kl_estimator) 'k3' has no effect in this run: it applies "
                                  "only with the KL term on (--kl-coef above 0), but loss.kl_coef is 0"),
     ({"validation.samples": 8}, (), "--val-samples (validation.samples) 8 has no effect in "
                                                           "this run: it applies only with validation on"),
-    ({}, ("validation.threshold=0.5",), "validation.threshold 0.5 has no effect"),
-    ({}, ("mismatch.cap=3",), "mismatch.cap 3.0 has no effect in this run: it applies only with "
+    ({}, ("validation.threshold=0.5",), "--validation-threshold (validation.threshold) 0.5 has no effect"),
+    ({}, ("mismatch.cap=3",), "--mismatch-cap (mismatch.cap) 3.0 has no effect in this run: it applies only with "
                               "mismatch.correction truncate, but mismatch.correction is none"),
     ({}, ("mismatch.correction=truncate", "mismatch.mask_low=0.2"), "but mismatch.correction is truncate"),
-    ({}, ("reward.verify_weight=2",), "reward.verify_weight 2.0 has no effect in this run: it applies only with "
-                                      "--reward-fn multi_signal, but this run has --dataset test with --reward-fn "
+    ({}, ("reward.verify_weight=2",), "--reward-verify-weight (reward.verify_weight) 2.0 has no effect in this "
+                                      "run: it applies only with --reward-fn multi_signal, but this run has --dataset test with --reward-fn "
                                       "numeric"),
-    ({}, ("data.cache_dir=/tmp/x",), "data.cache_dir '/tmp/x' has no effect in this run"),
+    ({}, ("data.cache_dir=/tmp/x",), "--data-cache-dir (data.cache_dir) '/tmp/x' has no effect in this run"),
 ])
 def test_an_option_the_run_ignores_is_refused(cli, overrides, match):
     with pytest.raises(ConfigError) as error:

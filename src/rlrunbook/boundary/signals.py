@@ -7,10 +7,11 @@ itself ``interrupted`` and keeps its last checkpoint (:mod:`rlrunbook.rl.trainin
 then stops every local backend still computing (a process must not exit while a backend thread is inside
 torch: libstdc++ aborts it) and returns ``128 + N``; nothing prints a traceback.
 
-The ``rlrunbook`` command enters through :func:`launch`, which installs the handlers before anything heavy
-is imported, so a signal in the first instant of start-up (while torch and transformers load) stops it the
-same way; started with the signals blocked, it is covered from ``exec`` on (:func:`unblock`). A process started in the background by a non-interactive shell inherits SIGINT ignored; it stays
-ignored (the shell asked for that), so such a process is stopped with SIGTERM or SIGHUP.
+The ``rlrunbook`` command enters through :func:`rlrunbook.cli.launch.launch`, which installs the handlers
+before anything heavy is imported, so a signal in the first instant of start-up (while torch and transformers
+load) stops it the same way; started with the signals blocked, it is covered from ``exec`` on
+(:func:`unblock`). A process started in the background by a non-interactive shell inherits SIGINT ignored; it
+stays ignored (the shell asked for that), so such a process is stopped with SIGTERM or SIGHUP.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from rlrunbook import pending_signal
 from rlrunbook.pending_signal import Stopped
 
-__all__ = ["Stopped", "exit_code", "finish", "finish_now", "install", "interrupted_by", "launch", "signal_name",
+__all__ = ["STOP_SIGNALS", "Stopped", "exit_code", "finish", "finish_now", "install", "interrupted_by", "signal_name",
            "stop_backends", "unblock"]
 
 # The signals that stop a command, besides SIGINT (whose handler Python installs itself).
@@ -161,38 +162,6 @@ def stop_backends(timeout: float = STOP_TIMEOUT_S) -> bool:
         return stop_live_services(timeout)
     except KeyboardInterrupt:
         return False
-
-
-def launch() -> int:
-    """The ``rlrunbook`` console script: handlers first, then the command line's imports and ``cli.main``.
-
-    A signal while the modules load ends the command as one during it does (``128 + N``, one line, no
-    traceback). One that arrived while the signals were blocked (see :func:`unblock`) is handled the same way,
-    right after the handlers are in place. Once the command has returned, a late signal is ignored: its
-    status stands.
-    """
-    install()
-    try:
-        try:
-            unblock()
-            from rlrunbook.cli import main
-
-            pending_signal.raise_pending()  # one that an imported module swallowed
-            code = main()
-        except KeyboardInterrupt as interrupt:
-            code = finish(interrupt)
-        except Exception as error:  # while the modules load: a library's error caused by a signal
-            interrupt = interrupted_by(error)
-            if interrupt is None:
-                raise
-            code = finish(interrupt)
-        for name in ("SIGINT", *STOP_SIGNALS):
-            number = getattr(signal, name, None)
-            if number is not None:
-                signal.signal(number, signal.SIG_IGN)
-    except KeyboardInterrupt as again:  # a second signal while the first was handled, or one at the very end
-        code = finish_now(again)
-    return code
 
 
 def finish_now(interrupt: KeyboardInterrupt) -> int:

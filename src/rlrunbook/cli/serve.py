@@ -1,0 +1,49 @@
+"""``rlrunbook serve``: the local backend as a Tinker service over HTTP (docs/serve.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rlrunbook.errors import ConfigError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"rlrunbook serve needs {' and '.join(missing)}, which this environment lacks; install "
+                          "them with pip install -e '.[serve]' (scripts/setup.sh does by default).")
+    from rlrunbook.service import ServeOptions, serve
+    from rlrunbook.service.server import API_KEY_ENV, keys_from
+
+    options = ServeOptions(host=args.host, port=args.port, storage=Path(args.storage) if args.storage else None,
+                           api_keys=keys_from(args.api_key, os.environ.get(API_KEY_ENV)), device=args.device,
+                           max_body_bytes=args.max_body_mib * 2**20, session_timeout_s=args.session_timeout)
+    return serve(options)
+
+
+def add_command(commands) -> None:
+    """``rlrunbook serve``: the local backend as a Tinker service over HTTP (docs/serve.md)."""
+    serve = commands.add_parser("serve", help="serve the local backend over the Tinker SDK's HTTP protocol: "
+                                              "set TINKER_BASE_URL to the URL it prints (docs/serve.md)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (127.0.0.1); any non-loopback address needs --api-key")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (8000); 0 picks a free one, printed")
+    serve.add_argument("--storage", metavar="DIR",
+                       help="where tinker:// checkpoints live (default: TINKER_LOCAL_STORAGE, else "
+                            "~/.cache/rlrunbook/tinker)")
+    serve.add_argument("--api-key", metavar="KEY", action="append",
+                       help="a key clients send as TINKER_API_KEY (starts with tml-); repeat it for several "
+                            "tenants, each seeing only its own sessions; default: RLRUNBOOK_SERVE_API_KEY "
+                            "(comma-separated); none = no key, loopback only")
+    serve.add_argument("--device", default=None, help="default: TINKER_LOCAL_DEVICE, else cuda if available, else cpu")
+    serve.add_argument("--max-body-mib", type=int, default=64,
+                       help="largest request body in MiB (64); larger ones are refused with 413")
+    serve.add_argument("--session-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="a session whose client sent no heartbeat for this long expires and its models' "
+                            "memory is freed (300; the SDK sends one every 10 s); saved checkpoints stay")
+    serve.set_defaults(func=cmd_serve)
+
