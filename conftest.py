@@ -141,7 +141,7 @@ def smollm2_folder():
 @pytest.fixture(scope="session")
 def tiny_host(tiny_folder):
     """The tiny model in fp32 on CPU with its engine (shared: tests must not change its weights)."""
-    from rlrunbook.backend.host import load_host
+    from rlrunbook.backend.model_host import load_host
     from rlrunbook.backend.settings import LocalSettings
 
     return load_host(str(tiny_folder), LocalSettings(device="cpu", dtype=__import__("torch").float32))
@@ -149,7 +149,7 @@ def tiny_host(tiny_folder):
 
 @pytest.fixture(scope="session")
 def smollm2_host(smollm2_folder):
-    from rlrunbook.backend.host import load_host
+    from rlrunbook.backend.model_host import load_host
     from rlrunbook.backend.settings import LocalSettings
 
     return load_host(str(smollm2_folder), LocalSettings(device="cpu", dtype=__import__("torch").float32))

@@ -22,7 +22,7 @@ from bench_support import (
     token_windows,
 )
 
-from rlrunbook.backend.host import load_host
+from rlrunbook.backend.model_host import load_host
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters

@@ -141,7 +141,7 @@ def test_bench_forward_backward_regularised(benchmark, training_setup, terms):
 
 def test_bench_checkpoint_save_and_load(benchmark, training_setup, tmp_path):
     """Median time to export the training state and save a verified checkpoint, then load it back."""
-    from rlrunbook.run.checkpoints import Checkpoint, capture_rng, load_checkpoint, save_checkpoint
+    from rlrunbook.run.checkpoint_format import Checkpoint, capture_rng, load_checkpoint, save_checkpoint
 
     model_name, settings, client, data = training_setup
     client.forward_backward(data, LOSS).result()

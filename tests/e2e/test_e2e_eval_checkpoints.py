@@ -11,11 +11,11 @@ from tinker import types
 
 from rlrunbook import cli
 from rlrunbook.backend import LocalServiceClient, LocalSettings
-from rlrunbook.backend.host import load_host
+from rlrunbook.backend.model_host import load_host
 from rlrunbook.backend.lora import load_adapter, wrap_with_lora
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.rl.evaluation.checkpoint_eval import checkpoint_samplers
-from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint
+from rlrunbook.run.checkpoint_format import checkpoint_dirs, load_checkpoint
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from rlrunbook import cli
 from rlrunbook.run import check_run, format_results, rubric_passed
-from rlrunbook.run.checkpoints import checkpoint_dirs
+from rlrunbook.run.checkpoint_format import checkpoint_dirs
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ CRASH_EXIT = 86
 DRIVER = """
 import os, sys
 from rlrunbook import cli
-from rlrunbook.run import checkpoints
+from rlrunbook.run import checkpoint_format as checkpoints
 
 write_manifest = checkpoints._write_manifest
 

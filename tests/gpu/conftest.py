@@ -25,7 +25,7 @@ def cuda_hosts():
     """
     import torch
 
-    from rlrunbook.backend.host import load_host
+    from rlrunbook.backend.model_host import load_host
     from rlrunbook.backend.settings import LocalSettings
 
     hosts = {}

@@ -33,7 +33,7 @@ import torch
 from gpu_support import DEVICE, chat_prompts
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings
-from rlrunbook.backend.vllm_settings import VllmSettings
+from rlrunbook.vllm.settings import VllmSettings
 from rlrunbook.diagnostics import parity_gates, sampler_trainer_parity
 from rlrunbook.engines.filters import SamplingFilters
 

@@ -1,4 +1,4 @@
-"""Checkpoint folders (rlrunbook.run.checkpoints): round trip, atomic save, listing, corruption, no pickle."""
+"""Checkpoint folders (rlrunbook.run.checkpoint_format): round trip, atomic save, listing, corruption, no pickle."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlrunbook.errors import InputError
-from rlrunbook.run import checkpoints as ckpt
-from rlrunbook.run.checkpoints import (
+from rlrunbook.run import checkpoint_format as ckpt
+from rlrunbook.run.checkpoint_format import (
     Checkpoint,
     capture_rng,
     checkpoint_dirs,

@@ -14,7 +14,7 @@ import torch
 from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient, LocalSettings, SdkLocalServiceClient
-from rlrunbook.backend.checkpoints import OPTIMIZER_FILE
+from rlrunbook.backend.model_state import OPTIMIZER_FILE
 from rlrunbook.errors import ConfigError, ModelNotFoundError, NoLearningSignalError
 from rlrunbook.tokens import build_datum_arrays
 

@@ -50,7 +50,7 @@ def test_install_scripts_pin_the_same_range():
 
 @pytest.fixture
 def bindings():
-    from rlrunbook.cookbook.binding import Bindings
+    from rlrunbook.cookbook.bindings import Bindings
 
     made = Bindings()
     yield made
@@ -62,7 +62,7 @@ def test_local_clients_are_bound_in_this_process_only_and_undone(bindings):
     from tinker.lib.public_interfaces.service_client import ServiceClient as SdkServiceClient
 
     from rlrunbook.backend import LocalRestClient, SdkLocalServiceClient
-    from rlrunbook.cookbook.binding import bind_local_clients
+    from rlrunbook.cookbook.bindings import bind_local_clients
 
     bind_local_clients(bindings)
     assert tinker.ServiceClient is SdkLocalServiceClient and tinker.RestClient is LocalRestClient
@@ -75,7 +75,7 @@ def test_local_clients_are_bound_in_this_process_only_and_undone(bindings):
 def test_model_table_answers_unknown_models_only(bindings):
     from tinker_cookbook import model_info
 
-    from rlrunbook.cookbook.binding import answer_model_table
+    from rlrunbook.cookbook.bindings import answer_model_table
 
     answer_model_table(bindings, None)
     with pytest.raises(ConfigError, match="--renderer qwen3_instruct"):
@@ -89,7 +89,7 @@ def test_model_table_answers_unknown_models_only(bindings):
 def test_builtin_tokenizers_and_chatml_renderer(bindings):
     from tinker_cookbook import renderers, tokenizer_utils
 
-    from rlrunbook.cookbook.binding import CHATML_RENDERER, register_builtin_tokenizers
+    from rlrunbook.cookbook.bindings import CHATML_RENDERER, register_builtin_tokenizers
     from rlrunbook.models import load_tokenizer, resolve_model
 
     register_builtin_tokenizers(bindings)
@@ -107,7 +107,7 @@ def test_builtin_tokenizers_and_chatml_renderer(bindings):
 def test_hub_datasets_served_from_local_files(bindings, tmp_path):
     import datasets
 
-    from rlrunbook.cookbook.binding import serve_datasets_locally
+    from rlrunbook.cookbook.bindings import serve_datasets_locally
 
     rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(5)]
     file = tmp_path / "gsm8k.jsonl"
@@ -138,7 +138,7 @@ def test_streamed_hub_datasets_are_iterable_and_keep_row_slices(bindings, tmp_pa
     gets an IterableDataset of the file's rows, in order; a row slice of the split is kept as skip/take."""
     import datasets
 
-    from rlrunbook.cookbook.binding import serve_datasets_locally
+    from rlrunbook.cookbook.bindings import serve_datasets_locally
 
     file = tmp_path / "ot3.jsonl"
     file.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) + "\n"
@@ -164,7 +164,7 @@ def test_hub_models_stand_in_for_sampling_training_and_tokenizer(bindings, tmp_p
     from tinker_cookbook import tokenizer_utils
 
     from rlrunbook.backend import LocalServiceClient, LocalSettings
-    from rlrunbook.cookbook.binding import stand_in_models
+    from rlrunbook.cookbook.bindings import stand_in_models
 
     monkeypatch.delenv("TINKER_LOCAL_MODEL_STAND_INS", raising=False)
     stand_in_models(bindings, {"Qwen/Qwen3.5-9B": "tiny-thinking"})
@@ -187,7 +187,7 @@ def test_hub_models_stand_in_for_sampling_training_and_tokenizer(bindings, tmp_p
 
 
 def test_a_stand_in_whose_tokenizer_the_recipes_renderer_rejects_is_refused_at_start(bindings):
-    from rlrunbook.cookbook.binding import stand_in_models
+    from rlrunbook.cookbook.bindings import stand_in_models
 
     with pytest.raises(ConfigError) as info:  # tiny has no single-token </think>, which qwen3_5 asserts
         stand_in_models(bindings, {"Qwen/Qwen3.5-9B": "tiny"})

@@ -331,7 +331,7 @@ def fake_run(root):
     import torch
 
     from rlrunbook.rl.setup.config import TrainConfig, validate
-    from rlrunbook.run.checkpoints import Checkpoint, capture_rng, save_checkpoint
+    from rlrunbook.run.checkpoint_format import Checkpoint, capture_rng, save_checkpoint
 
     stored = validate(TrainConfig(model="tiny", env="qa", dataset="test", num_rollouts=4, steps=4,
                                   checkpoint={"every": 2}, log_root=str(root)))

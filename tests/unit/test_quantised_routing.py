@@ -71,7 +71,7 @@ def packed_tiny(tiny_folder):
 @pytest.fixture
 def packed_loading(monkeypatch):
     """The local backend's loader returns the tiny model with packed projections (what load_in_4bit gives on CUDA)."""
-    from rlrunbook.backend import host
+    from rlrunbook.backend import model_host as host
 
     real = host.load_causal_lm
     monkeypatch.setattr(host, "load_causal_lm", lambda *args, **kwargs: pack_projections(real(*args, **kwargs)))
@@ -139,7 +139,7 @@ def test_the_in_process_sampler_is_refused_at_load_naming_the_fix(packed_loading
 
 def test_with_the_vllm_sampler_the_host_keeps_no_decoder_for_a_quantised_model(packed_loading):
     """Under vllm the in-process engine only validates, draws seeds and scores prompts: generate's engine does."""
-    from rlrunbook.backend.host import load_host
+    from rlrunbook.backend.model_host import load_host
 
     host = load_host("tiny", LocalSettings(device="cpu", dtype=torch.float32, sampler="vllm"))
     assert isinstance(host.engine, GenerateEngine)

@@ -23,7 +23,7 @@ from keyed_task import KEYED_TASK
 
 from rlrunbook import cli
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.checkpointing import withheld_keys
+from rlrunbook.rl.setup.resume import withheld_keys
 from rlrunbook.rl.setup.config_sources import sweep_name
 from rlrunbook.run import secret_forms
 from rlrunbook.run.jsonio import REDACTED

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tinker import types
 
-from rlrunbook.backend import host as host_module
+from rlrunbook.backend import model_host as host_module
 
 
 def _datum(tokens: list[int]) -> types.Datum:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlrunbook import cli
-from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint
+from rlrunbook.run.checkpoint_format import checkpoint_dirs, load_checkpoint
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux"),
               pytest.mark.slow]

@@ -1,5 +1,5 @@
 """Projections that read one input (q/k/v, gate/up) run as one product over their stacked base weights
-(engines/stacking.py, Decoder.linears).
+(engines/stacked_projections.py, Decoder.linears).
 
 What must hold: the numbers do not change (each output column is the same dot product, so on CPU the
 stacked product equals the module-by-module one to the bit), the model's weights become views of the
@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from rlrunbook.engines.decoder import Decoder
-from rlrunbook.engines.stacking import stackable, stacked_weights
+from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

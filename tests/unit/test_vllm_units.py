@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from rlrunbook.backend.settings import LocalSettings
-from rlrunbook.backend.vllm_settings import VllmSettings
+from rlrunbook.vllm.settings import VllmSettings
 from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.engines.vllm_adapters import write_zero_unembed_adapter
-from rlrunbook.engines.vllm_client import RawChoice, VllmServerError, completion_payload, lora_rank_flag
-from rlrunbook.engines.vllm_engine import VllmSamplingEngine
-from rlrunbook.engines.vllm_server import ServerLaunch, group_rss_mb, server_arguments, server_environment
+from rlrunbook.vllm.adapters import write_zero_unembed_adapter
+from rlrunbook.vllm.client import RawChoice, VllmServerError, completion_payload, lora_rank_flag
+from rlrunbook.vllm.engine import VllmSamplingEngine
+from rlrunbook.vllm.server import ServerLaunch, group_rss_mb, server_arguments, server_environment
 from rlrunbook.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +199,7 @@ def test_zero_unembed_adapter_leaves_logits_exactly_unchanged(tmp_path):
 
 
 def test_adapter_names_follow_the_weights(tiny_host):
-    from rlrunbook.backend.host import SamplerWeights
+    from rlrunbook.backend.model_host import SamplerWeights
     from rlrunbook.backend.vllm_sampling import snapshot_adapter
 
     weights = {"a.lora_B.weight": torch.zeros(4, 2), "a.lora_A.weight": torch.ones(2, 3)}

@@ -27,8 +27,8 @@ def vllm_url(request) -> str:
     given = os.environ.get("TINKER_LOCAL_VLLM_URL", "").strip()
     if given:
         return given.rstrip("/")
-    from rlrunbook.backend.vllm_settings import VllmSettings
-    from rlrunbook.engines.vllm_server import ManagedServer, ServerLaunch
+    from rlrunbook.vllm.settings import VllmSettings
+    from rlrunbook.vllm.server import ManagedServer, ServerLaunch
     from rlrunbook.models import resolve_model
     from rlrunbook.testing.vllm import CHECKOUT
 
@@ -57,7 +57,7 @@ def vllm_url(request) -> str:
 def vllm_settings(vllm_url, tmp_path):
     """Local-backend settings (CPU, fp32) that sample through the session's server."""
     from rlrunbook.backend import LocalSettings
-    from rlrunbook.backend.vllm_settings import VllmSettings
+    from rlrunbook.vllm.settings import VllmSettings
 
     return LocalSettings(
         device="cpu",

@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from rlrunbook.backend import LocalServiceClient
-from rlrunbook.backend.vllm_settings import VllmSettings
-from rlrunbook.engines.vllm_client import VllmServerError
+from rlrunbook.vllm.settings import VllmSettings
+from rlrunbook.vllm.client import VllmServerError
 from rlrunbook.errors import ConfigError
 
 pytestmark = pytest.mark.vllm

@@ -17,8 +17,8 @@ import torch
 from vllm_support import kill_and_wait, vllm_pids
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings
-from rlrunbook.backend.vllm_settings import VllmSettings
-from rlrunbook.engines.vllm_client import VllmServerError
+from rlrunbook.vllm.settings import VllmSettings
+from rlrunbook.vllm.client import VllmServerError
 
 pytestmark = pytest.mark.vllm
 MODEL = "tiny-vllm"

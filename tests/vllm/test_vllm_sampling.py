@@ -25,7 +25,7 @@ MODEL = "tiny-vllm"
 @pytest.fixture
 def engine(vllm_settings):
     """The vLLM engine of a plain tiny-vllm host (base weights), connected to the session's server."""
-    from rlrunbook.backend.host import load_host
+    from rlrunbook.backend.model_host import load_host
 
     samplers = VllmSamplers(vllm_settings)
     yield samplers.engine_for(load_host(MODEL, vllm_settings))

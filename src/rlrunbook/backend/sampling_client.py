@@ -18,7 +18,7 @@ from tinker import types
 
 from rlrunbook.backend import sessions
 from rlrunbook.backend.futures import ResolvedClient, WorkerLane
-from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
+from rlrunbook.backend.model_host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest

@@ -19,9 +19,9 @@ from tinker import types
 from typing_extensions import Self
 
 from rlrunbook.backend import sessions
-from rlrunbook.backend.checkpoints import BASE_MODEL_FILE, read_adapter
+from rlrunbook.backend.model_state import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.futures import OrderedWorker, completed
-from rlrunbook.backend.host import ModelHost, ResidentModel, SamplerWeights, host_over, load_resident
+from rlrunbook.backend.model_host import ModelHost, ResidentModel, SamplerWeights, host_over, load_resident
 from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
 from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities, copy_checkpoint

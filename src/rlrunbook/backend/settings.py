@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlrunbook.backend.vllm_settings import VllmSettings
+from rlrunbook.vllm.settings import VllmSettings
 from rlrunbook.engines.decoder import NUMERICS, Numerics
 from rlrunbook.errors import ConfigError
 
@@ -126,7 +126,7 @@ class LocalSettings:
         load_in_4bit: load frozen base weights 4-bit NF4 (bitsandbytes, CUDA only; set by a run's
             ``backend.load_in_4bit``).
         vllm: the vLLM sampler's server: managed or external, restarts, limits (``TINKER_LOCAL_VLLM_*``;
-            see :class:`rlrunbook.backend.vllm_settings.VllmSettings`).
+            see :class:`rlrunbook.vllm.settings.VllmSettings`).
         concurrent_sampling: sampling clients of the in-process engine run their calls on a second worker
             thread, on their own pinned snapshot, so they do not wait behind ``forward_backward`` and
             ``optim_step`` (``TINKER_LOCAL_CONCURRENT_SAMPLING``: 1 | 0; default 0, every call on one

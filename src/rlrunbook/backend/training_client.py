@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from tinker import types
 
-from rlrunbook.backend.checkpoints import (
+from rlrunbook.backend.model_state import (
     age_recipients,
     load_training_state,
     save_training_state,
@@ -14,7 +14,7 @@ from rlrunbook.backend.checkpoints import (
     write_external_weights,
 )
 from rlrunbook.backend.futures import ResolvedClient, WorkerLane
-from rlrunbook.backend.host import ModelHost, SamplerWeights
+from rlrunbook.backend.model_host import ModelHost, SamplerWeights
 from rlrunbook.backend.lora import clone_adapter, snapshot_loaded
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.storage import (

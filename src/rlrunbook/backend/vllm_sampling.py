@@ -5,7 +5,7 @@ model and base-model samplers alike. Training stays in process; a SamplingClient
 the server as a peft adapter folder written from its snapshot and loaded under a name derived
 from the weights (so "sync after each optimizer step" is: the next sampler's snapshot differs,
 gets a new name, is written and loaded on its first sample call). The server is checked once
-when connected (:func:`rlrunbook.engines.vllm_checks.verify_server`).
+when connected (:func:`rlrunbook.vllm.checks.verify_server`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from pathlib import Path
 import torch
 
 import rlrunbook
-from rlrunbook.backend.checkpoints import write_adapter
-from rlrunbook.backend.host import ModelHost, SamplerWeights, active_weights
+from rlrunbook.backend.model_state import write_adapter
+from rlrunbook.backend.model_host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.lora import clone_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.scoring import teacher_forced_logprobs
-from rlrunbook.engines.vllm_adapters import Adapter
-from rlrunbook.engines.vllm_checks import served_base_model, verify_server
-from rlrunbook.engines.vllm_client import ExternalServer, VllmClient
-from rlrunbook.engines.vllm_engine import VllmSamplingEngine
-from rlrunbook.engines.vllm_server import ManagedServer, ServerLaunch
+from rlrunbook.vllm.adapters import Adapter
+from rlrunbook.vllm.checks import served_base_model, verify_server
+from rlrunbook.vllm.client import ExternalServer, VllmClient
+from rlrunbook.vllm.engine import VllmSamplingEngine
+from rlrunbook.vllm.server import ManagedServer, ServerLaunch
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_DEFAULT_CONTEXT = 4096  # a larger --max-model-len only reserves KV-cache room the sampler never uses

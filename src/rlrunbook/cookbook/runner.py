@@ -71,7 +71,7 @@ def prepare(args: argparse.Namespace):
     """Check the cookbook version and make the bindings; returns them (``.lines``, ``.undo()``)."""
     from rlrunbook.backend import backend_name
     from rlrunbook.cookbook import check_cookbook_version
-    from rlrunbook.cookbook.binding import (
+    from rlrunbook.cookbook.bindings import (
         Bindings,
         accept_zero_advantage_batches,
         answer_model_table,

@@ -27,7 +27,7 @@ Numerics (``Numerics``):
   the other two are measured against).
 
 Projections that read the same input (q/k/v, gate/up) with frozen base weights run as one product over
-their stacked weights (:mod:`rlrunbook.engines.stacking`; each output column is the same sum, so the
+their stacked weights (:mod:`rlrunbook.engines.stacked_projections`; each output column is the same sum, so the
 same bits). Inside :meth:`Decoder.weights_fixed` (one sampling call) a float32 model on CPU under
 ``native`` numerics also adds the LoRA updates of each group with stacked factors
 (:mod:`rlrunbook.engines.lora_groups`, equal to fp32 rounding).
@@ -56,7 +56,7 @@ from rlrunbook.engines.lora_groups import (
     group_factors,
 )
 from rlrunbook.engines.pinned_adapter import PinnedAdapter
-from rlrunbook.engines.stacking import stackable, stacked_weights
+from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
 from rlrunbook.kernels import ops as fixed
 
@@ -249,7 +249,7 @@ class Decoder:
         """``[self.linear(m, x) for m in modules]`` for projections reading the same ``x``.
 
         Where their base weights are frozen (LoRA) the base products run as one product over the
-        stacked weights (:mod:`rlrunbook.engines.stacking`); float64 (``exact``) products and trained
+        stacked weights (:mod:`rlrunbook.engines.stacked_projections`); float64 (``exact``) products and trained
         base weights go module by module. Inside :meth:`weights_fixed`, a float32 model on CPU computing
         no gradient adds the group's LoRA updates with stacked factors (:mod:`rlrunbook.engines.lora_groups`).
         """

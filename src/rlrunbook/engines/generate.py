@@ -41,7 +41,7 @@ from transformers import (
 )
 
 from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
-from rlrunbook.engines.draw import draw_tokens
+from rlrunbook.engines.token_draw import draw_tokens
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.noise import mix_seed

@@ -18,7 +18,7 @@ What it does that ``generate`` does not, and why:
   that fits the caches reuses them and their graphs, so a debate's growing rounds and a data set's
   varied prompt lengths rebuild them a few times per run, not at every new length. ``metrics()``
   counts the captures and the rebuilds (``engine/graph_captures``, ``engine/cache_rebuilds``).
-- **Exact draws.** Each token is drawn by :func:`~rlrunbook.engines.draw.draw_tokens` (``logits / T``
+- **Exact draws.** Each token is drawn by :func:`~rlrunbook.engines.token_draw.draw_tokens` (``logits / T``
   after the requested filters, Gumbel-max with per-row counter-based noise), so a seeded row gets
   the same tokens whatever rows share its batch. The leak check of the ``generate`` engine holds
   by construction here (no processor runs but the requested filters) and is asserted per step.
@@ -35,7 +35,7 @@ import torch
 
 from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
 from rlrunbook.engines.decoder import Decoder, Numerics
-from rlrunbook.engines.draw import draw_tokens
+from rlrunbook.engines.token_draw import draw_tokens
 from rlrunbook.engines.filters import apply_filters
 from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout

@@ -12,6 +12,30 @@
 * ``training/``: the loop on top. The run plan it consumes, dynamic sampling, data parallelism and
   the guards of each update.
 
-``tasks``, ``paradigms``, ``config`` and ``loop`` hand on the names users import from there (``register_task``,
-``register_paradigm``, ``TrainConfig``, ``run_training``).
+The names users import come from this package itself (``from rlrunbook.rl import register_task``), whichever
+stage defines them; each loads its stage on first use, so importing one stage does not import the others.
 """
+
+from __future__ import annotations
+
+import importlib
+
+# Public name -> the module that defines it.
+_HOMES = {
+    **dict.fromkeys(("TASKS", "MathTask", "Problem", "QATask", "SummaryTask", "Task", "get_task_class",
+                     "register_task"), "rlrunbook.rl.rollout.tasks"),
+    **dict.fromkeys(("PARADIGMS", "Debate", "Paradigm", "RolloutBatch", "RolloutContext", "RolloutSettings",
+                     "SingleTurn", "get_paradigm", "register_paradigm"), "rlrunbook.rl.rollout.paradigms"),
+    **dict.fromkeys(("CONFIG_VERSION", "BackendSettings", "CheckpointSettings", "DataSettings",
+                     "DynamicSamplingSettings", "LossSettings", "MismatchSettings", "RewardSettings", "TrainConfig",
+                     "ValidationSettings", "validate"), "rlrunbook.rl.setup.config"),
+    **dict.fromkeys(("run_training", "train"), "rlrunbook.rl.training.loop"),
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

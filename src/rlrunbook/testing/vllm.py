@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rlrunbook.backend.vllm_settings import VllmSettings
+from rlrunbook.vllm.settings import VllmSettings
 from rlrunbook.errors import ConfigError
 
 REQUIRE_ENV = "RLRUNBOOK_REQUIRE_VLLM"

@@ -1,4 +1,4 @@
-"""The names users import stay where they import them, whichever stage of ``rlrunbook.rl`` defines them."""
+"""The names users import come from ``rlrunbook.rl`` itself, whichever stage defines them."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import importlib
 import pytest
 
 PUBLIC = [
-    ("rlrunbook.rl.tasks", "register_task", "rlrunbook.rl.rollout.tasks"),
-    ("rlrunbook.rl.tasks", "Task", "rlrunbook.rl.rollout.tasks"),
-    ("rlrunbook.rl.tasks", "Problem", "rlrunbook.rl.rollout.tasks"),
-    ("rlrunbook.rl.paradigms", "register_paradigm", "rlrunbook.rl.rollout.paradigms"),
-    ("rlrunbook.rl.paradigms", "Paradigm", "rlrunbook.rl.rollout.paradigms"),
-    ("rlrunbook.rl.paradigms", "RolloutContext", "rlrunbook.rl.rollout.paradigms"),
-    ("rlrunbook.rl.config", "TrainConfig", "rlrunbook.rl.setup.config"),
+    ("rlrunbook.rl", "register_task", "rlrunbook.rl.rollout.tasks"),
+    ("rlrunbook.rl", "Task", "rlrunbook.rl.rollout.tasks"),
+    ("rlrunbook.rl", "Problem", "rlrunbook.rl.rollout.tasks"),
+    ("rlrunbook.rl", "register_paradigm", "rlrunbook.rl.rollout.paradigms"),
+    ("rlrunbook.rl", "Paradigm", "rlrunbook.rl.rollout.paradigms"),
+    ("rlrunbook.rl", "RolloutContext", "rlrunbook.rl.rollout.paradigms"),
+    ("rlrunbook.rl", "TrainConfig", "rlrunbook.rl.setup.config"),
     ("rlrunbook.rl.rewards.math", "math_reward", "rlrunbook.rl.rewards.math"),
     ("rlrunbook.rl.rewards", "qa_numeric_reward", "rlrunbook.rl.rewards.qa"),
-    ("rlrunbook.rl.loop", "run_training", "rlrunbook.rl.training.loop"),
+    ("rlrunbook.rl", "run_training", "rlrunbook.rl.training.loop"),
     ("rlrunbook.cli", "main", "rlrunbook.cli"),
 ]
 
@@ -27,13 +27,29 @@ def test_public_name_is_the_defining_object(public, name, home):
 
 
 def test_a_task_registered_through_the_public_path_is_found_by_the_loop(monkeypatch):
-    from rlrunbook.rl import tasks
+    from rlrunbook import rl
     from rlrunbook.rl.rollout import tasks as home
 
     monkeypatch.setattr(home, "TASKS", dict(home.TASKS))
 
-    @tasks.register_task
-    class Echo(tasks.Task):
+    @rl.register_task
+    class Echo(rl.Task):
         name = "echo-public-path"
 
     assert home.get_task_class("echo-public-path") is Echo
+
+
+def test_every_public_name_of_the_package_resolves_and_loads_only_its_stage():
+    """``rlrunbook.rl``'s names load their own stage on first use: importing the package loads no stage."""
+    import subprocess
+    import sys
+
+    from rlrunbook import rl
+
+    for name in rl.__all__:
+        assert getattr(rl, name) is getattr(importlib.import_module(rl._HOMES[name]), name), name
+    probe = "import sys, rlrunbook.rl; print(sorted(m for m in sys.modules if m.startswith('rlrunbook.rl.')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    with pytest.raises(AttributeError, match="no attribute 'register_tsk'"):
+        rl.register_tsk  # noqa: B018

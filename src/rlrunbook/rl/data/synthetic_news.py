@@ -1,7 +1,7 @@
 """A summarization data set rlrunbook generates itself: local news articles with known key facts.
 
 It is what ``--env summary`` trains on when the real CNN/DailyMail set is neither in ``../shared/data``
-nor reachable on the hub (see ``rl.tasks.SummaryTask``), so the main job runs anywhere. Every word comes
+nor reachable on the hub (see ``rl.rollout.tasks.SummaryTask``), so the main job runs anywhere. Every word comes
 from the templates and word lists below, written for this project: no third-party text.
 
 Each article reports one event (a bridge reopening, storm damage, a plant closing, a council vote, ...)

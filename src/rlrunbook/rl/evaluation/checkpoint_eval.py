@@ -22,7 +22,7 @@ from rlrunbook.errors import ConfigError
 from rlrunbook.rl.rollout.tasks import Problem, get_task_class
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import problem_order
-from rlrunbook.run.checkpoints import checkpoint_dirs, load_checkpoint, verify_checkpoint
+from rlrunbook.run.checkpoint_format import checkpoint_dirs, load_checkpoint, verify_checkpoint
 
 
 @dataclass(frozen=True)

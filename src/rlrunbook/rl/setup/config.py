@@ -21,7 +21,7 @@ from rlrunbook.rl.rollout.guards import Blocklist, PromptLimit
 from rlrunbook.rl.rollout.paradigms import RolloutSettings, get_paradigm_class
 from rlrunbook.rl.rollout.task_options import check_extra
 from rlrunbook.rl.rollout.tasks import get_task_class
-from rlrunbook.rl.setup.applicability import CLIP_LOSSES, inapplicable, settle
+from rlrunbook.rl.setup.conditional_options import CLIP_LOSSES, inapplicable, settle
 from rlrunbook.rl.setup.limits import check_limits, shown
 
 CONFIG_VERSION = 1  # bump when a field changes meaning; files stating another version are refused
@@ -237,7 +237,7 @@ class TrainConfig(BaseModel):
         if stored.get("mode", "single_turn") != "debate" and stored.get("debate_train") == "rejection":
             stored["debate_train"] = None
         config = cls.model_validate(stored)
-        return config.with_values(dict.fromkeys(inapplicable(config)))  # see applicability.inapplicable
+        return config.with_values(dict.fromkeys(inapplicable(config)))  # see conditional_options.inapplicable
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A validated copy with top-level fields changed."""
@@ -295,7 +295,7 @@ class TrainConfig(BaseModel):
 
 def validate(config: TrainConfig) -> TrainConfig:
     """Return ``config`` with defaults filled (reward_fn; debate_train in debate mode; the options that apply
-    only in some settings, see :mod:`rlrunbook.rl.setup.applicability`), or raise ``ConfigError`` naming rule
+    only in some settings, see :mod:`rlrunbook.rl.setup.conditional_options`), or raise ``ConfigError`` naming rule
     and fix: the rules between fields, the limits of :mod:`rlrunbook.rl.setup.limits`, the ``extra`` keys the
     task and paradigm declare, and options set where nothing reads them."""
     def fail(rule: str, fix: str) -> None:

@@ -14,7 +14,7 @@ def interrupted(run_dir: Path, writer: RunWriter, service, interrupt: KeyboardIn
     (queued calls cancelled, the running one finished) so the process can exit without the C++ runtime
     aborting under a thread still inside torch. Checkpoints are written atomically, so the last complete
     one is intact whatever the interrupt cut short. A second Ctrl-C stops waiting for the running call."""
-    from rlrunbook.run.checkpoints import checkpoint_dirs
+    from rlrunbook.run.checkpoint_format import checkpoint_dirs
 
     name = getattr(interrupt, "signal_name", "SIGINT")
     found = checkpoint_dirs(run_dir) if distributed.is_main() else []

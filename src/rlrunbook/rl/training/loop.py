@@ -36,7 +36,7 @@ def run_training(config: TrainConfig, *, service_factory: Callable[[], object] |
     The config is read once, into a :class:`~rlrunbook.rl.training.plan.RunPlan` (every mistake in it
     fails there, before any model loads); :func:`train` runs the plan.
     ``resume_from`` (a run directory or one of its checkpoints) continues that run in a new run
-    directory, with the checkpoint's config (see :mod:`rlrunbook.rl.setup.checkpointing`).
+    directory, with the checkpoint's config (see :mod:`rlrunbook.rl.setup.resume`).
     """
     plan = plan_run(config, resume_from=resume_from, sources=config_sources)
     return train(plan, service_factory=service_factory, argv=argv, log=log, progress=progress, evaluate=evaluate)

@@ -10,7 +10,7 @@ on its own weights (backend/futures.py).
 What makes it reproducible: nothing depends on which side is faster.
 
 - Batch ``i`` is sampled from the snapshot of the weights after step ``max(0, i - K)``
-  (:func:`~rlrunbook.rl.training.lag.sampling_step`): the snapshot is made by the loop at a fixed point of its
+  (:func:`~rlrunbook.rl.training.lag_schedule.sampling_step`): the snapshot is made by the loop at a fixed point of its
   own sequence (right after that step) and handed to the job, never looked up when the job starts.
 - Jobs are submitted in a fixed order (batch ``i + K`` right after step ``i``, a validation of step ``i + 1``
   just before it) and run in that order on one thread, so the data cursor that dynamic sampling advances, and
@@ -36,7 +36,7 @@ from pathlib import Path
 from rlrunbook import pending_signal
 from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.training.dynamic_sampling import SampledStep
-from rlrunbook.rl.training.lag import Lag, sampling_step, staleness
+from rlrunbook.rl.training.lag_schedule import Lag, sampling_step, staleness
 from rlrunbook.rl.training.plan import RunPlan
 from rlrunbook.rl.training.step import sample_batch, train_batch
 

@@ -20,7 +20,7 @@ from rlrunbook.rl.rollout.judges import JudgeChoice
 from rlrunbook.rl.rollout.paradigms import Paradigm, RolloutSettings
 from rlrunbook.rl.rollout.rollouts import Rollout, advantage_mode
 from rlrunbook.rl.rollout.tasks import Problem, Task
-from rlrunbook.rl.setup.checkpointing import CheckpointSchedule, Resume, plan_resume
+from rlrunbook.rl.setup.resume import CheckpointSchedule, Resume, plan_resume
 from rlrunbook.rl.setup.config import TrainConfig, validate
 from rlrunbook.rl.setup.data_order import problem_order, split_held_out
 from rlrunbook.rl.setup.memory_plan import MemoryPlan, check_fits, plan_memory

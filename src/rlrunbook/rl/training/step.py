@@ -22,7 +22,7 @@ from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.setup.service import is_local
 from rlrunbook.rl.training import data_parallel as dp
 from rlrunbook.rl.training.dynamic_sampling import SampledStep, count_skip, sample_step, skip_reason
-from rlrunbook.rl.training.lag import Lag
+from rlrunbook.rl.training.lag_schedule import Lag
 from rlrunbook.rl.training.plan import RunPlan
 from rlrunbook.rl.training.step_guards import check_mismatch, finite_optim_step
 from rlrunbook.run import RunWriter

@@ -16,7 +16,7 @@ from rlrunbook.rl.evaluation.checkpoint_eval import (
 from rlrunbook.rl.rollout.tasks import Problem
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import problem_order
-from rlrunbook.run.checkpoints import Checkpoint, capture_rng, save_checkpoint
+from rlrunbook.run.checkpoint_format import Checkpoint, capture_rng, save_checkpoint
 
 
 def test_held_out_problems_are_those_training_never_drew():

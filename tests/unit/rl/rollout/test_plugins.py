@@ -7,7 +7,7 @@ import pytest
 from rlrunbook.rl.rewards.base import RewardResult
 from rlrunbook.rl.rollout import tasks
 from rlrunbook.rl.setup.config import TrainConfig
-from rlrunbook.rl.tasks import Problem, Task, register_task
+from rlrunbook.rl import Problem, Task, register_task
 from rlrunbook.rl.training.loop import run_training
 from rlrunbook.run import check_run, format_results, rubric_passed
 

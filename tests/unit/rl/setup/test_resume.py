@@ -1,4 +1,4 @@
-"""Resume planning (rlrunbook.rl.setup.checkpointing) and the backend's in-memory training state export/import."""
+"""Resume planning (rlrunbook.rl.setup.resume) and the backend's in-memory training state export/import."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from tinker import types
 
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.rl.setup.checkpointing import CheckpointSchedule, plan_resume
+from rlrunbook.rl.setup.resume import CheckpointSchedule, plan_resume
 from rlrunbook.rl.setup.config import TrainConfig, validate
 from rlrunbook.run import RunWriter
-from rlrunbook.run.checkpoints import Checkpoint, capture_rng, save_checkpoint
+from rlrunbook.run.checkpoint_format import Checkpoint, capture_rng, save_checkpoint
 from rlrunbook.tokens import build_datum_arrays
 
 STORED = validate(TrainConfig(env="qa", dataset="test", num_rollouts=4, steps=4, learning_rate=1e-3,

@@ -12,7 +12,7 @@ import json
 import torch
 
 from rlrunbook.engines.layouts import take_rows
-from rlrunbook.rl.config import TrainConfig
+from rlrunbook.rl import TrainConfig
 
 TIMINGS = ("time/", "throughput/", "memory/")
 
@@ -39,7 +39,7 @@ def test_take_rows_is_indexing_with_a_deterministic_backward():
 
 
 def test_two_identical_runs_in_one_process_log_identical_rows(tmp_path):
-    from rlrunbook.rl.loop import run_training
+    from rlrunbook.rl import run_training
 
     with_threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rlrunbook.engines.vllm_client import VllmServerError, lora_rank_flag
+from rlrunbook.vllm.client import VllmServerError, lora_rank_flag
 from rlrunbook.errors import ConfigError
 
 _slots_ids = itertools.count()

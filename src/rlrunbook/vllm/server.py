@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlrunbook.engines.vllm_client import VllmClient, VllmServerError, lora_rank_flag
+from rlrunbook.vllm.client import VllmClient, VllmServerError, lora_rank_flag
 
 SERVED_MODEL = "base"
 _PROGRESS_EVERY_S = 10.0
@@ -48,7 +48,7 @@ class ServerLaunch:
 
 def server_arguments(launch: ServerLaunch, port: int, max_lora_rank: int) -> list[str]:
     """The full command line: processed logprobs, vLLM's neutral generation config, runtime LoRA (one slot more
-    than ``max_loras`` for the zero adapter that serves the base model, see ``vllm_engine``)."""
+    than ``max_loras`` for the zero adapter that serves the base model, see :mod:`rlrunbook.vllm.engine`)."""
     args = [
         *launch.command,
         "--model",

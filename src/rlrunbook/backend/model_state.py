@@ -15,7 +15,7 @@ import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
-from rlrunbook.backend.host import ModelHost
+from rlrunbook.backend.model_host import ModelHost
 from rlrunbook.backend.lora import adapter_parameters, clone_adapter, load_adapter
 from rlrunbook.backend.trainer import LoraTrainer
 from rlrunbook.errors import ConfigError

@@ -4,7 +4,7 @@ The loop calls :meth:`CheckpointSchedule.save_if_due` after each step and, for a
 before anything loads, :meth:`Resume.check_dataset` once the data set is loaded,
 :meth:`Resume.begin` once the new run directory exists and :meth:`Resume.restore` once the
 training client exists. The file format is in
-:mod:`rlrunbook.run.checkpoints`.
+:mod:`rlrunbook.run.checkpoint_format`.
 
 Why a resumed run repeats the straight run exactly: the adapter and AdamW state are restored bit
 for bit; problems are drawn from ``order`` (a pure function of the seed) at the data cursor, which
@@ -40,7 +40,7 @@ from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.rl.setup.config import TrainConfig, validate
 from rlrunbook.rl.setup.config_sources import flatten, leaf_keys
 from rlrunbook.rl.setup.data_order import DataCursor
-from rlrunbook.run.checkpoints import (
+from rlrunbook.run.checkpoint_format import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
     Checkpoint,

@@ -89,7 +89,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the proje
 
 def stack_frozen_groups(model: torch.nn.Module) -> int:
     """Lay out every stackable group of ``model`` (a layer's q/k/v, its MLP's gate/up) as the decoder does on
-    first use; how many groups. A model loaded once and shared (rlrunbook.backend.host) is stacked before it is
+    first use; how many groups. A model loaded once and shared (rlrunbook.backend.model_host) is stacked before it is
     shared, so every module tree over it finds its groups in place and none makes a stack of its own."""
     count = 0
     for module in model.modules():

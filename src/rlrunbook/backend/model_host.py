@@ -18,7 +18,7 @@ from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.engines.float64_weights import share_float64_weights
 from rlrunbook.engines.generate import GenerateEngine
 from rlrunbook.engines.hf import HFSamplingEngine
-from rlrunbook.engines.stacking import stack_frozen_groups
+from rlrunbook.engines.stacked_projections import stack_frozen_groups
 from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
 
 
@@ -27,7 +27,7 @@ class ModelHost:
     """One model in memory: ``model`` (plain or LoRA-wrapped), its tokenizer, its engine.
 
     ``vllm`` is set when a vLLM server samples for this model (``TINKER_LOCAL_SAMPLER=vllm``): a
-    :class:`rlrunbook.engines.vllm_engine.VllmSamplingEngine`; ``engine`` then only validates requests
+    :class:`rlrunbook.vllm.engine.VllmSamplingEngine`; ``engine`` then only validates requests
     and draws seeds.
     """
 
@@ -81,7 +81,7 @@ class ResidentModel:
 def load_resident(base_model: str, settings: LocalSettings) -> ResidentModel:
     """Resolve ``base_model`` (built-in name, folder, or hub id; or its stand-in, ``settings.model_for``) and load
     its tokenizer and weights once; the weights are frozen and their stackable groups laid out back to back
-    (:func:`rlrunbook.engines.stacking.stack_frozen_groups`), as the decoder would on first use."""
+    (:func:`rlrunbook.engines.stacked_projections.stack_frozen_groups`), as the decoder would on first use."""
     folder = resolve_model(settings.model_for(base_model))
     tokenizer = load_tokenizer(folder)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.engines.vllm_client import ServedModel, VllmClient, VllmServerError, completion_payload
+from rlrunbook.vllm.client import ServedModel, VllmClient, VllmServerError, completion_payload
 
 Score = Callable[[list[list[int]], "SamplingFilters | None"], list[torch.Tensor]]  # teacher-forced logprobs
 PROBE_FILTERS = SamplingFilters(temperature=0.5)

@@ -17,7 +17,7 @@ What it adds to the server's own sampling, and why:
   ``policy_logprobs`` (the raw T = 1 policy) equal them where the two coincide (greedy, or
   T = 1 without filters) and are ``None`` otherwise: vLLM returns one logprob per token.
 - **Which weights.** The base model and LoRA snapshots are served by names that
-  :class:`rlrunbook.engines.vllm_adapters.AdapterSlots` chooses and loads (by content; the base
+  :class:`rlrunbook.vllm.adapters.AdapterSlots` chooses and loads (by content; the base
   model through a zero adapter, working around a vLLM 0.32 CPU defect).
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, check_request
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.stops import StopTracker
-from rlrunbook.engines.vllm_adapters import Adapter, AdapterSlots
-from rlrunbook.engines.vllm_client import RawChoice, VllmServerError, check_vllm_filters, completion_payload
+from rlrunbook.vllm.adapters import Adapter, AdapterSlots
+from rlrunbook.vllm.client import RawChoice, VllmServerError, check_vllm_filters, completion_payload
 from rlrunbook.errors import InputError
 
 DecodeBatch = Callable[[list[list[int]]], list[str]]
@@ -45,8 +45,8 @@ class VllmSamplingEngine:
     It has the attributes and methods of :class:`rlrunbook.engines.base.SamplingEngine`, and takes the
     weights to sample as an ``adapter`` argument where the in-process engines read the live model.
 
-    ``server`` is a :class:`rlrunbook.engines.vllm_server.ManagedServer` or an
-    :class:`rlrunbook.engines.vllm_client.ExternalServer` (see :class:`AdapterSlots` for what it provides).
+    ``server`` is a :class:`rlrunbook.vllm.server.ManagedServer` or an
+    :class:`rlrunbook.vllm.client.ExternalServer` (see :class:`AdapterSlots` for what it provides).
     ``model`` and ``pad_token_id`` name the in-process model a parity check teacher-forces against
     (:func:`rlrunbook.diagnostics.logprob_parity`); sampling never uses it. ``unembed_shape`` is
     ``lm_head``'s (rows, hidden); ``max_loaded`` the adapter versions kept loaded.
