@@ -76,7 +76,7 @@ WARNING_LINE = re.compile(r"^\s*(?:\[[^\]]{1,40}\]\s*)?warning\b", re.I)
 NOISE_WARNING = re.compile(r"step \d+ skipped|no update: only", re.I)
 PROGRESS = re.compile(r"^\s*(train|Loading weights|Writing model shards)[^\n]*\|")
 
-# --- the classifier (pure; tests/unit/test_hostile_inputs_classifier.py) -----------------------------------
+# --- the classifier (pure; tests/unit/scripts/test_hostile_inputs.py) -----------------------------------
 
 
 def output_lines(output: str) -> list[str]:

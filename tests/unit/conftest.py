@@ -1,7 +1,10 @@
-"""Unit-tier helpers shared by the test folders below (``rl/<stage>/`` mirrors ``rlrunbook.rl``).
+"""Unit-tier helpers shared by the test folders below, which mirror the package: ``<package>/test_<module>.py``
+tests ``rlrunbook/<package>/<module>.py`` (``project/`` holds the checks of the repository as a whole, its docs,
+CI and workflows; ``scripts/`` the tests of ``scripts/``).
 
-The helper modules beside this file (``fake_wandb.py``, ``dp_trainer_worker.py``) are imported by
-name from tests in sub-folders too, so this folder is put on ``sys.path`` whatever pytest's import mode.
+The helper modules beside this file (``fake_wandb.py``, ``keyed_task.py``, ``memory_probe.py``,
+``sdk_origin.py``) are imported by name from tests in sub-folders, so this folder is put on ``sys.path``
+whatever pytest's import mode.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A recipe that calls a hosted-only method (``publish_checkpoint_from_tinker_path`
 ...) should fail naming the method and why, not with a bare
 ``AttributeError: 'LocalTrainingClient' object has no attribute ...``. :data:`REFUSED` says why for each
 method the local backend refuses (an ``*_async`` twin shares its method's reason); docs/tinker-api.md
-lists them, and tests/unit/test_sdk_coverage.py keeps the page, this table and the installed SDK in step.
+lists them, and tests/unit/backend/test_sdk_coverage.py keeps the page, this table and the installed SDK in step.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from packaging.version import Version
 
 from rlrunbook.errors import ConfigError
 
-# The tinker-cookbook releases this adapter was validated against (tests/unit/test_cookbook_runner.py pins it).
+# The tinker-cookbook releases this adapter was validated against (tests/unit/cookbook/test_runner.py pins it).
 SUPPORTED_MIN = (0, 6)
 SUPPORTED_BELOW = (0, 7)
 SUPPORTED_RANGE = ">=0.6,<0.7"

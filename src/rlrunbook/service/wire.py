@@ -3,7 +3,7 @@
 The SDK encodes ``/forward_backward`` requests with ``tinker.proto.request_conv`` and decodes
 ``ForwardBackwardOutput`` and ``SampleResponse`` results with ``tinker.proto.response_conv``. This module is
 the server's half: the inverse of each. Numbers cross as the same bytes (int32 tokens, float32 logprobs and
-tensors, float64 metrics), so the wire adds nothing to them; ``tests/unit/test_serve.py`` checks each
+tensors, float64 metrics), so the wire adds nothing to them; ``tests/unit/service/test_serve.py`` checks each
 direction against the SDK's own converter.
 """
 

@@ -3,7 +3,7 @@ refused naming the setting that reads it; ``extra.*`` keys are checked against w
 legal-type nonsense, self-contradicting sweeps and unprintable names are refused.
 
 Each case builds the config through the same layers as ``train`` (``build_config`` + ``validate``), which is
-where the refusal happens before any model loads; ``tests/unit/test_input_limits_cli.py`` runs the installed command.
+where the refusal happens before any model loads; ``tests/unit/cli/test_input_limits.py`` runs the installed command.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The same seed and K give the same losses, tokens, validation rows and adapter bit for bit however fast either
 side runs (shown by slowing the sampler in one run and the trainer in the other); each step logs the lag it
 was scheduled to have; a resumed run equals the straight one; K = 0 is the synchronous loop (its numbers are
-pinned by tests/unit/test_pinned_tiny_run.py).
+pinned by tests/unit/rl/training/test_pinned_tiny_run.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from rlrunbook.service.wire import (
 )
 from rlrunbook.testing.commands import installed_rlrunbook
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 KEY = "tml-serve-test-key"
 READY = re.compile(r"TINKER_BASE_URL=(\S+)")
 MAX_BODY_MIB = 2

@@ -31,7 +31,7 @@ from rlrunbook.backend.storage import CheckpointStore, RunRecord, parse_tinker_p
 from rlrunbook.backend.unsupported import refusal_reason
 from rlrunbook.errors import ConfigError, ModelNotFoundError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "tinker-api.md"
 CLIENTS = {
     "ServiceClient": (tinker.ServiceClient, LocalServiceClient),

@@ -17,7 +17,7 @@ from sdk_origin import assert_is_the_sdk
 from rlrunbook.cookbook import SUPPORTED_RANGE, check_cookbook_version, cookbook_version
 from rlrunbook.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,7 +22,7 @@ from rlrunbook.vllm.engine import VllmSamplingEngine
 from rlrunbook.vllm.server import ServerLaunch, group_rss_mb, server_arguments, server_environment
 from rlrunbook.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_payload_sends_every_distribution_knob_explicitly():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CI_RUN = ROOT / ".ci" / "run"
 GIT = ["git", "-c", "user.name=ci-test", "-c", "user.email=ci-test@example.invalid", "-c", "commit.gpgsign=false"]
 

@@ -26,7 +26,7 @@ the subprocess examples, which call the installed ``rlrunbook`` as a user types 
 Profiles (conftest.py): ``ci`` (derandomized, what ``scripts/test.sh`` runs) tries ``CI_EXAMPLES`` in-process
 and ``SUBPROCESS_EXAMPLES`` subprocess examples; ``dev`` is the long local run, randomized (one subprocess
 example per 50 in-process ones), e.g. ``HYPOTHESIS_PROFILE=dev
-RLRUNBOOK_HYPOTHESIS_EXAMPLES=5000 pytest tests/unit/test_fuzz_cli.py`` (see docs/testing.md).
+RLRUNBOOK_HYPOTHESIS_EXAMPLES=5000 pytest tests/unit/cli/test_fuzz.py`` (see docs/testing.md).
 """
 
 from __future__ import annotations

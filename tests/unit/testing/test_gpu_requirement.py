@@ -15,7 +15,7 @@ import pytest
 
 from rlrunbook.testing.gpu import REQUIRE_ENV, missing_gpu_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 PREFLIGHT = "tests/gpu/test_gpu_0_preflight.py"
 
 pytestmark = [pytest.mark.skipif(missing_gpu_reason() is None, reason="a CUDA GPU is usable here: nothing to refuse"),

@@ -30,7 +30,7 @@ from rlrunbook.testing.data import (
 
 pytestmark = pytest.mark.slow  # pytest processes of their own
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 PROBE = '''
 from rlrunbook.rl.data import default_local_path

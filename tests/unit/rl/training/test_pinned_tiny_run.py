@@ -6,7 +6,7 @@ float32 on CPU, on the data the preset gets in a fresh clone: no local CNN/Daily
 the same with or without real data beside the checkout; its fingerprint is pinned too, so a change of the
 data is named as such. Any change to sampling, scoring, advantages, datum assembly, the
 loss or the optimizer that moves these numbers fails this test; a deliberate change regenerates
-``pinned/tiny_smoke.json`` with ``RLRUNBOOK_UPDATE_PINNED=1 pytest tests/unit/test_pinned_tiny_run.py``
+``pinned/tiny_smoke.json`` with ``RLRUNBOOK_UPDATE_PINNED=1 pytest tests/unit/rl/training/test_pinned_tiny_run.py``
 and says why in the commit. Pinned on torch 2.13.0 (CPU build); the tolerance (rel 1e-5) absorbs
 summation-order noise, not behaviour. A loss is a sum of terms of about 0.1 that can cancel: on-policy
 it is minus the sum of the trained tokens' advantages, and a group's centred advantages cancel when its

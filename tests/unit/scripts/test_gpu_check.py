@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "scripts" / "gpu-check.sh"
 DOC = REPO_ROOT / "docs" / "gpu-validation.md"
 PARTS = ("tier", "parity", "bench", "debate", "scale", "invariance")

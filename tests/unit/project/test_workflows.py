@@ -21,7 +21,7 @@ import yaml
 
 from rlrunbook.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.y*ml"))
 _SETS_ENV = re.compile(r"\b(RLRUNBOOK_[A-Z0-9_]+)=")
 _MARK_WORDS = re.compile(r"[A-Za-z_][\w]*")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlrunbook.testing.trl import REQUIRE_ENV, missing_trl_reason, trl_outcome, trl_required
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 PEER = "tests/benchmarks/test_bench_peer.py"
 
 

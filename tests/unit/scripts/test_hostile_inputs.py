@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "hostile_inputs.py"
+_PATH = Path(__file__).resolve().parents[3] / "scripts" / "hostile_inputs.py"
 _spec = importlib.util.spec_from_file_location("hostile_inputs", _PATH)
 hi = importlib.util.module_from_spec(_spec)
 sys.modules["hostile_inputs"] = hi

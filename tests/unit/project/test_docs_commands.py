@@ -33,7 +33,7 @@ from rlrunbook.cookbook import runner as cookbook_runner
 from rlrunbook.rl.setup.config_sources import PRESET_DIR, leaf_keys, list_presets
 from rlrunbook.testing.commands import installed_rlrunbook
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 PAGE_IDS = [page.relative_to(ROOT).as_posix() for page in PAGES]
 
