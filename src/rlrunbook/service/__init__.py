@@ -7,7 +7,7 @@
 Modules, bottom up: :mod:`~rlrunbook.service.wire` (the SDK's protobuf bodies, both ways),
 :mod:`~rlrunbook.service.futures` (request ids and long-polling; per-model ``seq_id`` order),
 :mod:`~rlrunbook.service.state` (sessions, models and samplers over the local backend),
-:mod:`~rlrunbook.service.door` (API key, body size), :mod:`~rlrunbook.service.routes` (HTTP to state),
+:mod:`~rlrunbook.service.admission` (API key, body size), :mod:`~rlrunbook.service.routes` (HTTP to state),
 :mod:`~rlrunbook.service.server` (options, bind, run).
 
 Why Starlette under uvicorn: the SDK's protocol is a few dozen plain routes with JSON or protobuf bodies and
