@@ -29,7 +29,8 @@ from tinker import types
 
 from rlrunbook.errors import InputError, ModelNotFoundError, RlrunbookError
 from rlrunbook.service.futures import CallFailedError
-from rlrunbook.service.state import ModelRestartedError, ServeState, SessionEndedError, UnknownIdError, dump
+from rlrunbook.service.records import ModelRestartedError, SessionEndedError, UnknownIdError, dump
+from rlrunbook.service.state import ServeState
 from rlrunbook.service.wire import decode_forward_backward
 
 logger = logging.getLogger("rlrunbook.serve")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.service.state import DEFAULT_SESSION_TIMEOUT_S
+from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S
 
 API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"  # one key, or several separated by commas (one tenant each)
 DEFAULT_PORT = 8000
