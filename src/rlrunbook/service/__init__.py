@@ -5,10 +5,15 @@
 ``LocalServiceClient`` in process (:mod:`rlrunbook.service.state`), so the numbers are the same bits.
 
 Modules, bottom up: :mod:`~rlrunbook.service.wire` (the SDK's protobuf bodies, both ways),
+:mod:`~rlrunbook.service.store` (the SQLite records a restart finds),
 :mod:`~rlrunbook.service.futures` (request ids and long-polling; per-model ``seq_id`` order),
-:mod:`~rlrunbook.service.state` (sessions, models and samplers over the local backend),
-:mod:`~rlrunbook.service.door` (API key, body size), :mod:`~rlrunbook.service.routes` (HTTP to state),
-:mod:`~rlrunbook.service.server` (options, bind, run).
+:mod:`~rlrunbook.service.records` (a session's, model's and sampler's record; the errors of an id),
+:mod:`~rlrunbook.service.holdings` (the records by id, looked up for the caller's tenant),
+:mod:`~rlrunbook.service.sessions` (heartbeats, finish, expiry), :mod:`~rlrunbook.service.samplers`
+(sampling sessions, sample), :mod:`~rlrunbook.service.models` (training models and their calls in ``seq_id``
+order), :mod:`~rlrunbook.service.recovery` (what a restart finds), :mod:`~rlrunbook.service.state` (the one
+object the routes call), :mod:`~rlrunbook.service.admission` (API key, body size),
+:mod:`~rlrunbook.service.routes` (HTTP to state), :mod:`~rlrunbook.service.server` (options, bind, run).
 
 Why Starlette under uvicorn: the SDK's protocol is a few dozen plain routes with JSON or protobuf bodies and
 long-polled futures, so an ASGI toolkit fits it without a framework's schema layer: Starlette gives routing,

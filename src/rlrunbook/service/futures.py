@@ -195,7 +195,7 @@ class SeqOrder:
 
     ``submit(seq_id, call)`` returns a future at once; ``call`` runs on this model's own thread once every
     lower ``seq_id`` has run, and its result (a value, or a future of the local backend, which is chained) is
-    the future's. A ``seq_id`` seen before is refused: :class:`~rlrunbook.service.state.ServeState` answers a
+    the future's. A ``seq_id`` seen before is refused: :class:`~rlrunbook.service.models.Models` answers a
     retried request with its first request id before it reaches here. A call whose lower ``seq_id`` has not
     arrived after ``gap_timeout_s`` fails naming it, and the order goes on past the gap: the SDK sends every
     ``seq_id``, so a gap means a request was lost (a server restarted while it was in flight)."""

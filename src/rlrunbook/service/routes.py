@@ -6,8 +6,9 @@ an unknown id is 404; a queued call answers its request id at once and ``/retrie
 ``ForwardBackwardOutput`` and ``SampleResponse``, JSON for the rest, and a failure as 200
 ``{"error": ..., "category": "user"|"server"}``, which the SDK raises as ``RequestFailedError``. A route
 this server does not serve is 404 naming the method and path (the SDK's ``NotFoundError``). Every handler
-acts for the caller's tenant (``request.state.tenant``, set by :mod:`rlrunbook.service.door`); an id of another
-tenant is 404, as an unknown one. A heartbeat of an ended session is 410, which stops the SDK's heartbeat loop.
+acts for the caller's tenant (``request.state.tenant``, set by :mod:`rlrunbook.service.admission`); an id of
+another tenant is 404, as an unknown one. A heartbeat of an ended session is 410, which stops the SDK's
+heartbeat loop.
 
 ``GET /api/v1/rlrunbook/status`` (not an SDK route) answers what the server holds for the caller: sessions,
 models with the bytes each holds beside the shared base weights, and the resident base models.
@@ -28,7 +29,8 @@ from tinker import types
 
 from rlrunbook.errors import InputError, ModelNotFoundError, RlrunbookError
 from rlrunbook.service.futures import CallFailedError
-from rlrunbook.service.state import ModelRestartedError, ServeState, SessionEndedError, UnknownIdError, dump
+from rlrunbook.service.records import ModelRestartedError, SessionEndedError, UnknownIdError, dump
+from rlrunbook.service.state import ServeState
 from rlrunbook.service.wire import decode_forward_backward
 
 logger = logging.getLogger("rlrunbook.serve")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.service.state import DEFAULT_SESSION_TIMEOUT_S
+from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S
 
 API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"  # one key, or several separated by commas (one tenant each)
 DEFAULT_PORT = 8000
@@ -91,10 +91,10 @@ def check_options(options: ServeOptions) -> None:
 
 
 def build_app(service, options: ServeOptions):
-    """The ASGI app over ``service`` (a LocalServiceClient) and its storage's records: the door around the routes."""
+    """The ASGI app over ``service`` (a LocalServiceClient) and its storage's records: admission around the routes."""
     from starlette.applications import Starlette
 
-    from rlrunbook.service.door import Door
+    from rlrunbook.service.admission import Admission
     from rlrunbook.service.routes import routes
     from rlrunbook.service.state import ServeState
     from rlrunbook.service.store import ServeStore
@@ -103,7 +103,7 @@ def build_app(service, options: ServeOptions):
     store = ServeStore(service.settings.resolved_storage_dir())
     app.state.serve = ServeState(service, store, options.session_timeout_s)
     app.state.max_body_bytes = options.max_body_bytes
-    return Door(app, options.api_keys, options.max_body_bytes)
+    return Admission(app, options.api_keys, options.max_body_bytes)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,11 @@
-"""The server's door: the API key and the body size, checked before any route runs (an ASGI middleware).
+"""Admission: the API key and the body size, checked before any route runs (an ASGI middleware).
 
 Every route but ``/api/v1/healthz`` needs the ``X-API-Key`` header the SDK sends (``TINKER_API_KEY``) to
 equal one of the server's keys, compared in constant time; the key names the caller's tenant
 (:func:`rlrunbook.service.store.tenant_of`, a digest), set as ``request.state.tenant`` for the routes: each
-tenant sees only its own sessions, models, samplers and futures. Without a key configured the door is open
-(one tenant; the server then binds loopback only, see :func:`rlrunbook.service.server.check_options`). A
-``Content-Length`` over the limit is refused with 413 before the body is read; a body sent without one is
+tenant sees only its own sessions, models, samplers and futures. Without a key configured every request is
+admitted (one tenant; the server then binds loopback only, see :func:`rlrunbook.service.server.check_options`).
+A ``Content-Length`` over the limit is refused with 413 before the body is read; a body sent without one is
 counted as it is read (:func:`rlrunbook.service.routes.read_body`). Keys are never logged, echoed or written.
 """
 
@@ -27,7 +27,7 @@ async def send_json(send, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-class Door:
+class Admission:
     """ASGI middleware: 401 without a right key, 413 for a declared body over ``max_body_bytes``; the tenant of
     the key in ``scope["state"]["tenant"]``."""
 

@@ -1,0 +1,70 @@
+"""The index of what the server holds: its sessions, models and samplers by id, one lock over them, and the
+lookups a call of the caller's starts with.
+
+A lookup answers the caller's tenant only: an id of another tenant is as unknown as a made-up one
+(:class:`~rlrunbook.service.records.UnknownIdError`, 404). An id of an ended session (or of its model or
+sampler) is answered with why it ended. Any request of an active session, its models' and samplers' included,
+counts as its heartbeat. The lock guards the maps and the changes that must happen together (a session ending
+with its models and samplers, a model or sampler filed once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rlrunbook.service.records import Model, Sampler, Session, UnknownIdError, ended_message
+
+
+class Holdings:
+    """Sessions, models and samplers by id for every tenant; ``session_timeout_s`` is what an expiry names."""
+
+    def __init__(self, session_timeout_s: float):
+        self.session_timeout_s = session_timeout_s
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.lock = threading.RLock()
+
+    def session(self, session_id: str, tenant: str) -> Session:
+        """The caller's active session ``session_id``, its heartbeat renewed."""
+        session = self.sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise UnknownIdError(f"no session {session_id!r} on this server; create a new tinker.ServiceClient.")
+        if session.status != "active":
+            raise UnknownIdError(ended_message(session, self.session_timeout_s))
+        session.last_heartbeat = time.monotonic()  # any request of a session shows its client is alive
+        return session
+
+    def touch(self, session_id: str) -> None:
+        """Renew the heartbeat of ``session_id`` if it is active."""
+        session = self.sessions.get(session_id)
+        if session is not None and session.status == "active":
+            session.last_heartbeat = time.monotonic()
+
+    def model(self, model_id: str, tenant: str) -> Model:
+        """The caller's training model ``model_id`` unless its session ended; its session's heartbeat renewed."""
+        model = self.models.get(model_id)
+        if model is None or model.tenant != tenant:
+            raise UnknownIdError(f"no training model {model_id!r} on this server; create one with "
+                                 "ServiceClient.create_lora_training_client.")
+        if model.status == "released":
+            session = self.sessions.get(model.session_id)
+            reason = ended_message(session, self.session_timeout_s) if session is not None else "its session ended"
+            raise UnknownIdError(f"training model {model_id} was released: {reason}")
+        self.touch(model.session_id)
+        return model
+
+    def sampler(self, sampler_id: str | None, tenant: str) -> Sampler:
+        """The caller's sampling session ``sampler_id`` unless its session ended (its client possibly not made
+        again yet after a restart); its session's heartbeat renewed."""
+        sampler = self.samplers.get(sampler_id or "")
+        if sampler is None or sampler.tenant != tenant:
+            raise UnknownIdError(f"no sampling session {sampler_id!r} on this server; create one with "
+                                 "ServiceClient.create_sampling_client or save_weights_and_get_sampling_client.")
+        session = self.sessions.get(sampler.session_id)
+        if session is not None and session.status != "active":
+            raise UnknownIdError(f"sampling session {sampler_id} was released: "
+                                 f"{ended_message(session, self.session_timeout_s)}")
+        self.touch(sampler.session_id)
+        return sampler
