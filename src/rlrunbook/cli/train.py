@@ -11,9 +11,10 @@ from rlrunbook.cli.arguments import service_url
 from rlrunbook.cli.config_options import add_config_options, given_values
 from rlrunbook.errors import ConfigError
 
+
 def resolve_runs(args: argparse.Namespace):
     """One resolved config per sweep point (one when there is no sweep), all validated up front."""
-    from rlrunbook.rl.setup.config import validate
+    from rlrunbook.rl.setup.config_checks import validate
     from rlrunbook.rl.setup.config_sources import build_config, check_distinct_points, sweep_grid, sweep_name
 
     layers = dict(file=args.config_file, overrides=args.overrides, cli=given_values(args),

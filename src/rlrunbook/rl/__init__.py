@@ -28,7 +28,8 @@ _HOMES = {
                      "SingleTurn", "get_paradigm", "register_paradigm"), "rlrunbook.rl.rollout.paradigms"),
     **dict.fromkeys(("CONFIG_VERSION", "BackendSettings", "CheckpointSettings", "DataSettings",
                      "DynamicSamplingSettings", "LossSettings", "MismatchSettings", "RewardSettings", "TrainConfig",
-                     "ValidationSettings", "validate"), "rlrunbook.rl.setup.config"),
+                     "ValidationSettings"), "rlrunbook.rl.setup.config"),
+    "validate": "rlrunbook.rl.setup.config_checks",
     **dict.fromkeys(("run_training", "train"), "rlrunbook.rl.training.loop"),
 }
 __all__ = sorted(_HOMES)

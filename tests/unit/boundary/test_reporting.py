@@ -330,7 +330,8 @@ def fake_run(root):
     """A run directory with metadata, one train-log row per step and a checkpoint at step 2 (stand-in tensors)."""
     import torch
 
-    from rlrunbook.rl.setup.config import TrainConfig, validate
+    from rlrunbook.rl.setup.config import TrainConfig
+    from rlrunbook.rl.setup.config_checks import validate
     from rlrunbook.run.checkpoint_format import Checkpoint, capture_rng, save_checkpoint
 
     stored = validate(TrainConfig(model="tiny", env="qa", dataset="test", num_rollouts=4, steps=4,

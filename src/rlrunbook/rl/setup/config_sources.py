@@ -25,7 +25,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.limits import MAX_SWEEP_POINTS, shown
 from rlrunbook.rl.setup.yaml_source import load_yaml, parse_yaml, read_config_text
 from rlrunbook.run.redaction import holds_secret, is_secret_path

@@ -1,6 +1,6 @@
 """The limits of a run's numbers, in one place: what the code can hold and what a machine can run.
 
-A value outside its limit is refused by :func:`check_limits` (called by ``validate``) before any model
+A value outside its limit is refused by :func:`rlrunbook.rl.setup.config_checks.validate` before any model
 loads, with the limit and its reason. The limits are wide: each lies orders of magnitude beyond the runs
 this project plans (hundreds of rollouts a step, hundreds of steps, completions of a few thousand tokens),
 so they never bind a real run; they stop values that cannot be held (a seed beyond int64) or could never
@@ -16,9 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.flags import named
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed and the sampler's seed mixing (engines.noise) take int64 seeds
 MAX_ROLLOUTS = 65_536  # rows sampled in one step: 100x the "hundreds of rows a step" this project is built for
@@ -60,8 +57,8 @@ class Limit:
     def range(self) -> str:
         """``from 1 to 65,536``, ``above 0 and at most 1``."""
         if self.low_open:
-            return f"above {_number(self.low)} and at most {_number(self.high)}"
-        return f"from {_number(self.low)} to {_number(self.high)}"
+            return f"above {shown_number(self.low)} and at most {shown_number(self.high)}"
+        return f"from {shown_number(self.low)} to {shown_number(self.high)}"
 
 
 LIMITS: Mapping[str, Limit] = {
@@ -119,25 +116,8 @@ def shown(value: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _number(value: int | float) -> str:
+def shown_number(value: int | float) -> str:
+    """``1,024`` for an integer, ``0.001`` for a float, ``2^63 - 1`` for the largest seed."""
     if value == MAX_SEED:
         return "2^63 - 1"
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
-
-
-def _dotted(config: Any, key: str) -> Any:
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
-
-
-def check_limits(config: Any) -> None:
-    """``ConfigError`` naming the first value of ``config`` (a ``TrainConfig``) outside its :data:`LIMITS`."""
-    for key, limit in LIMITS.items():
-        value = _dotted(config, key)
-        if value is None or limit.contains(value):
-            continue
-        side = "above" if value > limit.high else "below"
-        bound = limit.high if value > limit.high else limit.low
-        raise ConfigError(f"{named(key)} {shown(value)} is {side} its limit of {_number(bound)}: {limit.why}. "
-                          f"Pass a value {limit.range()}.")

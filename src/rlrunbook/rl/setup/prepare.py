@@ -12,7 +12,8 @@ from rlrunbook.errors import ConfigError
 from rlrunbook.rl.data.quality import check_references
 from rlrunbook.rl.rollout.paradigms import Paradigm, get_paradigm
 from rlrunbook.rl.rollout.tasks import Problem, Task, get_task_class
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.data_order import check_held_out
 from rlrunbook.rl.setup.dataset_cache import load_problems
 

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from rlrunbook.errors import ConfigError, InputError
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.config_sources import flatten, leaf_keys
 from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.run.checkpoint_format import (

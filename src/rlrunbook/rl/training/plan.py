@@ -20,13 +20,14 @@ from rlrunbook.rl.rollout.judges import JudgeChoice
 from rlrunbook.rl.rollout.paradigms import Paradigm, RolloutSettings
 from rlrunbook.rl.rollout.rollouts import Rollout, advantage_mode
 from rlrunbook.rl.rollout.tasks import Problem, Task
-from rlrunbook.rl.setup.resume import CheckpointSchedule, Resume, plan_resume
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.data_order import problem_order, split_held_out
 from rlrunbook.rl.setup.memory_plan import MemoryPlan, check_fits, plan_memory
 from rlrunbook.rl.setup.placement import placement
 from rlrunbook.rl.setup.preflight import preflight
 from rlrunbook.rl.setup.prepare import dataset_record, prepare
+from rlrunbook.rl.setup.resume import CheckpointSchedule, Resume, plan_resume
 from rlrunbook.rl.setup.service import training_device
 from rlrunbook.rl.training import data_parallel as dp
 

@@ -28,7 +28,8 @@ from rlrunbook.rl.rollout.guards import (
 from rlrunbook.rl.rollout.paradigms import Debate
 from rlrunbook.rl.rollout.prompts import render_prompt
 from rlrunbook.rl.rollout.tasks import Problem, Task, register_task
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.training.loop import run_training
 from rlrunbook.rl.training.step_guards import NonFiniteStepError
 

@@ -10,7 +10,8 @@ import yaml
 
 from rlrunbook import cli
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.config import CONFIG_VERSION, TrainConfig, validate
+from rlrunbook.rl.setup.config import CONFIG_VERSION, TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.config_sources import (
     PRESET_DIR,
     build_config,

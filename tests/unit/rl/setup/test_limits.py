@@ -12,7 +12,8 @@ import time
 import pytest
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.config_sources import build_config, load_config_file, parse_override, sweep_grid
 
 # --- numbers of the config --------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import pytest
 
 from rlrunbook.errors import ConfigError
 from rlrunbook.rl.rollout.task_options import TaskOption, check_extra
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.config_sources import build_config, sweep_grid
 from rlrunbook.run.paths import new_run_dir
 

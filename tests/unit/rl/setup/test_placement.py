@@ -8,7 +8,8 @@ import pytest
 from rlrunbook import cli
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.config import BackendSettings, TrainConfig, validate
+from rlrunbook.rl.setup.config import BackendSettings, TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.placement import placement, resolved_sampler
 
 

@@ -10,8 +10,9 @@ from tinker import types
 
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.errors import ConfigError, InputError
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.resume import CheckpointSchedule, plan_resume
-from rlrunbook.rl.setup.config import TrainConfig, validate
 from rlrunbook.run import RunWriter
 from rlrunbook.run.checkpoint_format import Checkpoint, capture_rng, save_checkpoint
 from rlrunbook.tokens import build_datum_arrays

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rlrunbook import cli
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 
 
 @pytest.mark.parametrize("args, match", [

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.rl.setup.config import TrainConfig, validate
+from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.training.lag_schedule import mean_abs_gap, sampling_step, staleness
 from rlrunbook.rl.training.loop import run_training
 from rlrunbook.rl.training.plan import check_off_policy
