@@ -7,7 +7,7 @@ and ``extra_info``). This module reads those files as they are; it writes none.
 
 A benchmark is compared by its median seconds, except one whose ``extra_info`` holds the rlrunbook/TRL
 step ratio (the peer benchmark, tests/benchmarks/test_bench_peer.py): that one by the ratio, because
-absolute times swing 2x on shared machines and a ratio measured within one run does not. Either figure
+absolute times swing with a shared machine's load and a ratio measured within one run does not. Either figure
 is lower-is-better. The last run's figure over the median of the earlier runs' figures is the change;
 above ``1 + threshold`` it is a regression.
 

@@ -10,7 +10,7 @@ convention of the losses), so a regularizer's weight means the same thing in one
   KL(policy || ref) under samples of the policy, always >= 0), ``low_var_kl`` = k3 clamped to [-10, 10]
   (verl's name for it). Looked up by name once, with :func:`get_kl_estimator`.
   k3 is computed as ``expm1(x) - x``, never as ``exp(x) - x - 1``: for |x| near 1e-9 ``exp(x)`` rounds to
-  1 + one ulp or so, and subtracting 1 leaves that rounding error, which made the estimate -1.1e-16 in
+  1 + one ulp or so, and subtracting 1 leaves that rounding error, which makes the estimate -1.1e-16 in
   float64 and, in float32, negative for ~2% of tokens with |x| <= 1e-3. ``expm1`` keeps full relative
   precision near 0, and ``fl(expm1(x)) >= x`` because the true value exceeds the representable ``x``.
 - Token entropy of the policy, ``H = -sum_v p_v log p_v``, from logits rows.

@@ -1,8 +1,8 @@
 """What ``TINKER_BACKEND=api`` needs before the first call: a credential, and a service that answers in time.
 
 The SDK retries a service it cannot reach for minutes (its own budget: 10 tries of up to 60 s per request,
-then up to 5 minutes of backed-off retries per call), and a ServiceClient made without network hung for
-more than 150 s before anything was said. :func:`check_reachable` asks once, up front, within a stated
+then up to 5 minutes of backed-off retries per call), so a ServiceClient made without network would wait
+through that budget before saying anything. :func:`check_reachable` asks once, up front, within a stated
 budget (``RLRUNBOOK_API_TIMEOUT_S`` seconds per attempt, ``RLRUNBOOK_API_ATTEMPTS`` attempts, 1 s then 2 s
 ... between them) and, when the budget is spent, raises :class:`~rlrunbook.errors.ServiceUnreachableError`
 naming the address, the budget, the last failure and the fix. Calls after that point run under the SDK's

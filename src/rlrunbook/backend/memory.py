@@ -5,7 +5,8 @@ Nothing here is a hand-written formula of what a layer keeps: the model is built
 trainer's forward and backward (:class:`~rlrunbook.engines.shared_prefix.SharedPrefixScorer`, the pass
 ``forward_backward`` runs) or the sampler's prefill and decode step run on it under :class:`LiveBytes`, which
 follows every tensor they create until it is freed. So a change to the code that holds more memory is seen by
-the plan at once. A 1.5B-parameter model at 2,048 tokens takes about a second to trace.
+the plan at once. A trace stores and computes nothing, so what it costs is the dispatch of the pass's operators,
+not their arithmetic.
 
 What the trace does not see is counted from the shapes: the weights, the adapter, its gradients and AdamW's two
 moments, the float64 copies of the frozen weights under ``exact`` numerics, and the sampler's KV caches.
@@ -204,8 +205,8 @@ _TRACED: dict[tuple, TokenCost] = {}
 # share, ``gpu_memory_utilization``, where a managed server shares the GPU), and what it never plans to use.
 SAMPLER_SHARE = 0.4
 # On a GPU the caching allocator's fragmentation; on a CPU glibc, which with the allocator settings of
-# scripts/test.sh keeps freed activation buffers in its heap: measured RSS up to 1.9x the traced tensor peak
-# (a 2-layer 1.5B-shaped model, 2,048 tokens: 2,022 MB against 1,090 MB with buffers returned to the OS).
+# scripts/test.sh keeps freed activation buffers in its heap, so the resident set can reach about twice the
+# traced tensor peak (docs/scale.md).
 HEADROOM = {"cuda": 0.1, "cpu": 0.5}
 # Below this many tokens per micro-batch a device runs its products inefficiently, and recomputing activations
 # to afford larger micro-batches pays: a GPU needs thousands of rows to fill; a CPU's GEMMs peak at ~1,000.

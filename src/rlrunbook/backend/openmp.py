@@ -9,9 +9,7 @@ parallel region then pays futex wake-ups.
 The local backend computes on its worker thread (:mod:`rlrunbook.backend.futures`) while the caller
 waits. A caller that has run any parallel torch work itself (a training loop computing on its own
 tensors, TRL in the peer benchmark) owns a second pool, and from then on the worker's kernels run
-throttled. Measured on the project's 2-core CPU, a SmolLM2-135M LoRA decode step of 16 rows went
-from ~105 ms and 0 voluntary context switches per step to ~190 ms and ~2,350 after 200 matrix
-products on the calling thread.
+throttled, paying context switches in every parallel region (docs/performance.md gives the figures).
 
 :func:`release_openmp_threads` frees the calling thread's pool (OpenMP 5.0
 ``omp_pause_resource_all(omp_pause_soft)``; the pool is re-created by its next parallel region, at

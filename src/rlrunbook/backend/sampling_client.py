@@ -30,7 +30,7 @@ from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.tokens import check_token_ids
 
-_DEFAULT_MAX_TOKENS = 256  # what earlier local backends used when max_tokens is None
+_DEFAULT_MAX_TOKENS = 256  # the most tokens a sample gets when SamplingParams.max_tokens is None
 logger = logging.getLogger(__name__)
 _sequence_ids = itertools.count()
 _HANDLE_FIELDS = ("sampler_id", "base_model", "model_path", "storage_root")  # what a sampler handle holds

@@ -25,8 +25,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 def check_device(device: str, source: str = "TINKER_LOCAL_DEVICE") -> None:
     """``ConfigError`` unless ``device`` is a torch device this machine has, naming ``source`` (where the
-    value came from) and the fix. Checked where the settings are made, so before any model loads: a
-    CPU-only torch used to fail with an ``AssertionError`` only after the model was loaded."""
+    value came from) and the fix. Checked where the settings are made, so before any model loads: a CUDA
+    device on a CPU-only torch is refused here, not by torch's ``AssertionError`` once the model is loaded."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as error:

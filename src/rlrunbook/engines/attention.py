@@ -176,7 +176,7 @@ class _PlannedSdpa(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask):  # q: [R, H, T, D]; k, v: [R, Hkv, S, D]; mask: [R, 1, T, S]
-        q = q.contiguous()  # the CPU kernel keeps a contiguous copy of the queries (measured: +1 query-sized tensor)
+        q = q.contiguous()  # the CPU kernel keeps a contiguous copy of the queries: one more query-sized tensor
         out = torch.empty_like(q)
         log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
         kept = mask if _PLANNED_DEVICE.get() == "cpu" else mask.to(q.dtype)

@@ -268,9 +268,10 @@ class Decoder:
         """A block in which the model's weights and adapter state do not change (one sampling call).
 
         Inside it each projection group's stacked weights and LoRA factors are looked up once, on first
-        use, instead of on every pass (at 16 rows those checks cost ~5 ms of a ~110 ms decode step), and
-        on a float32 CPU model the LoRA updates are computed group by group
-        (:mod:`rlrunbook.engines.lora_groups`). Changing weights inside the block is not seen by it.
+        use, instead of on every pass (the look-up checks every module of the group: Python work that a
+        decode step would otherwise pay for every group of every layer), and on a float32 CPU model the
+        LoRA updates are computed group by group (:mod:`rlrunbook.engines.lora_groups`). Changing weights
+        inside the block is not seen by it.
         """
         if self._fixed_depth == 0:
             self._epoch += 1

@@ -1,14 +1,14 @@
 """CUDA graphs of the decode step: one capture per (cache buffers, window, adapter state), then replays.
 
-A decode step of a small model is bound by kernel launches, not by arithmetic (37 ms per step on
-an H100 for SmolLM2-135M under ``generate``, whose weights take 0.09 ms to read). Replaying a
-captured graph launches the whole step at once. Everything a step reads lives in buffers that
-outlive the capture: the engine's reused :class:`~rlrunbook.engines.layouts.RowCache` (keys, values,
-lengths), the token buffer below, and the model's parameters, which optimizer steps and sampler
-snapshots change in place (or the engine's pinned copies of them, :mod:`rlrunbook.engines.pinned_adapter`,
-whose addresses never change either), so a graph captured once serves every later step of the run. Whether
-the adapter is on is a Python-side switch (peft's ``disable_adapter()``, or the pinned state's flag), so the
-base model and the adapted one get separate graphs.
+A decode step of a small model is bound by kernel launches, not by arithmetic or by reading its weights
+(docs/performance.md). Replaying a captured graph launches the whole step at once. Everything a step
+reads lives in buffers that outlive the capture: the engine's reused
+:class:`~rlrunbook.engines.layouts.RowCache` (keys, values, lengths), the token buffer below, and the
+model's parameters, which optimizer steps and sampler snapshots change in place (or the engine's pinned
+copies of them, :mod:`rlrunbook.engines.pinned_adapter`, whose addresses never change either), so a graph
+captured once serves every later step of the run. Whether the adapter is on is a Python-side switch
+(peft's ``disable_adapter()``, or the pinned state's flag), so the base model and the adapted one get
+separate graphs.
 """
 
 from __future__ import annotations

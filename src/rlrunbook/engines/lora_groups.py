@@ -2,8 +2,8 @@
 
 peft adds each adapted projection's update on its own: ``x @ A.T``, ``@ B.T``, a scaling and an add,
 four small operations per projection, 28 per layer of a model with LoRA on its 7 projections. At the
-16 rows of a decode step each costs a fixed ~5-20 us whatever its size: on the project's 2-core CPU
-machine (SmolLM2-135M, rank 16) they took ~15 ms of a ~120 ms decode step, far more than their arithmetic.
+few rows of a decode step each one's fixed cost, paid whatever its size, is far more than its arithmetic
+(docs/performance.md gives the figures).
 
 For a group of projections that read the same input (q/k/v; gate/up; or one alone) this computes the
 group's updates as one product with the stacked ``A`` matrices (``xa = x @ A_stack.T``, ``A_stack``

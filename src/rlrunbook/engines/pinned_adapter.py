@@ -1,14 +1,14 @@
 """The LoRA factors a sampling call computes with, held by the engine apart from the trained adapter.
 
-Without this, the in-process engine reads ``lora_A``/``lora_B`` straight from the modules the trainer
-updates in place, so a sampler could only run between training calls (and a snapshot had to be copied
-into the live adapter for the call, then the live one copied back). A :class:`PinnedAdapter` is the
-engine's own copy of every LoRA factor: a sampling call copies its snapshot into it (only when the
-snapshot differs from the one already there) and the decoder reads the factors from it. The trainer may
-then step, load or disable its adapter while the sampler samples its snapshot, on another thread.
+Read straight from the modules the trainer updates in place, ``lora_A``/``lora_B`` would let a sampler
+run only between training calls, with its snapshot copied into the live adapter for the call and the
+live one copied back. A :class:`PinnedAdapter` is the engine's own copy of every LoRA factor: a sampling
+call copies its snapshot into it (only when the snapshot differs from the one already there) and the
+decoder reads the factors from it. The trainer may then step, load or disable its adapter while the
+sampler samples its snapshot, on another thread.
 
 The buffers keep their addresses for the engine's life, so CUDA graphs captured over them stay valid
-when a new snapshot is copied in (the same reason the graphs used to read the live parameters).
+when a new snapshot is copied in.
 Whether the adapter is on at all (the base model: ``weights is None``) is the pinned state's own
 flag: peft's ``disable_adapter()``, a switch on the shared modules, is the trainer's to flip.
 """

@@ -2,13 +2,12 @@
 
 A layer's query, key and value projections all read the normed hidden state, and so do the MLP's
 gate and up projections. Computed one by one, a decode step pays a product's fixed cost five times
-per layer where two would do; for SmolLM2-135M's 30 layers at 16 rows on the project's CPU machine
-(oneDNN, 2 threads) these five products take 37.2 ms per step one by one and 32.5 ms stacked.
+per layer where two would do (docs/performance.md gives the figures).
 
 :func:`stacked_weights` lays the frozen weights (and biases) of such a group out back to back in one
 tensor and makes each module's parameter a view of its rows, so the model holds no second copy and
 transformers' own forward (and peft's) reads the very same numbers. Each output column of the
-stacked product is the same dot product as before; on CPU the results are bitwise those of the
+stacked product is the same dot product as the module's own; on CPU the results are bitwise those of the
 module-by-module products (tested). Only frozen weights are stacked: a trained weight must stay its
 own leaf tensor for its gradient to land on it.
 """

@@ -141,9 +141,9 @@ JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 def check_model_folder(folder: Path) -> Path:
     """``folder`` if it holds weights and a tokenizer beside ``config.json``, its JSON files parse and its
     safetensors headers read; ``ModelNotFoundError`` naming the file, what is wrong and the fix otherwise.
-    Checked when the name is resolved, so before any model loads: a folder with only ``config.json``, a
-    ``config.json`` that is not JSON or a safetensors file with a bad header used to fail inside transformers
-    or safetensors, with their own exceptions, after the run directory was made."""
+    Checked when the name is resolved, so before any model loads or a run directory is made: a folder with only
+    ``config.json``, a ``config.json`` that is not JSON or a safetensors file with a bad header is refused here,
+    not inside transformers or safetensors with their own exceptions."""
     missing = [kind for kind, patterns in (("weights (model.safetensors or pytorch_model.bin)", WEIGHT_FILES),
                                            ("a tokenizer (tokenizer.json or tokenizer_config.json)", TOKENIZER_FILES))
                if not any(any(folder.glob(pattern)) for pattern in patterns)]

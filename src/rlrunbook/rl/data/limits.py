@@ -1,7 +1,7 @@
 """The limits of data files and generated data sets, in one place.
 
 A data file is read one line at a time and each limit is checked before the line is parsed, so a hostile
-file costs at most one line's memory and time: a 2 GB line (``MemoryError`` when the whole file was read
+file costs at most one line's memory and time: a 2 GB line (``MemoryError`` if the whole file were read
 at once), a JSON array nested 100,000 deep (``RecursionError``), a 5,001-digit integer (Python refuses to
 convert more than 4,300 digits). Each is refused with the file, the line and the limit. The limits lie far
 beyond any real row: GSM8K's rows are under 2 KB, CNN/DailyMail's longest article about 100 KB, and every

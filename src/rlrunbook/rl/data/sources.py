@@ -129,7 +129,7 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
 
     None also when ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` is set: then ``datasets`` answers from its
     local cache, at once. Otherwise one TCP connection to the endpoint (``HF_ENDPOINT``) within
-    ``timeout_s``: without it ``load_dataset`` retries for about 25 s before giving up.
+    ``timeout_s``: without this check ``load_dataset`` retries on its own schedule before giving up.
     """
     if any(os.environ.get(name, "").strip().lower() in _TRUTHY for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return None

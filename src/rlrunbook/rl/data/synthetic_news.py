@@ -8,11 +8,8 @@ Each article reports one event (a bridge reopening, storm damage, a plant closin
 in a fictional town: a lead sentence with the key facts (who, what, where, the numbers), details, a
 quote, background and reactions, in 177-211 words (the prompt keeps the first 150, as of a real
 article), in the order and register of a wire report. Its ``highlights`` restate the key facts in 3-4
-sentences (41 words on average; CNN/DailyMail's: 53). The rewards behave as on real articles; measured on
-200 generated articles against the project's 80 real ones (``../shared/data``), each cut to 150 words:
-``compression`` of the reference highlights 0.42-0.66, mean 0.55 (real: 0.00-0.78, mean 0.41); of the
-first 20 words 0.82 (real 0.81); of a copy of the article 0 (real 0); grounding of the highlights 0.89
-(real 0.71). ``rouge`` has references to match.
+sentences (41 words on average; CNN/DailyMail's: 53). The rewards behave as on real articles (docs/data.md
+compares them); ``rouge`` has references to match.
 
 Deterministic: ``synthetic_news(n, seed)`` is a pure function, and a smaller ``n`` gives a prefix.
 """

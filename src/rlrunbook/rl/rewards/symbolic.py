@@ -8,10 +8,10 @@ waits on its pipe with ``select`` (any thread) and kills the process when the ti
 call starts a fresh worker. The worker dies with its parent (``PR_SET_PDEATHSIG``, and a closed pipe),
 ignores Ctrl-C (the parent stops it), and is closed at interpreter exit, so it never outlives the run.
 
-Cost, measured on the 2-core CPU machine (2026-11-23): ~0.55 s to start the worker, once; then a pipe
-round trip of ~0.3 ms plus math-verify's own time, 0.3-8 ms per pair once sympy is warm (the first
-comparisons in a fresh worker take up to ~0.5 s). A timed-out comparison costs its timeout plus a
-restart. Verdicts are cached per ``(pred, ref)``, so a repeated answer costs nothing.
+Cost: starting the worker (it imports sympy), on first use and after each timeout; then per comparison a
+pipe round trip plus math-verify's own time, the first comparisons in a fresh worker being the slowest. A
+timed-out comparison costs its timeout plus a restart. Verdicts are cached per ``(pred, ref)`` (the last
+``_CACHE_SIZE``), so a repeated answer costs nothing. docs/performance.md gives the figures.
 """
 
 from __future__ import annotations

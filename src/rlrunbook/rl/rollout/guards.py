@@ -2,9 +2,9 @@
 
 * **Prompt limit** (``data.max_prompt_tokens``, ``data.truncate_prompts``). A prompt is measured as
   the token ids sent to the sampler: the chat template with the task's system and user turns and
-  the generation prompt. Every problem is measured once before the first step
-  (:func:`check_prompts`, tokenizer only: about 1 ms a problem), and again whenever a paradigm
-  renders a prompt (:meth:`PromptLimit.fit`). Over the limit, the run is refused naming the problem,
+  the generation prompt. Every problem is measured once before the first step (:func:`check_prompts`,
+  tokenizer only, no model: one template render per problem and paradigm suffix), and again whenever a
+  paradigm renders a prompt (:meth:`PromptLimit.fit`). Over the limit, the run is refused naming the problem,
   its length and the fixes; with truncation, the problem text (the user message, before any
   paradigm suffix such as the debate instructions) is cut by tokens and the template is rendered
   again, so the system turn, the suffix and the generation prompt stay intact. Debate prompts of

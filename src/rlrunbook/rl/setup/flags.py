@@ -2,7 +2,7 @@
 
 A key's flag is ``--`` and the key with dashes; a section's field joins the two (``backend.device`` is
 ``--backend-device``). The exceptions are the runbook's established names: the short forms ``-n`` and ``-s``
-and the section fields that had flags of their own before sections existed (``--kl-coef``, ``--val-every``).
+and the section fields with flags of their own (``--kl-coef``, ``--val-every``, ``--cache-dataset``: ``LONG``).
 ``rlrunbook train`` derives its options from this table and the config's fields
 (:mod:`rlrunbook.cli.config_options`); every message that names a value names it by :func:`named`.
 """

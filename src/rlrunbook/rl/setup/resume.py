@@ -11,7 +11,7 @@ for bit; problems are drawn from ``order`` (a pure function of the seed) at the 
 the checkpoint stores (dynamic sampling may draw more than ``num_groups`` problems in a step, see
 :mod:`rlrunbook.rl.training.dynamic_sampling`); every sampling request is seeded with
 ``mix_seed(seed, step, group)`` and the sampler's noise is counter-based, so the same weights draw
-the same tokens; the global RNGs (not used by the single-turn loop today, but by plug-ins perhaps)
+the same tokens; the global RNGs (not used by the single-turn loop, but perhaps by plug-ins)
 are restored too.
 
 A resumed run takes the checkpoint's config. Only ``steps`` (to extend the run), ``name`` and

@@ -14,8 +14,8 @@ train-log row marked ``skipped`` (``check-run`` accepts it), a warning. After
 ``dynamic_sampling.max_skipped_steps`` skipped steps in a row the run stops with ``NoLearningSignalError``.
 
 Where this departs from DAPO: DAPO over-samples whole batches and trims; here each round draws exactly
-the missing number of groups, so a step that needs no refill samples exactly what it did before dynamic
-sampling existed (same problems, same seeds, same tokens), and a step that is skipped trains nothing
+the missing number of groups, so a step that needs no refill samples exactly what it would without dynamic
+sampling (same problems, same seeds, same tokens), and a step that is skipped trains nothing
 instead of a smaller batch (the loss is a token sum, so a smaller batch would be a smaller step).
 
 The data cursor: problems are taken in the seeded order, one per drawn group, so after a refill the
