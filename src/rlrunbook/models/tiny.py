@@ -7,7 +7,7 @@ are random; it is not meant to say anything sensible.
 Choices that are not the transformers defaults, and why:
 
 * ``initializer_range=0.2``: with the default 0.02 the next-token distributions are nearly
-  uniform, which makes logprob-parity and learning tests weak (see docs PITFALLS).
+  uniform, which makes logprob-parity and learning tests weak (docs/models.md).
 * ``tie_word_embeddings=False``: with tied weights a random model mostly predicts the token it
   just read (the residual stream still holds that token's embedding); untied, the next-token
   distribution is unrelated to the input token. It also makes the pair of built-ins cover both
@@ -191,7 +191,7 @@ def neutral_generation_config(bos_id: int | None, eos_id: int, pad_id: int):
     """Return a ``GenerationConfig`` whose sampling is exactly ``softmax(logits)``.
 
     Every logits processor field is written at its neutral value, because fields a caller leaves
-    unset are filled from the model's generation config (docs PITFALLS).
+    unset are filled from the model's generation config (docs/numerics.md).
     """
     from transformers import GenerationConfig
 

@@ -1,7 +1,7 @@
 """The built-in ``test`` QA set: single-digit arithmetic generated from a seed.
 
 Operands are single digits because SmolLM2-135M gets multi-digit arithmetic wrong almost always
-(PITFALLS: "37 + 48" comes back as 104), which leaves every group with zero reward spread and
+("37 + 48" comes back as 104), which leaves every group with zero reward spread and
 GRPO with no signal; single digits give groups of mixed right and wrong answers. Subtraction
 puts the larger operand first, so no answer is negative and a leading minus sign never has to be
 generated. The set needs no network and no files, so it is what the fast tests train on.

@@ -2,7 +2,7 @@
 
 The numeric reward reads the *last* number of the completion. Small models restate the question
 before answering ("7 * 8 = 56"), so the first number is usually an operand: a first-number reward
-scores every sample 0 and leaves GRPO with no spread (PITFALLS, SmolLM2).
+scores every sample 0 and leaves GRPO with no spread (measured on SmolLM2-135M).
 """
 
 from __future__ import annotations

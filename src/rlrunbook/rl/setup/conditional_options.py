@@ -1,10 +1,10 @@
 """Options that apply only in some settings: null until they apply, their default then, refused where ignored.
 
-An option that the chosen mode, loss or setting ignores used to be accepted without a word
-(``--kl-estimator k3`` with the KL off, ``--val-samples 8`` with validation off, ``--judge-model`` in a
-single-turn run, ``--summary-max-words`` in a qa run). Each such option is listed here with the setting
-that reads it. Its field defaults to null ("not set"), so the defaults, the presets and ``--strict-config``
-files never state an option that does nothing; :func:`settle` (called by ``validate``) fills the
+An option that the chosen mode, loss or setting ignores (``--kl-estimator k3`` with the KL off,
+``--val-samples 8`` with validation off, ``--judge-model`` in a single-turn run, ``--summary-max-words`` in a
+qa run) is listed here with the setting that reads it. Its field defaults to null ("not set"), so the defaults, the presets and ``--strict-config``
+files never state an option that does nothing; :func:`settle` (called by
+:func:`~rlrunbook.rl.setup.config_checks.validate`) fills the
 documented default of an option that applies and was left null, and refuses one that was set where
 nothing reads it, naming the setting that would. The options a task reads through a config field
 (``summary_max_words``, ``reward.*_weight``) apply where the task declares them

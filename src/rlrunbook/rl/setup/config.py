@@ -32,7 +32,7 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
-# Strict numbers: ``steps: true`` used to be read as 1 and ``deterministic: 1`` as true. An int field takes
+# Strict numbers, so ``steps: true`` is not read as 1 nor ``deterministic: 1`` as true: an int field takes
 # only an int (not a bool, not 2.0, not "2"); a float field takes a number or a numeric string (YAML 1.1
 # reads ``1e-4`` as a string), never a bool; a bool field takes only true or false.
 Int = Annotated[int, Strict()]
@@ -41,8 +41,7 @@ Bool = Annotated[bool, Strict()]
 
 
 class _Section(BaseModel):
-    # allow_inf_nan=False: an infinite or NaN number is refused by its dotted name (``--temperature inf``
-    # used to pass here and fail later, when the run wrote its metadata).
+    # allow_inf_nan=False: an infinite or NaN number is refused by its dotted name, here, before anything runs.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 

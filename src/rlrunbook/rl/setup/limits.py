@@ -4,7 +4,7 @@ A value outside its limit is refused by :func:`rlrunbook.rl.setup.config_checks.
 loads, with the limit and its reason. The limits are wide: each lies orders of magnitude beyond the runs
 this project plans (hundreds of rollouts a step, hundreds of steps, completions of a few thousand tokens),
 so they never bind a real run; they stop values that cannot be held (a seed beyond int64) or could never
-finish (10^20 rollouts a step, which used to sample until killed). Whether a valid size fits the device
+finish (10^20 rollouts a step would sample until killed). Whether a valid size fits the device
 is the memory plan's question (:mod:`rlrunbook.rl.setup.memory_plan`), not this module's.
 
 The data layer keeps its own limits (line length, nesting, generated set sizes) in
