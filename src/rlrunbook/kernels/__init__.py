@@ -9,7 +9,7 @@ where it sits in its tensor. So the sampler's one-token decode steps and the tra
 bit, and a sequence gets the same logprobs in any batch, at any thread count, from one process to the next.
 
 - :mod:`~rlrunbook.kernels.ops`: the operations with autograd, dispatched by device (what the decoder calls);
-- :mod:`~rlrunbook.kernels.cpu`: the C kernels of ``fixed_order.c`` (orders stated there), compiled on first use
+- :mod:`~rlrunbook.kernels.cpu`: the C kernels of ``c/`` (orders stated in ``c/fixed_order.h``), compiled on first use
   by :mod:`~rlrunbook.kernels.build`;
 - :mod:`~rlrunbook.kernels.gpu`: the same operations in Triton for CUDA (constant tile sizes, no split-K, no
   atomics).

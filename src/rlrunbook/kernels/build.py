@@ -1,10 +1,10 @@
-"""Compile the fixed-order CPU kernels (``fixed_order.c``) once per machine and load them.
+"""Compile the fixed-order CPU kernels (``c/``: ``fixed_order.h`` and the kernel files) once per machine, load them.
 
 The library is built on first use with the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``), for this CPU (``-march=native``), with OpenMP where the compiler has it; the same
 GNU OpenMP runtime that PyTorch loads (``libgomp.so.1``) then runs the kernels' parallel loops,
 so they share PyTorch's threads. It is cached under ``$RLRUNBOOK_CACHE_DIR/kernels/<key>/`` where
-the key hashes the source, the flags, the compiler's version and the CPU's feature flags: a cache
+the key hashes the sources, the flags, the compiler's version and the CPU's feature flags: a cache
 shared by two machines never hands one the other's build. A build is written under a temporary
 name and renamed into place, so concurrent first uses are safe.
 """
@@ -23,7 +23,9 @@ from pathlib import Path
 from rlrunbook.errors import RlrunbookError
 from rlrunbook.models.cache import build_atomically, default_cache_dir
 
-SOURCE = Path(__file__).with_name("fixed_order.c")
+SOURCE_DIR = Path(__file__).with_name("c")
+SOURCES = tuple(sorted(SOURCE_DIR.glob("*.c")))  # compiled together into one library
+HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
 LIBRARY_NAME = "libfixed_order.so"
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-fast-math", "-Wno-psabi")
 # Tried in order: the first set the compiler accepts is used (OpenMP and -march=native are optional).
@@ -75,7 +77,7 @@ def _missing_compiler() -> KernelBuildError:
 def _compile(compiler: str, folder: Path, flag_sets=FLAG_SETS) -> None:
     errors = []
     for extra in flag_sets:
-        command = [compiler, *BASE_FLAGS, *extra, str(SOURCE), "-o", str(folder / LIBRARY_NAME), "-lm"]
+        command = [compiler, *BASE_FLAGS, *extra, *map(str, SOURCES), "-o", str(folder / LIBRARY_NAME), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
         if result.returncode == 0:
             (folder / "flags.txt").write_text(" ".join(command[1:]) + "\n")
@@ -87,7 +89,8 @@ def _compile(compiler: str, folder: Path, flag_sets=FLAG_SETS) -> None:
 def library_folder(compiler: str) -> Path:
     """Where this machine's build of the kernels lives (see the module docstring for the key)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((BASE_FLAGS, FLAG_SETS)).encode(), _compiler_version(compiler).encode(),
+    sources = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in (*SOURCES, *HEADERS))
+    for part in (sources, repr((BASE_FLAGS, FLAG_SETS)).encode(), _compiler_version(compiler).encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")

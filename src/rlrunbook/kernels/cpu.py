@@ -2,7 +2,7 @@
 
 Every function takes float32 or bfloat16 CPU tensors (2-D matrices may be row-strided views; their
 last dimension must be contiguous) and computes with PyTorch's intra-op thread count. The orders are
-those of ``fixed_order.c``: ``lanes16`` (``pairs16`` for two bfloat16 inputs) for :func:`gemm_nt` and
+those of ``c/fixed_order.h``: ``lanes16`` (``pairs16`` for two bfloat16 inputs) for :func:`gemm_nt` and
 :func:`row_sumsq`, ``lanes64`` for :func:`row_logsumexp`, ``sequential`` for :func:`gemm_seq` (see
 :mod:`rlrunbook.kernels`).
 """
@@ -186,7 +186,7 @@ def _attention_layout(q, k, v, query_positions, key_positions, key_valid):
 
 @_profiled
 def attention_forward(q, k, v, query_positions, key_positions, key_valid, scale: float):
-    """``(out, lse)``: ``out`` ``[R, T, H, D]`` in q's dtype, ``lse`` ``[R, T, H]`` float32 (see fixed_order.c)."""
+    """``(out, lse)``: ``out`` ``[R, T, H, D]`` in q's dtype, ``lse`` ``[R, T, H]`` float32 (see c/attention.c)."""
     if q.dtype == torch.float16:  # computed from the exact float32 values, rounded back
         out, lse = attention_forward(q.float(), k.float(), v.float(), query_positions, key_positions, key_valid, scale)
         return out.half(), lse

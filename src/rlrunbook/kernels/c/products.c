@@ -1,0 +1,342 @@
+/* Products: gemm_nt (lanes16, pairs16 for two bf16 inputs) and gemm_seq (sequential) (orders and contract: fixed_order.h) */
+#include "fixed_order.h"
+
+/* -- gemm_nt: C[m, n] = bias[n] + sum over k of A[m, k] B[n, k] ----------------------------------------
+ * float32 inputs: lanes16 order. Two bfloat16 inputs: pairs16 order, the order of the VDPBF16PS
+ * instruction: in each block of 32 k, lane j adds the product at k = 2j + 1, then the one at k = 2j (each
+ * product exact in float32), and the lanes are added by the lanes16 tree. On CPUs with AVX512-BF16 the
+ * instruction itself computes each step; elsewhere the same two additions in float32. Other dtype pairs
+ * are converted to float32 first. */
+
+#if defined(__AVX512F__) /* a micro-tile's 16-lane accumulators must fit the vector registers (32 on AVX-512) */
+#define NT_ROWS 4
+#define NT_COLS 4
+#else
+#define NT_ROWS 2
+#define NT_COLS 3
+#endif
+#define NT_PANEL 64 /* B rows per work item */
+
+typedef struct {
+  const void *a, *b;
+  int64_t lda, ldb, K;
+  int rows, cols;
+} nt_args;
+
+/* out[i] = tree16(acc[i]) for a micro-tile's accumulators (16 at once where the tile has 16) */
+static inline void reduce_tile(const v16 acc[NT_ROWS * NT_COLS], float out[NT_ROWS * NT_COLS]) {
+#if NT_ROWS * NT_COLS == 16
+  v16 sums = tree16x16(acc);
+  memcpy(out, &sums, 64);
+#else
+  for (int i = 0; i < NT_ROWS * NT_COLS; i++) out[i] = tree16(acc[i]);
+#endif
+}
+
+static void nt_tile_f32(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
+  v16 acc[NT_ROWS * NT_COLS];
+  const float *ar[NT_ROWS], *br[NT_COLS];
+  for (int i = 0; i < NT_ROWS; i++) ar[i] = (const float *)t->a + (i < t->rows ? i : 0) * t->lda;
+  for (int j = 0; j < NT_COLS; j++) br[j] = (const float *)t->b + (j < t->cols ? j : 0) * t->ldb;
+  for (int i = 0; i < NT_ROWS * NT_COLS; i++) acc[i] = (v16){0};
+  int64_t k = 0, K = t->K;
+  for (; k + 16 <= K; k += 16) {
+    v16 av[NT_ROWS], bv[NT_COLS];
+    for (int i = 0; i < NT_ROWS; i++) memcpy(&av[i], ar[i] + k, 64);
+    for (int j = 0; j < NT_COLS; j++) memcpy(&bv[j], br[j] + k, 64);
+    for (int i = 0; i < NT_ROWS; i++)
+      for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] += av[i] * bv[j];
+  }
+  if (k < K) {
+    v16 av[NT_ROWS], bv[NT_COLS];
+    for (int i = 0; i < NT_ROWS; i++) av[i] = load16(ar[i], k, F32, (int)(K - k));
+    for (int j = 0; j < NT_COLS; j++) bv[j] = load16(br[j], k, F32, (int)(K - k));
+    for (int i = 0; i < NT_ROWS; i++)
+      for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] += av[i] * bv[j];
+  }
+  reduce_tile(acc, out);
+}
+
+/* 32 bf16 values from p (the first n of them; the rest 0) as 16 words: element 2j in the low half of word j */
+static inline v16u load32h(const uint16_t *p, int n) {
+  v16u w;
+  if (n >= 32) {
+    memcpy(&w, p, 64);
+    return w;
+  }
+  uint16_t tmp[32] = {0};
+  memcpy(tmp, p, (size_t)n * 2);
+  memcpy(&w, tmp, 64);
+  return w;
+}
+
+static inline v16 as_float(v16u u) {
+  v16 f;
+  memcpy(&f, &u, 64);
+  return f;
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define NT_BF16_INSTRUCTION 1
+static inline v16 pair_step(v16 acc, v16u a, v16u b) {
+  __m512 r = _mm512_dpbf16_ps((__m512)acc, (__m512bh)(__m512i)a, (__m512bh)(__m512i)b);
+  return (v16)r;
+}
+#else
+#define NT_BF16_INSTRUCTION 0
+static inline v16 pair_step(v16 acc, v16u a, v16u b) {
+  const v16u high = (v16u){0} + 0xffff0000u;
+  acc += as_float(a & high) * as_float(b & high);
+  acc += as_float(a << 16) * as_float(b << 16);
+  return acc;
+}
+#endif
+
+int nt_uses_bf16_instruction(void) { return NT_BF16_INSTRUCTION; }
+
+static void nt_tile_bf16(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
+  v16 acc[NT_ROWS * NT_COLS];
+  const uint16_t *ar[NT_ROWS], *br[NT_COLS];
+  for (int i = 0; i < NT_ROWS; i++) ar[i] = (const uint16_t *)t->a + (i < t->rows ? i : 0) * t->lda;
+  for (int j = 0; j < NT_COLS; j++) br[j] = (const uint16_t *)t->b + (j < t->cols ? j : 0) * t->ldb;
+  for (int i = 0; i < NT_ROWS * NT_COLS; i++) acc[i] = (v16){0};
+  int64_t k = 0, K = t->K;
+  for (; k + 32 <= K; k += 32) {
+    v16u av[NT_ROWS], bv[NT_COLS];
+    for (int i = 0; i < NT_ROWS; i++) memcpy(&av[i], ar[i] + k, 64);
+    for (int j = 0; j < NT_COLS; j++) memcpy(&bv[j], br[j] + k, 64);
+    for (int i = 0; i < NT_ROWS; i++)
+      for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] = pair_step(acc[i * NT_COLS + j], av[i], bv[j]);
+  }
+  if (k < K) {
+    v16u av[NT_ROWS], bv[NT_COLS];
+    for (int i = 0; i < NT_ROWS; i++) av[i] = load32h(ar[i] + k, (int)(K - k));
+    for (int j = 0; j < NT_COLS; j++) bv[j] = load32h(br[j] + k, (int)(K - k));
+    for (int i = 0; i < NT_ROWS; i++)
+      for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] = pair_step(acc[i * NT_COLS + j], av[i], bv[j]);
+  }
+  reduce_tile(acc, out);
+}
+
+int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias, void *C,
+            int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads) {
+  int pairs = ta == BF16 && tb == BF16;
+  float *a32 = NULL, *b32 = NULL;
+  const void *a = A, *b = B;
+  int64_t la = lda, lb = ldb;
+  if (!pairs && ta != F32) {
+    if (!(a32 = to_f32(A, ta, M, K, lda))) return 1;
+    a = a32, la = K;
+  }
+  if (!pairs && tb != F32) {
+    if (!(b32 = to_f32(B, tb, N, K, ldb))) {
+      free(a32);
+      return 1;
+    }
+    b = b32, lb = K;
+  }
+  size_t esize = pairs ? 2 : 4;
+  /* work items: panels of B rows x groups of A rows, enough groups to feed every thread */
+  int64_t panels = (N + NT_PANEL - 1) / NT_PANEL, rowblocks = (M + NT_ROWS - 1) / NT_ROWS;
+  int64_t chunks = panels >= 4 * (int64_t)nthreads ? 1 : (4 * (int64_t)nthreads + panels - 1) / panels;
+  if (chunks > rowblocks) chunks = rowblocks;
+  int64_t items = panels * chunks;
+#pragma omp parallel for schedule(static) num_threads(threads_for(items, nthreads))
+  for (int64_t item = 0; item < items; item++) {
+    int64_t p = item % panels, c = item / panels;
+    int64_t n0 = p * NT_PANEL, n1 = n0 + NT_PANEL < N ? n0 + NT_PANEL : N;
+    int64_t m0 = rowblocks * c / chunks * NT_ROWS, m1 = rowblocks * (c + 1) / chunks * NT_ROWS;
+    if (m1 > M) m1 = M;
+    for (int64_t m = m0; m < m1; m += NT_ROWS)
+      for (int64_t n = n0; n < n1; n += NT_COLS) {
+        nt_args t = {(const char *)a + m * la * esize, (const char *)b + n * lb * esize, la, lb, K,
+                     (int)(m1 - m < NT_ROWS ? m1 - m : NT_ROWS), (int)(n1 - n < NT_COLS ? n1 - n : NT_COLS)};
+        float out[16];
+        if (pairs) nt_tile_bf16(&t, out);
+        else nt_tile_f32(&t, out);
+        for (int i = 0; i < t.rows; i++) {
+          float *row = out + i * NT_COLS;
+          if (bias)
+            for (int j = 0; j < t.cols; j++) row[j] = row[j] + bias[n + j];
+          if (tc == F32 && t.cols == NT_COLS) memcpy((float *)C + (m + i) * ldc + n, row, NT_COLS * 4);
+          else
+            for (int j = 0; j < t.cols; j++) store1(C, (m + i) * ldc + n + j, row[j], tc);
+        }
+      }
+  }
+  free(a32);
+  free(b32);
+  return 0;
+}
+
+/* -- gemm_seq: C[m, n] = bias[n] + sum over k of A(m, k) B[k, n], in increasing k ----------------------------
+ * A(m, k) = A[m * sam + k * sak] (sam = lda, sak = 1 for A [M, K]; sam = 1, sak = lda for A^T of a [K, M]
+ * matrix), B [K, N] with row stride ldb. Vectorised over n, 32 columns per micro-tile. With two bfloat16
+ * inputs and A row-major, k goes in pairs (k = 2i + 1, then 2i, per pair in increasing i: the VDPBF16PS step
+ * of gemm_nt's pairs16, with lanes over n); otherwise one term at a time. */
+
+#define SEQ_PANEL 32
+#define SEQ_KCHUNK 512
+
+typedef struct {
+  const float *a; /* fp32 A, row stride lda (f32 path) */
+  const uint32_t *a2; /* bf16 A as pair words, row stride lda2 (pairs path) */
+  int64_t lda, lda2;
+} seq_a;
+
+/* One work item's rows [rb0, rb1) (in blocks of SEQ_ROWS) against one 32-column panel of B, k in chunks. */
+static void seq_item(const seq_a *A, int pairs, const void *B, int tb, int64_t ldb, int64_t M, int64_t K, int64_t n0,
+                     int64_t width, int64_t rb0, int64_t rb1, float *bp, float *store) {
+  int64_t step = pairs ? 2 : 1, chunk = SEQ_KCHUNK;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    int64_t kn = K - k0 < chunk ? K - k0 : chunk, steps = (kn + step - 1) / step;
+    /* the panel of B for this chunk: per step, 32 columns (fp32 values, or pair words) */
+    for (int64_t i = 0; i < steps; i++) {
+      v16 lo, hi;
+      if (pairs) {
+        int64_t k = k0 + 2 * i;
+        v16u w[2];
+        for (int half = 0; half < 2; half++) {
+          int n = (int)(width - 16 * half);
+          n = n < 0 ? 0 : n > 16 ? 16 : n;
+          v16u even = (v16u){0}, odd = (v16u){0};
+          if (n > 0) { /* bf16 bits as the low half of 32-bit words: load16 gives them in the high half */
+            v16 e = load16(B, k * ldb + n0 + 16 * half, BF16, n);
+            memcpy(&even, &e, 64);
+            even >>= 16;
+            if (k + 1 < K) {
+              v16 o = load16(B, (k + 1) * ldb + n0 + 16 * half, BF16, n);
+              memcpy(&odd, &o, 64);
+              odd = odd >> 16 << 16;
+            }
+          }
+          w[half] = even | odd;
+        }
+        memcpy(&lo, &w[0], 64);
+        memcpy(&hi, &w[1], 64);
+      } else {
+        lo = load16(B, (k0 + i) * ldb + n0, tb, (int)width);
+        hi = width > 16 ? load16(B, (k0 + i) * ldb + n0 + 16, tb, (int)(width - 16)) : (v16){0};
+      }
+      memcpy(bp + i * SEQ_PANEL, &lo, 64);
+      memcpy(bp + i * SEQ_PANEL + 16, &hi, 64);
+    }
+    for (int64_t rb = rb0; rb < rb1; rb++) {
+      int64_t m = rb * SEQ_ROWS;
+      int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
+      float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
+      v16 acc0[SEQ_ROWS], acc1[SEQ_ROWS];
+      for (int i = 0; i < SEQ_ROWS; i++) {
+        memcpy(&acc0[i], st + i * SEQ_PANEL, 64);
+        memcpy(&acc1[i], st + i * SEQ_PANEL + 16, 64);
+      }
+      if (pairs) {
+        const uint32_t *ar[SEQ_ROWS];
+        for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a2 + (m + (i < rows ? i : 0)) * A->lda2 + k0 / 2;
+        for (int64_t i = 0; i < steps; i++) {
+          v16u b0, b1;
+          memcpy(&b0, bp + i * SEQ_PANEL, 64);
+          memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
+          for (int r = 0; r < SEQ_ROWS; r++) {
+            v16u av = (v16u){0} + ar[r][i];
+            acc0[r] = pair_step(acc0[r], av, b0);
+            acc1[r] = pair_step(acc1[r], av, b1);
+          }
+        }
+      } else {
+        const float *ar[SEQ_ROWS];
+        for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a + (m + (i < rows ? i : 0)) * A->lda + k0;
+        for (int64_t i = 0; i < steps; i++) {
+          v16 b0, b1;
+          memcpy(&b0, bp + i * SEQ_PANEL, 64);
+          memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
+          for (int r = 0; r < SEQ_ROWS; r++) {
+            v16 av = splat(ar[r][i]);
+            acc0[r] += av * b0;
+            acc1[r] += av * b1;
+          }
+        }
+      }
+      for (int i = 0; i < SEQ_ROWS; i++) {
+        memcpy(st + i * SEQ_PANEL, &acc0[i], 64);
+        memcpy(st + i * SEQ_PANEL + 16, &acc1[i], 64);
+      }
+    }
+  }
+}
+
+int gemm_seq(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int tb, int64_t ldb, const float *bias,
+             void *C, int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads) {
+  int pairs = ta == BF16 && tb == BF16 && sak == 1;
+  seq_a a = {0};
+  float *a32 = NULL;
+  uint32_t *a2 = NULL;
+  if (pairs) { /* A's rows as pair words, zero-padded to an even length */
+    a.lda2 = (K + 1) / 2;
+    a2 = calloc((size_t)(M * a.lda2 + 16), 4);
+    if (!a2) return 1;
+    for (int64_t m = 0; m < M; m++) memcpy(a2 + m * a.lda2, (const uint16_t *)A + m * sam, (size_t)K * 2);
+    a.a2 = a2;
+  } else if (ta == F32 && sak == 1) {
+    a.a = A, a.lda = sam;
+  } else {
+    a32 = malloc((size_t)(M * K + 16) * sizeof(float));
+    if (!a32) return 1;
+    if (sak == 1) {
+      for (int64_t m = 0; m < M; m++) {
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+          v16 x = load16(A, m * sam + k, ta, 16);
+          memcpy(a32 + m * K + k, &x, 64);
+        }
+        for (; k < K; k++) a32[m * K + k] = load1(A, m * sam + k, ta);
+      }
+    } else {
+      for (int64_t k = 0; k < K; k++)
+        for (int64_t m = 0; m < M; m++) a32[m * K + k] = load1(A, m * sam + k * sak, ta);
+    }
+    a.a = a32, a.lda = K;
+  }
+  int64_t panels = (N + SEQ_PANEL - 1) / SEQ_PANEL;
+  int64_t rowblocks = (M + SEQ_ROWS - 1) / SEQ_ROWS;
+  /* work items: column panels x groups of row blocks, so that few wide panels still split across threads */
+  int64_t groups = nthreads > 1 && panels < 4 * nthreads ? (rowblocks < 4 * nthreads ? rowblocks : 4 * nthreads) : 1;
+  int64_t items = panels * groups;
+  int failed = 0;
+  int64_t most_blocks = (rowblocks + groups - 1) / groups;
+#pragma omp parallel num_threads(threads_for(items, nthreads))
+  {
+    /* per thread: one panel of B and the accumulators of one item's rows */
+    float *bp = malloc((size_t)SEQ_KCHUNK * SEQ_PANEL * sizeof(float));
+    size_t store_floats = (size_t)(most_blocks * SEQ_ROWS * SEQ_PANEL + 16);
+    float *store = malloc(store_floats * sizeof(float));
+    if (!bp || !store) failed = 1;
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < items; item++) {
+    int64_t p = item % panels, g = item / panels;
+    int64_t n0 = p * SEQ_PANEL, width = N - n0 < SEQ_PANEL ? N - n0 : SEQ_PANEL;
+    int64_t rb0 = rowblocks * g / groups, rb1 = rowblocks * (g + 1) / groups;
+    if (bp && store) {
+      memset(store, 0, (size_t)((rb1 - rb0) * SEQ_ROWS * SEQ_PANEL) * sizeof(float));
+      seq_item(&a, pairs, B, tb, ldb, M, K, n0, width, rb0, rb1, bp, store);
+      for (int64_t rb = rb0; rb < rb1; rb++) {
+        int64_t m = rb * SEQ_ROWS;
+        int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
+        const float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
+        for (int i = 0; i < rows; i++)
+          for (int64_t j = 0; j < width; j++) {
+            float v = st[i * SEQ_PANEL + j];
+            if (bias) v = v + bias[n0 + j];
+            store1(C, (m + i) * ldc + n0 + j, v, tc);
+          }
+      }
+    }
+  }
+    free(bp);
+    free(store);
+  }
+  free(a32);
+  free(a2);
+  return failed;
+}

@@ -1,0 +1,87 @@
+/* Row reductions (row_sumsq lanes16, row_logsumexp lanes64), elementwise exp and sigmoid, the rotary table (orders and contract: fixed_order.h) */
+#include "fixed_order.h"
+
+/* -- row reductions --------------------------------------------------------------------------------- */
+
+/* out[m] = lanes16 sum over e of X[m, e]^2 */
+void row_sumsq(const void *X, int tx, int64_t ldx, int64_t M, int64_t E, float *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(M, nthreads))
+  for (int64_t m = 0; m < M; m++) {
+    v16 acc = {0};
+    for (int64_t e = 0; e < E; e += 16) {
+      v16 x = load16(X, m * ldx + e, tx, (int)(E - e));
+      acc += x * x;
+    }
+    out[m] = tree16(acc);
+  }
+}
+
+/* out[m] = log sum_v exp(X[m, v]): max, then lanes64 sum of exp(x - max), then max + log(sum).
+ * A row of -inf gives -inf; a row with a NaN gives NaN. */
+void row_logsumexp(const float *X, int64_t ldx, int64_t M, int64_t V, float *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(M, nthreads))
+  for (int64_t m = 0; m < M; m++) {
+    const float *x = X + m * ldx;
+    float mx = -INFINITY;
+    int nan = 0;
+    for (int64_t v = 0; v < V; v++) {
+      if (x[v] != x[v]) nan = 1;
+      else if (x[v] > mx) mx = x[v];
+    }
+    if (nan) {
+      out[m] = NAN;
+      continue;
+    }
+    if (mx == -INFINITY || mx == INFINITY) {
+      out[m] = mx;
+      continue;
+    }
+    v16 acc[4] = {{0}, {0}, {0}, {0}}; /* lanes64: lane j takes v = j (mod 64) */
+    for (int64_t v = 0; v < V; v += 16) {
+      int n = (int)(V - v < 16 ? V - v : 16);
+      v16 xv = load16(x, v, F32, n);
+      v16 e = fexp16(xv - mx);
+      if (n < 16) {
+        v16i keep;
+        for (int j = 0; j < 16; j++) keep[j] = j < n ? -1 : 0;
+        e = select16(keep, e, splat(0.0f));
+      }
+      acc[(v >> 4) & 3] += e;
+    }
+    out[m] = mx + logf(tree16((acc[0] + acc[2]) + (acc[1] + acc[3])));
+  }
+}
+
+/* -- elementwise ------------------------------------------------------------------------------------ */
+
+void exp_f32(const float *x, float *y, int64_t n, int nthreads) {
+  int64_t blocks = (n + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(threads_for(blocks / 256 + 1, nthreads))
+  for (int64_t b = 0; b < blocks; b++) {
+    int k = (int)(n - b * 16 < 16 ? n - b * 16 : 16);
+    store16(y, b * 16, fexp16(load16(x, b * 16, F32, k)), F32, k);
+  }
+}
+
+/* y = 1 / (1 + exp(-x)) */
+void sigmoid_f32(const float *x, float *y, int64_t n, int nthreads) {
+  int64_t blocks = (n + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(threads_for(blocks / 256 + 1, nthreads))
+  for (int64_t b = 0; b < blocks; b++) {
+    int k = (int)(n - b * 16 < 16 ? n - b * 16 : 16);
+    v16 v = load16(x, b * 16, F32, k);
+    store16(y, b * 16, 1.0f / (1.0f + fexp16(-v)), F32, k);
+  }
+}
+
+/* cos and sin of (position * inv_freq[i]) rounded to float32 as the angle (as transformers computes it),
+ * evaluated in double by libm and rounded once: out [P, F]. */
+void rope_table(const int64_t *positions, int64_t P, const float *inv_freq, int64_t F, float *cos_out,
+                float *sin_out) {
+  for (int64_t p = 0; p < P; p++)
+    for (int64_t i = 0; i < F; i++) {
+      float angle = (float)positions[p] * inv_freq[i];
+      cos_out[p * F + i] = (float)cos((double)angle);
+      sin_out[p * F + i] = (float)sin((double)angle);
+    }
+}
