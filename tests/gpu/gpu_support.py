@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU runbook tests: the device, the models under test, prompts, NVML.
+"""Shared pieces of the GPU runbook tests: the device, the models under test, NVML (prompts: rlrunbook.testing).
 
 Kept free of CUDA calls at import time, so collecting the tier on a CPU-only machine is cheap
 and the ``gpu`` marker decides (skip, or fail under ``RLRUNBOOK_REQUIRE_GPU=1``).
@@ -9,44 +9,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from rlrunbook.testing.prompts import chat_prompts  # noqa: F401 - the tier imports it from here
+
 # Every test in tests/gpu runs here; the single constant makes a CPU dry run a one-word edit.
 DEVICE = "cuda"
 
 MODELS_ENV = "RLRUNBOOK_GPU_MODELS"
 DEFAULT_MODELS = "tiny,smollm2-135m"
 
-# Eight questions of clearly different lengths, so a batch is left-padded unevenly.
-QUESTIONS = (
-    "Hi.",
-    "What is 7 * 8?",
-    "Name a colour of the sky.",
-    "Write one short sentence about the sea at night.",
-    "List three fruits that are red, and say which one you like best.",
-    "Explain in two sentences why the moon shows phases as it goes around the earth.",
-    "A train leaves at nine and arrives at eleven. How long is the trip, and what would change "
-    "if it left at ten?",
-    "Summarise this: the committee met on Monday, discussed the budget for the new library, "
-    "could not agree on the size of the reading room, and decided to meet again next week "
-    "after looking at three other designs.",
-)
-
-
 def gpu_models(env: Mapping[str, str] | None = None) -> list[str]:
     """The models to run the runbook on: ``RLRUNBOOK_GPU_MODELS`` (comma-separated), else tiny and smollm2."""
     env = os.environ if env is None else env
     raw = env.get(MODELS_ENV, "").strip() or DEFAULT_MODELS
     return [name.strip() for name in raw.split(",") if name.strip()]
-
-
-def chat_prompts(tokenizer: object, n: int = 8) -> list[list[int]]:
-    """``n`` chat-formatted prompts as token ids, encoded once and never re-decoded (tokens are the truth)."""
-    prompts = []
-    for question in QUESTIONS[:n]:
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
-    return prompts
 
 
 def nvml_handle(pynvml: object, device_index: int = 0) -> object:

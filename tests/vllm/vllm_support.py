@@ -7,27 +7,13 @@ from pathlib import Path
 
 from tinker import types
 
+from rlrunbook.testing.prompts import chat_prompts as shared_chat_prompts
 from rlrunbook.tokens import build_datum_arrays
 
-QUESTIONS = (
-    "Hi.",
-    "What is 7 * 8?",
-    "Name a colour of the sky.",
-    "Write one short sentence about the sea at night.",
-    "List three fruits that are red, and say which one you like best.",
-    "Explain in two sentences why the moon shows phases as it goes around the earth.",
-)
 
-
-def chat_prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
-    """``n`` chat-formatted prompts of different lengths, as token ids."""
-    prompts = []
-    for question in QUESTIONS[:n]:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
-    return prompts
+def chat_prompts(tokenizer, n: int = 6) -> list[list[int]]:
+    """The first ``n`` of the shared chat prompts (six by default: enough rows for a vLLM batch on a CPU)."""
+    return shared_chat_prompts(tokenizer, n)
 
 
 def supervised_datum(tokenizer, prompt: str, answer: str) -> types.Datum:

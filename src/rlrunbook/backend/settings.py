@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from rlrunbook.vllm.settings import VllmSettings
 from rlrunbook.engines.decoder import NUMERICS, Numerics
+from rlrunbook.environment import env_number
 from rlrunbook.errors import ConfigError
+from rlrunbook.vllm.settings import VllmSettings
 
 SAMPLERS = ("hf", "generate", "vllm")
 CHECKPOINTING = ("auto", "on", "off")
@@ -47,19 +48,6 @@ def check_device(device: str, source: str = "TINKER_LOCAL_DEVICE") -> None:
         if available is None or not available():
             raise ConfigError(f"{source}={device!r}: torch has no usable {parsed.type} device here. "
                               "Use cpu or cuda.")
-
-
-def _int_env(env: dict[str, str], name: str, default: int, minimum: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer.") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}.")
-    return value
 
 
 STAND_INS_ENV = "TINKER_LOCAL_MODEL_STAND_INS"
@@ -245,7 +233,7 @@ class LocalSettings:
             kwargs["cuda_graphs"] = graphs == "1"
         tokens = env.get("TINKER_LOCAL_MICRO_BATCH_TOKENS", "").strip().lower()
         if tokens and tokens != "auto":
-            kwargs["micro_batch_tokens"] = _int_env(env, "TINKER_LOCAL_MICRO_BATCH_TOKENS", 0, 0)
+            kwargs["micro_batch_tokens"] = env_number(env, "TINKER_LOCAL_MICRO_BATCH_TOKENS", 0, 0, int)
         checkpointing = env.get("TINKER_LOCAL_ACTIVATION_CHECKPOINTING", "").strip().lower()
         if checkpointing:
             kwargs["activation_checkpointing"] = checkpointing
@@ -264,13 +252,13 @@ class LocalSettings:
         if env.get("TINKER_LOCAL_SAMPLE_LOG", "").strip():
             kwargs["sample_log"] = Path(env["TINKER_LOCAL_SAMPLE_LOG"].strip())
         return cls(
-            seed=_int_env(env, "TINKER_LOCAL_SEED", 0, 0),
-            grad_accum_chunks=_int_env(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1),
-            lora_alpha=_int_env(env, "TINKER_LOCAL_LORA_ALPHA", 32, 1),
-            max_batch_rows=_int_env(env, "TINKER_LOCAL_MAX_BATCH_ROWS", 256, 1),
-            batch_window_ms=_int_env(env, "TINKER_LOCAL_BATCH_WINDOW_MS", 2, 0),
-            prefix_cache_tokens=_int_env(env, "TINKER_LOCAL_PREFIX_CACHE_TOKENS", 65536, 0),
-            sampler_threads=_int_env(env, "TINKER_LOCAL_SAMPLER_THREADS", 0, 0),
+            seed=env_number(env, "TINKER_LOCAL_SEED", 0, 0, int),
+            grad_accum_chunks=env_number(env, "TINKER_LOCAL_GRAD_ACCUM_STEPS", 1, 1, int),
+            lora_alpha=env_number(env, "TINKER_LOCAL_LORA_ALPHA", 32, 1, int),
+            max_batch_rows=env_number(env, "TINKER_LOCAL_MAX_BATCH_ROWS", 256, 1, int),
+            batch_window_ms=env_number(env, "TINKER_LOCAL_BATCH_WINDOW_MS", 2, 0, int),
+            prefix_cache_tokens=env_number(env, "TINKER_LOCAL_PREFIX_CACHE_TOKENS", 65536, 0, int),
+            sampler_threads=env_number(env, "TINKER_LOCAL_SAMPLER_THREADS", 0, 0, int),
             sampler=sampler,
             vllm=VllmSettings.from_env(env),
             **kwargs,  # type: ignore[arg-type]

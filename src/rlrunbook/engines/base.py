@@ -71,6 +71,30 @@ class SampleJob:
     request: GenerationRequest
 
 
+def check_num_samples(num_samples: object) -> None:
+    """``InputError`` unless ``num_samples`` is a positive int (a bool is not one)."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise InputError(f"num_samples={num_samples!r} must be a positive int.")
+
+
+def shared_request(jobs: Sequence[SampleJob]) -> GenerationRequest:
+    """The request every job of one batched call shares (their seeds may differ); ``InputError`` when their
+    ``max_tokens``, filters or stops differ."""
+    shape = {(j.request.max_tokens, j.request.filters, j.request.stop, j.request.stop_strings) for j in jobs}
+    if len(shape) != 1:
+        raise InputError("jobs in one batched call must share max_tokens, filters, stop sequences and strings.")
+    return jobs[0].request
+
+
+def split_by_job(jobs: Sequence[SampleJob], completions: Sequence[Completion]) -> list[list[Completion]]:
+    """``completions`` (every job's samples, job after job) cut into one list per job."""
+    results, cursor = [], 0
+    for job in jobs:
+        results.append(list(completions[cursor:cursor + job.num_samples]))
+        cursor += job.num_samples
+    return results
+
+
 def check_request(prompt: Sequence[int], request: GenerationRequest, *, vocab_size: int, has_decoder: bool,
                   max_context: int | None, what: str, context: str = "the model's context", fix: str = "") -> None:
     """What every engine refuses before sampling: ids outside the vocabulary, stop strings without a decoder,

@@ -28,7 +28,6 @@ How it departs from a plain ``generate(do_sample=True)`` call, and why:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -40,13 +39,12 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
-from rlrunbook.engines.token_draw import draw_tokens
+from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, split_by_job
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.in_process import InProcessEngine
-from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.stops import DecodeBatch
-from rlrunbook.errors import GenerationLeakError, InputError
+from rlrunbook.engines.token_draw import draw_tokens
+from rlrunbook.errors import GenerationLeakError
 from rlrunbook.tokens import find_stop, pad_batch
 
 # Every GenerationConfig field that adds a logits processor or changes decoding, at its neutral value.
@@ -188,18 +186,6 @@ class GenerateEngine(InProcessEngine):
         get_base = getattr(self.model, "get_base_model", None)
         return get_base() if callable(get_base) else self.model
 
-    def sample(self, prompts: Sequence[Sequence[int]], num_samples: int,
-               request: GenerationRequest) -> list[list[Completion]]:
-        """Sample ``num_samples`` completions of every prompt; ``result[i][j]`` is sample j of prompt i."""
-        if not prompts:
-            raise InputError("no prompts given: pass at least one token-id prompt.")
-        if request.seed is None:  # one seed per call, so prompts of one call still differ
-            request = dataclasses.replace(request, seed=self.next_seed())
-        jobs = [SampleJob(list(p), num_samples, _with_seed(request, mix_seed(request.seed, i)))
-                for i, p in enumerate(prompts)]
-        return self.sample_jobs(jobs)
-
-
     def sample_jobs(self, jobs: Sequence[SampleJob], weights_key: object = None) -> list[list[Completion]]:
         """Sample several callers' jobs in as few generate calls as possible.
 
@@ -208,25 +194,11 @@ class GenerateEngine(InProcessEngine):
         """
         if not jobs:
             return []
-        shape = {(j.request.max_tokens, j.request.filters, j.request.stop, j.request.stop_strings) for j in jobs}
-        if len(shape) != 1:
-            raise InputError("jobs in one batched call must share max_tokens, filters, stop sequences and strings.")
-        rows: list[tuple[list[int], int]] = []
-        for i, job in enumerate(jobs):
-            if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
-                raise InputError(f"num_samples={job.num_samples!r} must be a positive int.")
-            self.validate(job.prompt, job.request, f"prompt {i}")
-            seed = job.request.seed if job.request.seed is not None else self.next_seed()
-            rows += [(job.prompt, mix_seed(seed, j)) for j in range(job.num_samples)]
-        request = jobs[0].request
+        rows, request = self.seeded_rows(jobs)
         completions: list[Completion] = []
         for start in range(0, len(rows), self.max_batch_rows):
             completions += self._sample_rows(rows[start:start + self.max_batch_rows], request)
-        results, cursor = [], 0
-        for job in jobs:
-            results.append(completions[cursor:cursor + job.num_samples])
-            cursor += job.num_samples
-        return results
+        return split_by_job(jobs, completions)
 
     @torch.no_grad()
     def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest) -> list[Completion]:
@@ -273,7 +245,3 @@ class GenerateEngine(InProcessEngine):
                                           policy_logprobs=policy[:keep],
                                           stop_reason="length" if end is None else "stop"))
         return completions
-
-
-def _with_seed(request: GenerationRequest, seed: int) -> GenerationRequest:
-    return dataclasses.replace(request, seed=seed)

@@ -26,23 +26,21 @@ What it does that ``generate`` does not, and why:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 
-from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob
+from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, split_by_job
 from rlrunbook.engines.decoder import Decoder, Numerics
-from rlrunbook.engines.token_draw import draw_tokens
 from rlrunbook.engines.filters import apply_filters
 from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
-from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.pinned_adapter import PinnedAdapter
 from rlrunbook.engines.stops import DecodeBatch, StopTracker
-from rlrunbook.errors import GenerationLeakError, InputError
+from rlrunbook.engines.token_draw import draw_tokens
+from rlrunbook.errors import GenerationLeakError
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
 
 _PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row: bounds padding between long and short rows
@@ -186,17 +184,6 @@ class HFSamplingEngine(InProcessEngine):
         self._caches = {}
         self._graphs = None
 
-    def sample(self, prompts: Sequence[Sequence[int]], num_samples: int,
-               request: GenerationRequest) -> list[list[Completion]]:
-        """Sample ``num_samples`` completions of every prompt; ``result[i][j]`` is sample j of prompt i."""
-        if not prompts:
-            raise InputError("no prompts given: pass at least one token-id prompt.")
-        if request.seed is None:  # one seed per call, so prompts of one call still differ
-            request = dataclasses.replace(request, seed=self.next_seed())
-        jobs = [SampleJob(list(p), num_samples, dataclasses.replace(request, seed=mix_seed(request.seed, i)))
-                for i, p in enumerate(prompts)]
-        return self.sample_jobs(jobs)
-
     def sample_jobs(self, jobs: Sequence[SampleJob], weights_key: Hashable | None = None) -> list[list[Completion]]:
         """Sample several callers' jobs in as few batched calls as possible.
 
@@ -207,26 +194,12 @@ class HFSamplingEngine(InProcessEngine):
         """
         if not jobs:
             return []
-        shape = {(j.request.max_tokens, j.request.filters, j.request.stop, j.request.stop_strings) for j in jobs}
-        if len(shape) != 1:
-            raise InputError("jobs in one batched call must share max_tokens, filters, stop sequences and strings.")
-        rows: list[tuple[list[int], int]] = []
-        for i, job in enumerate(jobs):
-            if isinstance(job.num_samples, bool) or not isinstance(job.num_samples, int) or job.num_samples < 1:
-                raise InputError(f"num_samples={job.num_samples!r} must be a positive int.")
-            self.validate(job.prompt, job.request, f"prompt {i}")
-            seed = job.request.seed if job.request.seed is not None else self.next_seed()
-            rows += [(list(job.prompt), mix_seed(seed, j)) for j in range(job.num_samples)]
-        request = jobs[0].request
+        rows, request = self.seeded_rows(jobs)
         completions: list[Completion] = []
         with self.decoder.weights_fixed():  # the weights cannot change during one sampling call
             for start in range(0, len(rows), self.max_batch_rows):
                 completions += self._sample_rows(rows[start:start + self.max_batch_rows], request, weights_key)
-        results, cursor = [], 0
-        for job in jobs:
-            results.append(completions[cursor:cursor + job.num_samples])
-            cursor += job.num_samples
-        return results
+        return split_by_job(jobs, completions)
 
     # -- one batched call -------------------------------------------------------------------------
     def _pool_for(self, weights_key: Hashable | None, needed: int) -> _PrefixPool:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rlrunbook.rl.data.sources import DATA_DIR_ENV, LOCAL_FILES, data_roots_searched, default_local_path
 from rlrunbook.rl.data.synthetic_news import synthetic_news
+from rlrunbook.testing.requirement import outcome, required
 
 REQUIRE_ENV = "RLRUNBOOK_REQUIRE_DATA"
 
@@ -37,8 +38,8 @@ def offline_hub_env(datasets_cache: Path, environ: Mapping[str, str]) -> dict[st
 
 
 def data_required(env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes")
+    """Whether ``RLRUNBOOK_REQUIRE_DATA`` turns the skip into a failure."""
+    return required(REQUIRE_ENV, env)
 
 
 def missing_data_reason(kinds: Iterable[str]) -> str | None:
@@ -63,12 +64,8 @@ def missing_data_reason(kinds: Iterable[str]) -> str | None:
 
 def data_outcome(missing: str | None, required: bool) -> tuple[str, str] | None:
     """What a ``data`` test does: ``None`` (run), ``("skip", reason)`` or ``("fail", reason)``; one line each."""
-    if missing is None:
-        return None
-    if required:
-        return "fail", f"{REQUIRE_ENV}=1 but the real data is missing: {missing}"
-    return "skip", (f"needs the project's real data: {missing}; set {DATA_DIR_ENV} to the folder that holds it, "
-                    f"or {REQUIRE_ENV}=1 to make this a failure")
+    return outcome(missing, required, REQUIRE_ENV, fails_with="the real data is missing",
+                   skips_with=f"needs the project's real data (set {DATA_DIR_ENV} to the folder that holds it)")
 
 
 def real_data_path(kind: str) -> Path:

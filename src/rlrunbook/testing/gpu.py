@@ -6,14 +6,16 @@ CI runner whose CUDA broke cannot pass by skipping everything.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
+
+from rlrunbook.testing.requirement import required
 
 REQUIRE_ENV = "RLRUNBOOK_REQUIRE_GPU"
 
 
-def gpu_required(env: dict[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes")
+def gpu_required(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``RLRUNBOOK_REQUIRE_GPU`` turns the skip into a failure."""
+    return required(REQUIRE_ENV, env)
 
 
 def missing_gpu_reason() -> str | None:

@@ -9,16 +9,17 @@ benchmark run that was meant to compare against TRL cannot pass by skipping the 
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable, Mapping
+
+from rlrunbook.testing.requirement import outcome, required
 
 REQUIRE_ENV = "RLRUNBOOK_REQUIRE_TRL"
 PACKAGES = ("trl", "datasets")  # the ``bench`` extra of pyproject.toml
 
 
 def trl_required(env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes")
+    """Whether ``RLRUNBOOK_REQUIRE_TRL`` turns the skip into a failure."""
+    return required(REQUIRE_ENV, env)
 
 
 def missing_trl_reason(find_spec: Callable[[str], object] = importlib.util.find_spec) -> str | None:
@@ -31,8 +32,5 @@ def missing_trl_reason(find_spec: Callable[[str], object] = importlib.util.find_
 
 def trl_outcome(missing: str | None, required: bool) -> tuple[str, str] | None:
     """What a test that needs TRL does: ``None`` (run), ``("skip", reason)`` or ``("fail", reason)``; one line each."""
-    if missing is None:
-        return None
-    if required:
-        return "fail", f"{REQUIRE_ENV}=1 but the peer benchmark cannot run: {missing}"
-    return "skip", f"needs TRL for the peer benchmark: {missing}; set {REQUIRE_ENV}=1 to make this a failure"
+    return outcome(missing, required, REQUIRE_ENV, fails_with="the peer benchmark cannot run",
+                   skips_with="needs TRL for the peer benchmark")

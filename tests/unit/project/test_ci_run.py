@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from shell_words import simple_commands
 
 ROOT = Path(__file__).resolve().parents[3]
 CI_RUN = ROOT / ".ci" / "run"
@@ -36,27 +37,10 @@ def _function(name: str) -> str:
     return body
 
 
-def _commands(body: str) -> list[list[str]]:
-    """The simple commands of a shell body, as words split the way the shell splits them (quotes kept together;
-    a line end, ``&&``, ``||``, ``;``, ``|`` or ``&`` ends a command; comments dropped)."""
-    commands, words = [], []
-    for line in body.replace("\\\n", " ").splitlines():
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        for token in [*lexer, ";"]:
-            if token in ("&&", "||", ";", "|", "&", ";;"):
-                if words:
-                    commands.append(words)
-                words = []
-            else:
-                words.append(token)
-    return commands
-
-
 def _runs(body: str, command: list[str]) -> bool:
     """Whether some command of ``body`` runs ``command`` (its words in order, with arguments after them)."""
     n = len(command)
-    return any(words[i:i + n] == command for words in _commands(body) for i in range(len(words) - n + 1))
+    return any(words[i:i + n] == command for words in simple_commands(body, keep_assignments=True) for i in range(len(words) - n + 1))
 
 
 def test_the_lone_clone_part_runs_the_readme_test_command_as_a_newcomer():

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 import yaml
+from shell_words import simple_commands
 
 from rlrunbook.cli import build_parser
 
@@ -43,28 +43,6 @@ def _read_names() -> str:
     files = [p for folder in ("src", "tests", "scripts") for p in (ROOT / folder).rglob("*")
              if p.suffix in (".py", ".sh") and p.resolve() != here]
     return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-
-
-def _commands(script: str) -> list[list[str]]:
-    """The simple commands of a ``run:`` script, as word lists split the way the shell splits them: quotes
-    kept together; a line end, ``&&``, ``||``, ``;`` or ``|`` ends a command; ``#`` comments and leading
-    ``VAR=value`` assignments dropped."""
-    tokens = []
-    for line in script.replace("\\\n", " ").splitlines():
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        tokens += [*lexer, ";"]
-    commands, words = [], []
-    for token in tokens:
-        if token in ("&&", "||", ";", "|", "&", ";;"):
-            while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
-                words = words[1:]
-            if words:
-                commands.append(words)
-            words = []
-        else:
-            words.append(token)
-    return commands
 
 
 def workflow_problems(path: Path, markers: set[str], subcommands: set[str], read_text: str) -> list[str]:
@@ -113,7 +91,7 @@ def workflow_problems(path: Path, markers: set[str], subcommands: set[str], read
 
 def _command_problems(script: str, where: str, markers: set[str], subcommands: set[str]) -> list[str]:
     problems = []
-    for words in _commands(script):
+    for words in simple_commands(script):
         for word in words:
             if re.fullmatch(r"(\./)?scripts/[\w./-]+\.(sh|py)", word) and not (ROOT / word).is_file():
                 problems.append(f"{where}: runs {word}, which does not exist")
