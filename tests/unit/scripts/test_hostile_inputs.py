@@ -1,19 +1,22 @@
-"""The hostile-input harness's outcome classifier (scripts/hostile_inputs.py): pure, no process started."""
+"""The hostile-input harness (scripts/hostile_inputs.py, the package scripts/hostile/): its outcome classifier,
+pure, no process started, and its case table, built and not run."""
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[3] / "scripts" / "hostile_inputs.py"
-_spec = importlib.util.spec_from_file_location("hostile_inputs", _PATH)
-hi = importlib.util.module_from_spec(_spec)
-sys.modules["hostile_inputs"] = hi
-_spec.loader.exec_module(hi)
+# scripts/ is sys.path[0] when the script runs; here it is put there only for these imports.
+_SCRIPTS = str(Path(__file__).resolve().parents[3] / "scripts")
+sys.path.insert(0, _SCRIPTS)
+try:
+    from hostile import classify as hc
+    from hostile.cases import cases
+finally:
+    sys.path.remove(_SCRIPTS)
 
 TB = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
       "ValueError: Overflow when unpacking long long\n")
@@ -24,7 +27,7 @@ def c(**kw):
     kw.setdefault("expect", "no_crash")
     kw.setdefault("rc", 0)
     kw.setdefault("output", "")
-    return hi.classify(**kw)
+    return hc.classify(**kw)
 
 
 def test_clear_error_passes_with_its_message():
@@ -99,21 +102,21 @@ def test_misleading_false_refusal_and_no_message():
 
 def test_output_lines_drop_progress_bars_and_split_carriage_returns():
     out = "train:   0%|     | 0/1 [00:00<?, ?step/s]\rwarning: --kl-estimator k3 has no effect\r\nok\n"
-    assert hi.output_lines(out) == ["warning: --kl-estimator k3 has no effect", "ok"]
-    assert hi.warning_lines("mismatch:\n  warn: 0.01\n") == []  # show-config's YAML is not a warning
-    assert hi.warning_lines("[data] warning: 3 rows have an empty answer\n", ("empty",)) == [
+    assert hc.output_lines(out) == ["warning: --kl-estimator k3 has no effect", "ok"]
+    assert hc.warning_lines("mismatch:\n  warn: 0.01\n") == []  # show-config's YAML is not a warning
+    assert hc.warning_lines("[data] warning: 3 rows have an empty answer\n", ("empty",)) == [
         "[data] warning: 3 rows have an empty answer"]
 
 
 def test_case_table_is_well_formed():
-    cases = hi.cases()
-    ids = [case.id for case in cases]
-    assert len(ids) == len(set(ids)) and len(cases) >= 220
-    assert {case.expect for case in cases} <= {"no_crash", "accept", "refuse_or_warn", "signal"}
+    table = cases()
+    ids = [case.id for case in table]
+    assert len(ids) == len(set(ids)) and len(table) >= 220
+    assert {case.expect for case in table} <= {"no_crash", "accept", "refuse_or_warn", "signal"}
     for cls in ("limits", "filesystem", "model-folder", "encoding", "yaml", "resume", "task-options", "signals",
-                "cookbook", "api-backend", "overwrite", "silent-accept", "secrets", "misleading", "controls"):
-        assert any(case.cls == cls for case in cases), cls
-    assert all(case.sig is not None for case in cases if case.expect == "signal")
+                "cookbook", "api-backend", "async", "overwrite", "silent-accept", "secrets", "misleading", "controls"):
+        assert any(case.cls == cls for case in table), cls
+    assert all(case.sig is not None for case in table if case.expect == "signal")
 
 
 SITE_KI = ("Traceback (most recent call last):\n  File \"/usr/lib/python3.11/site.py\", line 73, in <module>\n"
