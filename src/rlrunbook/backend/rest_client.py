@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -127,8 +128,10 @@ class LocalRestClient:
             train_unembed=record.train_unembed, train_mlp=record.train_mlp, train_attn=record.train_attn))
 
     def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: str = "owned",
-                           project_id: str | None = None):
-        ids = list(reversed(self._store.run_ids()))  # newest first
+                           project_id: str | None = None, *, visible: Callable[[str], bool] | None = None):
+        """Future of a TrainingRunsResponse, newest first; ``visible`` (a server's tenant check) filters the runs
+        before ``offset`` and ``limit`` apply."""
+        ids = [i for i in reversed(self._store.run_ids()) if visible is None or visible(i)]  # newest first
         runs = [self._training_run(self._store.read_run(i)) for i in ids[offset:offset + limit]]
         return completed(types.TrainingRunsResponse(
             training_runs=runs, cursor=types.Cursor(offset=offset, limit=limit, total_count=len(ids))))
@@ -138,8 +141,12 @@ class LocalRestClient:
         return completed(types.CheckpointsListResponse(
             checkpoints=[_checkpoint(p, f) for p, f in self._store.checkpoints(training_run_id)]))
 
-    def list_user_checkpoints(self, limit: int = 100, offset: int = 0, **_: object):
-        everything = [_checkpoint(p, f) for i in self._store.run_ids() for p, f in self._store.checkpoints(i)]
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0, *,
+                              visible: Callable[[str], bool] | None = None, **_: object):
+        """Future of a CheckpointsListResponse of every run's checkpoints, newest first (``visible``: as for
+        :meth:`list_training_runs`)."""
+        everything = [_checkpoint(p, f) for i in self._store.run_ids() if visible is None or visible(i)
+                      for p, f in self._store.checkpoints(i)]
         everything.sort(key=lambda c: c.time, reverse=True)
         return completed(types.CheckpointsListResponse(
             checkpoints=everything[offset:offset + limit],
@@ -207,7 +214,7 @@ class LocalRestClient:
         live = sessions.session(session_id)
         runs = self._session_runs().get(session_id, [])
         if live is None and not runs:
-            raise ModelNotFoundError(f"no session {session_id!r} under {self._store.root}: list them with "
+            raise ModelNotFoundError(f"no session {session_id!r} in this storage: list them with "
                                      "rest_client.list_sessions().")
         return completed(types.GetSessionResponse(
             training_run_ids=[r.model_id for r in runs], sampler_ids=list(live.sampler_ids) if live else [],

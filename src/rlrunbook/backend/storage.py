@@ -63,23 +63,43 @@ class TinkerPath:
         return KINDS[self.kind]
 
 
+MAX_SEGMENT_BYTES = 255  # a file name's limit on Linux file systems (NAME_MAX)
+
+
+def path_segment(value: object, what: str) -> str:
+    """``value`` if it can name one folder inside the storage: a non-empty string of printable characters, at
+    most 255 bytes of UTF-8, without ``/`` or ``\\``, not starting with ``.`` (hidden folders are saves in
+    progress, and ``..`` leaves the folder); ``ConfigError`` naming ``what`` and the rule otherwise."""
+    shown = repr(value) if not isinstance(value, str) or len(value) <= 80 else repr(value[:77] + "...")
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} {shown} must be a non-empty string.")
+    if "/" in value or "\\" in value or value.startswith(".") or not value.isprintable():
+        raise ConfigError(f"{what} {shown} must be one plain name: no '/', '\\', leading '.', or control "
+                          "character.")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_SEGMENT_BYTES:
+        raise ConfigError(f"{what} {shown} is longer than {MAX_SEGMENT_BYTES} bytes, the file system's limit for a "
+                          "name; choose a shorter one.")
+    return value
+
+
 def checkpoint_name(name: str) -> str:
-    """``name`` if it can be one path segment; ``ConfigError`` otherwise."""
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
-        raise ConfigError(f"checkpoint name {name!r} must be a non-empty string without '/'.")
-    return name
+    """``name`` if it can be one path segment (:func:`path_segment`); ``ConfigError`` otherwise."""
+    return path_segment(name, "checkpoint name")
 
 
 def parse_tinker_path(path: str, kind: str | None = None) -> TinkerPath:
     """Parse ``path``; with ``kind`` it must be of that kind (``weights`` or ``sampler_weights``)."""
     parts = path[len(PREFIX):].split("/") if isinstance(path, str) and path.startswith(PREFIX) else []
     expected = f"tinker://<model_id>/{kind or '<weights|sampler_weights|external_weights>'}/<name>"
+    shown = repr(path) if not isinstance(path, str) or len(path) <= 200 else repr(path[:197] + "...")
     if len(parts) != 3 or parts[1] not in KINDS or not parts[0] or not parts[2]:
-        raise ConfigError(f"{path!r} is not a checkpoint path of the form {expected}.")
+        raise ConfigError(f"{shown} is not a checkpoint path of the form {expected}.")
+    path_segment(parts[0], "the model id of a tinker:// path,")
+    path_segment(parts[2], "the checkpoint name of a tinker:// path,")
     if kind is not None and parts[1] != kind:
         hint = ("save_state() paths (…/weights/…) restore training; save_weights_for_sampler() paths "
                 "(…/sampler_weights/…) make sampling clients")
-        raise ConfigError(f"{path!r} is a {parts[1]} path, but {expected} is needed here: {hint}.")
+        raise ConfigError(f"{shown} is a {parts[1]} path, but {expected} is needed here: {hint}.")
     return TinkerPath(parts[0], parts[1], parts[2])
 
 
@@ -104,8 +124,24 @@ class CheckpointStore:
     def __init__(self, root: Path):
         self.root = Path(root)
 
+    def run_folder(self, model_id: str) -> Path:
+        """The folder of run ``model_id``, inside the root whatever links lie on the way; ``ConfigError`` for an
+        id that is not one plain name or a folder that resolves outside the root."""
+        return self._inside(self.root / path_segment(model_id, "model id"), model_id)
+
     def folder(self, path: TinkerPath) -> Path:
-        return self.root / path.model_id / path.kind / path.name
+        """The folder of checkpoint ``path`` (which need not exist yet), confined to the root."""
+        if path.kind not in KINDS:
+            raise ConfigError(f"{path.kind!r} is not a checkpoint kind ({', '.join(KINDS)}).")
+        folder = self.run_folder(path.model_id) / path.kind / path_segment(path.name, "checkpoint name")
+        return self._inside(folder, path.path)
+
+    def _inside(self, folder: Path, named: str) -> Path:
+        root = self.root.resolve()
+        if not folder.resolve().is_relative_to(root):  # a symbolic link that leads out of the storage
+            raise ConfigError(f"{named!r} leads outside the checkpoint storage (through a symbolic link); "
+                              "it cannot be read or written here.")
+        return folder
 
     def existing_folder(self, path: TinkerPath, *, encrypted_ok: bool = False) -> Path:
         """The folder of a saved checkpoint; ``ModelNotFoundError`` naming the fix if it is absent.
@@ -124,31 +160,35 @@ class CheckpointStore:
         saver = {"weights": "save_state(name)", "sampler_weights": "save_weights_for_sampler(name)",
                  "external_weights": "save_weights_external(name)"}[path.kind]
         raise ModelNotFoundError(
-            f"no checkpoint at {path.path} (looked in {folder}); save it first with training_client.{saver}, "
-            "or point TINKER_LOCAL_STORAGE at the storage the run wrote to."
+            f"no checkpoint at {path.path}; save it first with training_client.{saver}, or point "
+            "TINKER_LOCAL_STORAGE at the storage the run wrote to."
         )
 
     def write_run(self, record: RunRecord) -> None:
-        folder = self.root / record.model_id
+        folder = self.run_folder(record.model_id)
         folder.mkdir(parents=True, exist_ok=True)
         write_durably(folder / RUN_FILE, json.dumps(asdict(record), indent=1))
 
     def read_run(self, model_id: str) -> RunRecord:
-        file = self.root / model_id / RUN_FILE
+        file = self.run_folder(model_id) / RUN_FILE
         if not file.is_file():
-            raise ModelNotFoundError(f"no training run {model_id!r} under {self.root} ({RUN_FILE} missing).")
+            raise ModelNotFoundError(f"no training run {model_id!r} in this storage.")
         return RunRecord(**json.loads(file.read_text()))
 
     def run_ids(self) -> list[str]:
-        """Model ids of every run, oldest first."""
-        runs = [p.parent for p in self.root.glob(f"*/{RUN_FILE}")]
+        """Model ids of every run, oldest first: the folders of the root that hold a run record, not hidden and
+        not leading outside the root."""
+        root = self.root.resolve()
+        runs = [p.parent for p in self.root.glob(f"*/{RUN_FILE}")
+                if not p.parent.name.startswith(".") and p.parent.resolve().is_relative_to(root)]
         return [p.name for p in sorted(runs, key=lambda p: (p / RUN_FILE).stat().st_mtime)]
 
     def checkpoints(self, model_id: str) -> list[tuple[TinkerPath, Path]]:
         """Every saved checkpoint of a run, oldest first."""
         found = []
+        run = self.run_folder(model_id)
         for kind in KINDS:
-            for folder in (self.root / model_id / kind).glob("*"):
+            for folder in (run / kind).glob("*"):
                 if folder.name.startswith(".") or not folder.is_dir():
                     continue  # a staging folder (a save in progress, or cut off)
                 if any((folder / name).is_file() for name in (ADAPTER_FILE, ADAPTER_FILE + ENCRYPTED_SUFFIX)):

@@ -25,6 +25,7 @@ import torch
 from tinker import types
 
 from rlrunbook import distributed
+from rlrunbook.adam_params import check_adam_params
 from rlrunbook.backend.chunk_scores import ChunkScores, ChunkScoring, PaddedScoring, SharedPrefixScoring
 from rlrunbook.backend.datum_items import TrainingItem, datum_item
 from rlrunbook.backend.lora import adapter_parameters
@@ -318,6 +319,7 @@ class LoraTrainer:
         Under torchrun the gradients are first summed over ranks (see ``_sync_gradients``), so the
         norm, the clipping, the NaN guard and the step are the same on every rank.
         """
+        check_adam_params(params)  # nothing is applied with a NaN, infinite or out-of-range hyperparameter
         trainable = list(adapter_parameters(self.model).values())
         applied_loss = self._sync_gradients(trainable)
         if not self._has_gradients:

@@ -6,6 +6,10 @@ from collections.abc import Mapping
 
 from tinker import types
 
+from rlrunbook.adam_params import check_adam_params
+from rlrunbook.backend.futures import ResolvedClient, WorkerLane
+from rlrunbook.backend.lora import clone_adapter, snapshot_loaded
+from rlrunbook.backend.model_host import ModelHost, SamplerWeights
 from rlrunbook.backend.model_state import (
     age_recipients,
     load_training_state,
@@ -13,9 +17,6 @@ from rlrunbook.backend.model_state import (
     write_adapter,
     write_external_weights,
 )
-from rlrunbook.backend.futures import ResolvedClient, WorkerLane
-from rlrunbook.backend.model_host import ModelHost, SamplerWeights
-from rlrunbook.backend.lora import clone_adapter, snapshot_loaded
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info
 from rlrunbook.backend.storage import (
     CheckpointStore,
@@ -163,6 +164,7 @@ class LocalTrainingClient(ResolvedClient):
         params = optim_params if optim_params is not None else adam_params
         if not isinstance(params, types.AdamParams):
             raise ConfigError(f"the local backend optimizes with AdamW: pass types.AdamParams, got {params!r}.")
+        check_adam_params(params)  # before the step is queued: a refused step leaves the weights as they are
         return self._worker.submit(self._training_call(self._trainer.optim_step), params)
 
     async def optim_step_async(self, optim_params=None, *, adam_params=None):

@@ -66,12 +66,14 @@ def install() -> Callable[[], None]:
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {}
-    for name in STOP_SIGNALS:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an inherited "ignore" stays ignored
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupt)
+    # SIGTERM last: once its handler shows (/proc/<pid>/status SigCgt, what a supervisor may watch), every
+    # handler is in place.
+    for name in reversed(STOP_SIGNALS):
         number = getattr(signal, name, None)
         if number is not None:
             previous[number] = signal.signal(number, _raise_stopped)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an inherited "ignore" stays ignored
-        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupt)
 
     def restore() -> None:
         for number, handler in previous.items():

@@ -171,14 +171,17 @@ class Models:
 
         return self._sequenced(request.model_id, request.seq_id, tenant, call, dump)
 
-    def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
+    def load_weights(self, request: types.LoadWeightsRequest, tenant: str,
+                     check_path: Callable[[str], None] = lambda path: None) -> dict:
         """``load_state(_with_optimizer)`` of a model (``model_id``, ``seq_id``; after a restart it makes the
         model's client again first), or a new model made from a checkpoint (``session_id``, ``model_seq_id``:
-        ``create_training_client_from_state(_with_optimizer)``)."""
+        ``create_training_client_from_state(_with_optimizer)``). ``check_path`` refuses a path the caller may not
+        read (see :mod:`rlrunbook.service.ownership`)."""
         if request.model_id is not None:
             model = self.holdings.model(request.model_id, tenant)
 
             def call(client):
+                check_path(request.path)  # in its turn: a refused call still takes its seq_id
                 if client is None:  # restarted: a client of the recorded layout, then the saved state
                     client = self._recreate(model)
                 load = client.load_state_with_optimizer if request.optimizer else client.load_state
@@ -189,6 +192,7 @@ class Models:
             raise InputError("load_weights needs model_id and seq_id (load_state), or session_id and model_seq_id "
                              "(create_training_client_from_state).")
         model_id = f"{request.session_id}:train:{request.model_seq_id}"
+        check_path(request.path)
 
         def create():
             if request.optimizer:

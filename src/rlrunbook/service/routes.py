@@ -54,6 +54,13 @@ class WeightsInfoRequest(pydantic.BaseModel):
     tinker_path: str
 
 
+class CheckpointTtlRequest(pydantic.BaseModel):
+    """``RestClient.set_checkpoint_ttl``'s body: seconds from now, or None (never expires)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    ttl_seconds: int | None
+
+
 async def read_body(request: Request) -> bytes:
     """The body, refused past the limit also when the client declared no length (chunked)."""
     limit = request.app.state.max_body_bytes
@@ -74,6 +81,9 @@ async def read_json(request: Request, model: type[pydantic.BaseModel]):
         return model.model_validate(json.loads(raw or b"{}"))
     except json.JSONDecodeError as error:
         raise InputError(f"the body of {request.method} {request.url.path} is not JSON ({error}).") from None
+    except RecursionError:
+        raise InputError(f"the body of {request.method} {request.url.path} nests too deeply to be a request of "
+                         "the SDK.") from None
     except pydantic.ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, item['loc'])) or 'body'}: {item['msg']}"
                              for item in error.errors()[:5])
@@ -130,8 +140,8 @@ async def retrieve_future(request: Request, serve: ServeState) -> Response:
                              "10 minutes ago).") from None
     except CallFailedError as error:  # the call's failure, as the SDK reads it
         return JSONResponse({"error": error.message, "category": error.category})
-    if not done:
-        return JSONResponse(dump(types.TryAgainResponse(request_id=rid, queue_state="active")))
+    if not done:  # the SDK's "try again" shape (its type is not exported by every SDK version)
+        return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
     if isinstance(result, bytes):
         return Response(result, media_type=PROTOBUF)
     return JSONResponse(result)
@@ -174,14 +184,6 @@ async def capabilities(request: Request, serve: ServeState) -> Response:
     return JSONResponse(dump(serve.service.get_server_capabilities()))
 
 
-def _rest(call: Callable[[Request, ServeState], object]):
-    """A handler answering ``call``'s SDK future (a LocalRestClient method) as JSON."""
-    async def handler(request: Request, serve: ServeState) -> Response:
-        return JSONResponse(dump(await run_in_threadpool(lambda: call(request, serve).result())))
-
-    return handler
-
-
 def _int_query(request: Request, name: str, default: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
@@ -193,8 +195,42 @@ def _int_query(request: Request, name: str, default: int) -> int:
 
 async def weights_info(request: Request, serve: ServeState) -> Response:
     body = await read_json(request, WeightsInfoRequest)
-    return JSONResponse(dump(await run_in_threadpool(
-        lambda: serve.rest.get_weights_info_by_tinker_path(body.tinker_path).result())))
+    return JSONResponse(await run_in_threadpool(serve.weights_info, body.tinker_path, request.state.tenant))
+
+
+def _tenant_call(method: str, *params: str):
+    """A route calling ``ServeState.<method>(*path params, tenant)`` in a worker thread."""
+    async def handler(request: Request, serve: ServeState) -> Response:
+        args = [request.path_params[name] for name in params]
+        result = await run_in_threadpool(getattr(serve, method), *args, request.state.tenant)
+        return JSONResponse(result)
+
+    handler.__name__ = method
+    return handler
+
+
+def _listing(method: str, default_limit: int):
+    async def handler(request: Request, serve: ServeState) -> Response:
+        limit, offset = _int_query(request, "limit", default_limit), _int_query(request, "offset", 0)
+        return JSONResponse(await run_in_threadpool(getattr(serve, method), limit, offset, request.state.tenant))
+
+    handler.__name__ = method
+    return handler
+
+
+async def delete_checkpoint(request: Request, serve: ServeState) -> Response:
+    params = request.path_params
+    await run_in_threadpool(serve.delete_checkpoint, params["run_id"], f"{params['kind']}/{params['name']}",
+                            request.state.tenant)
+    return JSONResponse(None)
+
+
+async def checkpoint_ttl(request: Request, serve: ServeState) -> Response:
+    body = await read_json(request, CheckpointTtlRequest)
+    params = request.path_params
+    await run_in_threadpool(serve.set_checkpoint_ttl, params["run_id"], f"{params['kind']}/{params['name']}",
+                            body.ttl_seconds, request.state.tenant)
+    return JSONResponse(None)
 
 
 async def not_served(request: Request, serve: ServeState) -> Response:
@@ -224,15 +260,15 @@ def routes() -> list[Route]:
     get = [
         ("/healthz", healthz), ("/get_server_capabilities", capabilities),
         ("/samplers/{sampler_id}", sampler_info), ("/rlrunbook/status", status),
-        ("/training_runs", _rest(lambda r, s: s.rest.list_training_runs(_int_query(r, "limit", 20),
-                                                                         _int_query(r, "offset", 0)))),
-        ("/training_runs/{run_id}", _rest(lambda r, s: s.rest.get_training_run(r.path_params["run_id"]))),
-        ("/training_runs/{run_id}/checkpoints",
-         _rest(lambda r, s: s.rest.list_checkpoints(r.path_params["run_id"]))),
-        ("/checkpoints", _rest(lambda r, s: s.rest.list_user_checkpoints(_int_query(r, "limit", 100),
-                                                                         _int_query(r, "offset", 0)))),
+        ("/training_runs", _listing("training_runs", 20)),
+        ("/training_runs/{run_id}", _tenant_call("training_run", "run_id")),
+        ("/training_runs/{run_id}/checkpoints", _tenant_call("run_checkpoints", "run_id")),
+        ("/checkpoints", _listing("user_checkpoints", 100)),
     ]
+    checkpoint = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
     table = [Route(api + path, answer(handler), methods=["POST"]) for path, handler in post]
     table += [Route(api + path, answer(handler), methods=["GET"]) for path, handler in get]
+    table += [Route(api + checkpoint, answer(delete_checkpoint), methods=["DELETE"]),
+              Route(api + checkpoint + "/ttl", answer(checkpoint_ttl), methods=["PUT"])]
     every = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
     return [*table, Route("/{path:path}", answer(not_served), methods=every)]

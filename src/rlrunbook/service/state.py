@@ -23,6 +23,8 @@ from rlrunbook.backend import LocalRestClient, LocalServiceClient
 from rlrunbook.service.futures import FutureRegistry
 from rlrunbook.service.holdings import Holdings
 from rlrunbook.service.models import Models
+from rlrunbook.service.ownership import Ownership
+from rlrunbook.service.records import dump
 from rlrunbook.service.recovery import restore
 from rlrunbook.service.samplers import Samplers
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions
@@ -44,6 +46,7 @@ class ServeState:
         self.samplers = Samplers(self.holdings, service, store, self.futures)
         self.models = Models(self.holdings, service, store, self.futures, self.rest, self.samplers)
         self.restored = restore(self.holdings, store)
+        self.ownership = Ownership(store)
 
     @property
     def session_timeout_s(self) -> float:
@@ -91,11 +94,13 @@ class ServeState:
         return self.models.save_weights_for_sampler(request, tenant)
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
-        """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`)."""
-        return self.models.load_weights(request, tenant)
+        """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`); a
+        checkpoint of another tenant's run is unknown."""
+        return self.models.load_weights(request, tenant, lambda path: self.ownership.check_path(path, tenant))
 
     # -- sampling -----------------------------------------------------------------------------------------
     def create_sampling_session(self, request: types.CreateSamplingSessionRequest, tenant: str) -> dict:
+        self.ownership.check_path(request.model_path, tenant)  # another tenant's weights are unknown
         return self.samplers.create_sampling_session(request, tenant)
 
     def sampler_info(self, sampler_id: str, tenant: str) -> dict:
@@ -121,3 +126,31 @@ class ServeState:
                     for s in list(self.holdings.sessions.values()) if s.tenant == tenant]
         return {"sessions": sessions, "models": models, "resident": self.service.resident_models(),
                 "session_timeout_s": self.session_timeout_s}
+
+    # -- runs and checkpoints (the REST routes), each the tenant's own (see rlrunbook.service.ownership) --------
+    def training_run(self, run_id: str, tenant: str) -> dict:
+        return dump(self.rest.get_training_run(self.ownership.run_id(run_id, tenant)).result())
+
+    def run_checkpoints(self, run_id: str, tenant: str) -> dict:
+        return dump(self.rest.list_checkpoints(self.ownership.run_id(run_id, tenant)).result())
+
+    def training_runs(self, limit: int, offset: int, tenant: str) -> dict:
+        visible = lambda run_id: self.ownership.visible(run_id, tenant)  # noqa: E731
+        return dump(self.rest.list_training_runs(limit, offset, visible=visible).result())
+
+    def user_checkpoints(self, limit: int, offset: int, tenant: str) -> dict:
+        visible = lambda run_id: self.ownership.visible(run_id, tenant)  # noqa: E731
+        return dump(self.rest.list_user_checkpoints(limit, offset, visible=visible).result())
+
+    def weights_info(self, path: str, tenant: str) -> dict:
+        self.ownership.check_path(path, tenant)
+        return dump(self.rest.get_weights_info_by_tinker_path(path).result())
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
+        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed."""
+        self.rest.delete_checkpoint(self.ownership.run_id(run_id, tenant), checkpoint_id).result()
+
+    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None, tenant: str) -> None:
+        path = f"tinker://{self.ownership.run_id(run_id, tenant)}/{checkpoint_id}"
+        self.rest.set_checkpoint_ttl_from_tinker_path(path, ttl_seconds).result()
+

@@ -65,7 +65,7 @@ def missing_data_reason(kinds: Iterable[str]) -> str | None:
 def data_outcome(missing: str | None, required: bool) -> tuple[str, str] | None:
     """What a ``data`` test does: ``None`` (run), ``("skip", reason)`` or ``("fail", reason)``; one line each."""
     return outcome(missing, required, REQUIRE_ENV, fails_with="the real data is missing",
-                   skips_with=f"needs the project's real data (set {DATA_DIR_ENV} to the folder that holds it)")
+                   skips_with="needs the project's real data", fix=f"set {DATA_DIR_ENV} to the folder that holds it")
 
 
 def real_data_path(kind: str) -> Path:

@@ -17,12 +17,13 @@ def required(variable: str, env: Mapping[str, str] | None = None) -> bool:
     return env.get(variable, "").strip().lower() in ("1", "true", "yes")
 
 
-def outcome(missing: str | None, is_required: bool, variable: str, *, fails_with: str,
-            skips_with: str) -> tuple[str, str] | None:
+def outcome(missing: str | None, is_required: bool, variable: str, *, fails_with: str, skips_with: str,
+            fix: str = "") -> tuple[str, str] | None:
     """What a test of the tier does: ``None`` (run: nothing is ``missing``), ``("fail", reason)`` when required,
-    else ``("skip", reason)``; each reason one line, naming ``missing`` and the variable."""
+    else ``("skip", reason)``; each reason one line, naming ``missing``, the ``fix`` where one is given, and the
+    variable."""
     if missing is None:
         return None
     if is_required:
         return "fail", f"{variable}=1 but {fails_with}: {missing}"
-    return "skip", f"{skips_with}: {missing}; set {variable}=1 to make this a failure"
+    return "skip", f"{skips_with}: {missing}; {fix + ', or ' if fix else 'set '}{variable}=1 to make this a failure"

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlrunbook import cli
+from rlrunbook.cli import app as cli_app  # main reads parse_args from here
 from rlrunbook.run.checkpoint_format import checkpoint_dirs, load_checkpoint
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux"),
@@ -230,7 +231,7 @@ def test_a_signal_that_a_library_turned_into_its_own_error_still_ends_as_the_sig
             raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'.") from error
         return 0
 
-    monkeypatch.setattr(cli, "parse_args", lambda argv: argparse.Namespace(func=command))
+    monkeypatch.setattr(cli_app, "parse_args", lambda argv: argparse.Namespace(func=command))
     code = cli.main(["summarize", "x"])
     err = capsys.readouterr().err
     assert code == 130, err
@@ -247,7 +248,7 @@ def test_without_a_signal_a_library_error_is_still_a_bug_report(monkeypatch, cap
     def command(args):
         raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'.")
 
-    monkeypatch.setattr(cli, "parse_args", lambda argv: argparse.Namespace(func=command))
+    monkeypatch.setattr(cli_app, "parse_args", lambda argv: argparse.Namespace(func=command))
     assert cli.main(["summarize", "x"]) == 70
     assert "This is a bug in rlrunbook" in capsys.readouterr().err
 
@@ -272,7 +273,7 @@ def test_a_signal_that_a_library_swallowed_stops_the_command_where_work_begins(m
             pass
         return argparse.Namespace(func=lambda args: ran.append(True) or 0)
 
-    monkeypatch.setattr(cli, "parse_args", parse_args)
+    monkeypatch.setattr(cli_app, "parse_args", parse_args)
     assert cli.main(["summarize", "x"]) == code
     assert not ran, "the command ran although a signal had been sent"
     assert f"interrupted ({signal.Signals(signum).name})" in capsys.readouterr().err
