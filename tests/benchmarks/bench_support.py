@@ -1,9 +1,9 @@
 """Shared settings of the throughput benchmarks: device, models, fixed-shape inputs, timing helpers.
 
-Timings on a shared 2-core CPU swing by up to 2x between runs (PITFALLS): read medians, compare
-figures only within one run and under the same allocator settings. With glibc defaults,
-multi-GB activation buffers go back to the OS and are re-faulted every step; for CPU numbers
-comparable with PITFALLS' run the benchmarks under
+Timings on a shared 2-core CPU swing by up to 2x between runs: read medians, compare figures only
+within one run and under the same allocator settings. With glibc defaults, multi-GB activation
+buffers go back to the OS and are re-faulted every step; for CPU numbers comparable with
+docs/performance.md run the benchmarks under
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000`` and say so next to the figures.
 """
 

@@ -235,7 +235,7 @@ def test_tiny_next_token_distributions_are_peaked(tiny_dir):
 
 
 def test_tiny_generation_config_is_neutral(tiny_dir):
-    """Sampling with the model's own generation config must see raw logits (PITFALLS: settings leak)."""
+    """Sampling with the model's own generation config must see raw logits (generation settings must not leak in)."""
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, return_tensors="pt"

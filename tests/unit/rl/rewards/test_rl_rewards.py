@@ -71,7 +71,7 @@ def test_extract_last_number(text, expected):
 @pytest.mark.parametrize(("completion", "answers", "reward", "has_number"), [
     ("7 * 8 = 56", ["56"], 1.0, 1.0),
     ("7 * 8 = 54", ["56"], 0.0, 1.0),
-    # PITFALLS: the first number is an operand; only the last one is the answer.
+    # Small models restate the question: the first number is an operand; only the last one is the answer.
     ("37 + 48 = 85", ("85",), 1.0, 1.0),
     ("The answer is 85. Or maybe 84", ("85",), 0.0, 1.0),
     ("I am not sure.", ["56"], 0.0, 0.0),
