@@ -143,12 +143,26 @@ class CheckpointStore:
                               "it cannot be read or written here.")
         return folder
 
+    def _leads_out(self, folder: Path) -> bool:
+        """Whether ``folder``, or anything in it, is a symbolic link that resolves outside the root (links inside
+        are not followed: each is checked where it points)."""
+        root = self.root.resolve()
+        if not folder.resolve().is_relative_to(root):
+            return True
+        for here, dirs, files in os.walk(folder):
+            if any(not (Path(here) / name).resolve().is_relative_to(root) for name in dirs + files):
+                return True
+        return False
+
     def existing_folder(self, path: TinkerPath, *, encrypted_ok: bool = False) -> Path:
         """The folder of a saved checkpoint; ``ModelNotFoundError`` naming the fix if it is absent.
 
         An age-encrypted export (``save_weights_external`` with recipients) counts only with ``encrypted_ok``:
         nothing in process can load it."""
         folder = self.folder(path)
+        if folder.is_dir() and self._leads_out(folder):
+            raise ConfigError(f"{path.path} holds a symbolic link that leads outside the checkpoint storage; it "
+                              "cannot be read or written here.")
         if (folder / ADAPTER_FILE).is_file():
             return folder
         if (folder / (ADAPTER_FILE + ENCRYPTED_SUFFIX)).is_file():
@@ -170,7 +184,7 @@ class CheckpointStore:
         write_durably(folder / RUN_FILE, json.dumps(asdict(record), indent=1))
 
     def read_run(self, model_id: str) -> RunRecord:
-        file = self.run_folder(model_id) / RUN_FILE
+        file = self._inside(self.run_folder(model_id) / RUN_FILE, model_id)
         if not file.is_file():
             raise ModelNotFoundError(f"no training run {model_id!r} in this storage.")
         return RunRecord(**json.loads(file.read_text()))
@@ -180,17 +194,22 @@ class CheckpointStore:
         not leading outside the root."""
         root = self.root.resolve()
         runs = [p.parent for p in self.root.glob(f"*/{RUN_FILE}")
-                if not p.parent.name.startswith(".") and p.parent.resolve().is_relative_to(root)]
+                if not p.parent.name.startswith(".") and p.resolve().is_relative_to(root)]
         return [p.name for p in sorted(runs, key=lambda p: (p / RUN_FILE).stat().st_mtime)]
 
     def checkpoints(self, model_id: str) -> list[tuple[TinkerPath, Path]]:
         """Every saved checkpoint of a run, oldest first."""
         found = []
         run = self.run_folder(model_id)
+        root = self.root.resolve()
         for kind in KINDS:
+            if not (run / kind).resolve().is_relative_to(root):
+                continue  # a symbolic link that leads out of the storage
             for folder in (run / kind).glob("*"):
                 if folder.name.startswith(".") or not folder.is_dir():
                     continue  # a staging folder (a save in progress, or cut off)
+                if self._leads_out(folder):
+                    continue  # a link out of the storage, or a folder holding one
                 if any((folder / name).is_file() for name in (ADAPTER_FILE, ADAPTER_FILE + ENCRYPTED_SUFFIX)):
                     found.append((TinkerPath(model_id, kind, folder.name), folder))
         return sorted(found, key=lambda item: item[1].stat().st_mtime)

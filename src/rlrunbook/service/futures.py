@@ -16,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from rlrunbook.backend.storage import KINDS
 from rlrunbook.errors import InputError, RlrunbookError
 from rlrunbook.service.store import KEEP_DELIVERED_S, MAX_KEPT_BODY_BYTES, ServeStore
 
@@ -40,6 +43,17 @@ def request_id() -> str:
 def failure_category(error: BaseException) -> str:
     """``user`` for what the request got wrong (a refused value, an unknown name), ``server`` for the rest."""
     return "user" if isinstance(error, (RlrunbookError, ValueError, LookupError, TypeError)) else "server"
+
+
+def without_folders(message: str, root: Path) -> str:
+    """``message`` with the folders of the storage ``root`` named as a caller knows them: a checkpoint's by its
+    ``tinker://`` path, any other as ``<storage>``. Answers name no folder of the server; some errors of the
+    local backend name the checkpoint folder they read."""
+    kinds = "|".join(KINDS)
+    for folder in dict.fromkeys([str(root), str(root.resolve())]):
+        message = re.sub(re.escape(folder) + rf"/([^/\s'\"]+)/({kinds})/([^/\s'\"]+)", r"tinker://\1/\2/\3", message)
+        message = message.replace(folder, "<storage>")
+    return message
 
 
 class CallFailedError(Exception):
@@ -113,7 +127,7 @@ class FutureRegistry:
             body = encode(done.result())
         except BaseException as error:  # noqa: BLE001 - the call's failure (or its encoding's) is its outcome
             category = failure_category(error)
-            message = f"{type(error).__name__}: {error}"
+            message = without_folders(f"{type(error).__name__}: {error}", self.store.path.parent)
             if category == "server":
                 logger.error("request %s failed", rid, exc_info=error)
             self._try_store(self.store.future_failed, rid, message, category)

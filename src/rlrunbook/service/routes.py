@@ -78,7 +78,7 @@ async def read_json(request: Request, model: type[pydantic.BaseModel]):
     """The body as the SDK's request type ``model``; ``InputError`` naming the cause otherwise."""
     raw = await read_body(request)
     try:
-        return model.model_validate(json.loads(raw or b"{}"))
+        body = model.model_validate(json.loads(raw or b"{}"))
     except json.JSONDecodeError as error:
         raise InputError(f"the body of {request.method} {request.url.path} is not JSON ({error}).") from None
     except RecursionError:
@@ -89,6 +89,11 @@ async def read_json(request: Request, model: type[pydantic.BaseModel]):
                              for item in error.errors()[:5])
         raise InputError(f"the body of {request.method} {request.url.path} is not a {model.__name__}: "
                          f"{problems}.") from None
+    seq_id = getattr(body, "seq_id", None)
+    if isinstance(seq_id, int) and not -2**63 <= seq_id < 2**63:  # the store keeps it as a 64-bit integer
+        raise InputError(f"the body of {request.method} {request.url.path}: its seq_id does not fit in 64 bits; "
+                         "the SDK numbers a client's calls 1, 2, 3, ...")
+    return body
 
 
 def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
