@@ -151,14 +151,24 @@ class TokenCost:
         return max(0, (available - self.fixed) // max(1, self.per_token))
 
 
+# Config fields holding one entry per decoder layer, which a model indexes by the layer's number: the attention
+# kind of each layer (Qwen2/3 sliding windows, Gemma's interleaving), SmolLM3's layers without rotary embedding.
+PER_LAYER_FIELDS = ("layer_types", "no_rope_layers")
+
+
 def with_layers(config, layers: int):
-    """A copy of a transformers ``config`` with ``layers`` decoder layers (per-layer lists cut to match)."""
+    """A copy of a transformers ``config`` with ``layers`` decoder layers, its per-layer lists
+    (``PER_LAYER_FIELDS``) of ``layers`` entries too: the first ``layers`` of the config's, and past its own
+    count its pattern repeated from the start (a 1-layer ``["full_attention"]`` traced with 2 layers is
+    ``["full_attention"] * 2``; ``[full, sliding]`` with 3 is ``[full, sliding, full]``)."""
     import copy
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types)[:layers]
+    for name in PER_LAYER_FIELDS:
+        pattern = getattr(config, name, None)
+        if isinstance(pattern, (list, tuple)) and pattern:
+            setattr(config, name, [pattern[i % len(pattern)] for i in range(layers)])
     return config
 
 

@@ -12,11 +12,12 @@ a rubric never passes vacuously.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from rlrunbook.run.liveness import liveness
-from rlrunbook.run.load import RunFiles
+from rlrunbook.run.load import RunFiles, format_steps, missing_ranges
 from rlrunbook.run.schema import (
     METADATA_FILE,
     PNG_IEND,
@@ -105,19 +106,22 @@ def metadata_fields(run: RunFiles) -> CheckResult:
 
 
 def train_log(run: RunFiles) -> CheckResult:
-    """One row per step 0..steps-1, in order, each with the schema's keys as finite numbers."""
+    """One row per step 0..steps-1, in order, each with the schema's keys as finite numbers. The work is in
+    the rows found, not in ``steps``: missing steps are named as ranges."""
     problems = list(run.train_log_problems)
     got = [row.get("step") for row in run.train_log_rows]
     if run.steps is None:
         problems.append(f"cannot check step coverage: {run.steps_problem}")
-    elif got != list(range(run.steps)):
-        missing = sorted(set(range(run.steps)) - set(got))
-        extra = sorted({s for s in got if s not in range(run.steps) or got.count(s) > 1}, key=str)
+    elif not (len(got) == run.steps and all(is_int(s) and s == k for k, s in enumerate(got))):
+        missing = missing_ranges((s for s in got if is_int(s)), run.steps)
+        counts = Counter(repr(s) for s in got)  # repr: a step may be a list or an object
+        extra = {repr(s): s for s in got if not (is_int(s) and 0 <= s < run.steps) or counts[repr(s)] > 1}
+        shown = sorted(extra.values(), key=str)[:20]
         problems.append(
-            f"{TRAIN_LOG_FILE}: expected steps 0..{run.steps - 1} once each in order, "
-            f"got {got[:20]}"
-            + (f"; missing {missing}" if missing else "")
-            + (f"; extra or repeated {extra}" if extra else "")
+            f"{TRAIN_LOG_FILE}: expected steps 0..{run.steps - 1:,} once each in order, "
+            f"found {len(got):,} rows, got {got[:20]}{'...' if len(got) > 20 else ''}"
+            + (f"; missing {format_steps(missing)}" if missing else "")
+            + (f"; extra or repeated {shown}{'...' if len(extra) > 20 else ''}" if extra else "")
         )
     for row in run.train_log_rows:
         skipped = row.get("skipped") is True  # dynamic sampling skipped it: no loss, no trained tokens

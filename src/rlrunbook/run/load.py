@@ -3,12 +3,17 @@
 Each file is loaded once into ``RunFiles``; a file that is missing, unreadable or not valid
 JSON becomes a *problem* string naming it, which the presence checks report. The content checks
 then look only at what loaded, so one corrupt file fails one check instead of all of them.
+
+The work is proportional to what is on disk, never to the step count ``run_metadata.json`` claims: only
+the ``<prefix>_<k>.json`` files present are read, and the steps missing from them are kept as ranges
+(:func:`missing_ranges`), so a config claiming a billion steps costs no more than the files it has.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,13 +64,15 @@ class RunFiles:
         config = (self.metadata or {}).get("config")
         return config if isinstance(config, dict) else {}
 
-    def expected_steps(self, prefix: str) -> list[int]:
-        """0..steps-1, or (``steps`` unknown) the step numbers of the ``<prefix>_<k>.json`` files present."""
-        if self.steps is not None:
-            return list(range(self.steps))
-        pattern = re.compile(rf"{re.escape(prefix)}_(\d+)\.json")
-        found = (pattern.fullmatch(p.name) for p in self.run_dir.glob(f"{prefix}_*.json"))
-        return sorted(int(m.group(1)) for m in found if m)
+    def present_steps(self, prefix: str) -> list[int]:
+        """The step numbers of the ``<prefix>_<k>.json`` files present (``k`` written as the writer writes it:
+        decimal, no leading zero), sorted; below ``steps`` when it is known."""
+        pattern = re.compile(rf"{re.escape(prefix)}_(0|[1-9]\d*)\.json")
+        try:
+            found = {int(m.group(1)) for p in self.run_dir.glob(f"{prefix}_*.json") if (m := pattern.fullmatch(p.name))}
+        except OSError:  # an unreadable directory: every expected file is then reported missing
+            found = set()
+        return sorted(k for k in found if self.steps is None or k < self.steps)
 
 
 def _load_metadata(run: RunFiles) -> None:
@@ -116,8 +123,46 @@ def _load_train_log(run: RunFiles) -> None:
                          if row.get("skipped") is True and isinstance(row.get("step"), int)}
 
 
+def missing_ranges(found: Iterable[int], stop: int) -> list[range]:
+    """The runs of ``0..stop-1`` that ``found`` leaves out, in order: ``missing_ranges([0, 1, 5], 8)`` is
+    ``[range(2, 5), range(6, 8)]``. Costs O(len(found)), whatever ``stop`` is."""
+    gaps, at = [], 0
+    for step in sorted({k for k in found if 0 <= k < stop}):
+        if step > at:
+            gaps.append(range(at, step))
+        at = step + 1
+    return gaps + ([range(at, stop)] if at < stop else [])
+
+
+def format_steps(gaps: list[range], listed: int = 20) -> str:
+    """The steps of ``gaps`` as a list (``[1, 2, 5]``) when they are at most ``listed``, else as ranges
+    (``2..999,999,999``; the first five, then a count of the others)."""
+    if sum(map(len, gaps)) <= listed:
+        return str([k for gap in gaps for k in gap])
+    spans = [f"{gap[0]:,}" if len(gap) == 1 else f"{gap[0]:,}..{gap[-1]:,}" for gap in gaps[:5]]
+    return ", ".join(spans) + (f" (+{len(gaps) - 5:,} more ranges)" if len(gaps) > 5 else "")
+
+
+_LISTED_MISSING = 5  # a run of missing files up to this long is named file by file, a longer one as a range
+
+
+def _missing_files(run: RunFiles, prefix: str, gap: range, found: int) -> list[str]:
+    if len(gap) <= _LISTED_MISSING:
+        return [f"{prefix}_{k}.json: missing ({run.run_dir / f'{prefix}_{k}.json'})" for k in gap]
+    return [(f"{prefix}_<k>.json: missing for steps {gap[0]:,}..{gap[-1]:,} ({len(gap):,} files; config.steps is "
+             f"{run.steps:,}, {found:,} such files found)")]
+
+
 def _load_per_step(run: RunFiles, prefix: str, docs: dict[int, dict[str, Any]], problems: list[str]) -> None:
-    for step in run.expected_steps(prefix):
+    """Read the ``<prefix>_<k>.json`` files present; with ``steps`` known, report the absent ones below it, in
+    step order with the unreadable ones (long runs of absent files as one range each)."""
+    present = run.present_steps(prefix)
+    gaps = iter(missing_ranges(present, run.steps) if run.steps is not None else [])
+    gap = next(gaps, None)
+    for step in present:
+        while gap is not None and gap[0] < step:
+            problems.extend(_missing_files(run, prefix, gap, len(present)))
+            gap = next(gaps, None)
         path = run.run_dir / f"{prefix}_{step}.json"
         doc, problem = read_json(path)
         if problem is None and not isinstance(doc, dict):
@@ -126,6 +171,8 @@ def _load_per_step(run: RunFiles, prefix: str, docs: dict[int, dict[str, Any]], 
             docs[step] = doc
         else:
             problems.append(problem)
+    for rest in ([gap] if gap is not None else []) + list(gaps):
+        problems.extend(_missing_files(run, prefix, rest, len(present)))
 
 
 def load_run(run_dir: str | Path) -> RunFiles:

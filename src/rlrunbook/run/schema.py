@@ -5,6 +5,8 @@ The full contract, with every field, is in the ``rlrunbook.run`` package docstri
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 SCHEMA_VERSION = 1
 METADATA_FILE = "run_metadata.json"
 TRAIN_LOG_FILE = "train_log.jsonl"
@@ -83,6 +85,25 @@ def validation_schedule(steps: int, every: int) -> list[int]:
     multiple of ``every``, and ``steps`` (the final weights) once. ``every=0`` means no validation.
     Example: ``steps=3, every=2`` gives ``[0, 2, 3]``; ``steps=4, every=2`` gives ``[0, 2, 4]``.
     """
+    return list(iter_validation_schedule(steps, every))
+
+
+def iter_validation_schedule(steps: int, every: int) -> Iterator[int]:
+    """The steps of :func:`validation_schedule`, one at a time: a reader can stop early, whatever ``steps``."""
     if every <= 0:
-        return []
-    return sorted({0, *range(every, steps + 1, every), steps})
+        return
+    if steps <= 0:  # no step runs: the initial weights, and ``steps`` when it is negative (sorted)
+        yield from sorted({0, steps})
+        return
+    yield from range(0, steps + 1, every)
+    if steps % every:
+        yield steps
+
+
+def validation_schedule_length(steps: int, every: int) -> int:
+    """``len(validation_schedule(steps, every))``, computed without building it."""
+    if every <= 0:
+        return 0
+    if steps <= 0:
+        return len({0, steps})
+    return steps // every + 1 + (1 if steps % every else 0)

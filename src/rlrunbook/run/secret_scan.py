@@ -45,6 +45,11 @@ A key is found in the forms a file can hold it in, not only as plain text (``run
 gzip, bzip2 and xz streams and zip members are decompressed (up to ``MAX_EXPANDED`` bytes a file),
 base64 runs are decoded, UTF-16 text is read; a finding there names the form, e.g.
 ``notes.txt.gz:3: private key (in gzip)``.
+
+Names are scanned too (:func:`scan_name`), with the same patterns and forms: a file or directory called
+``sk-proj-....txt`` would put its key into an archive's member list and its manifest. In a name, each part
+after a ``-``, ``_`` or ``.`` is also read as a word start (``run-sk-proj-...`` is a key after a separator,
+where in a file's text ``-`` continues a token). A path is shown with such names redacted (:func:`redact_path`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.run import secret_forms
+from rlrunbook.run.jsonio import REDACTED
 
 _WORD = rb"[A-Za-z0-9_\-]"  # a token starts at a word start; "-" counts as inside a token
 
@@ -179,3 +185,61 @@ def scan_file(path: Path, rel: str, needles: Mapping[str, Iterable[bytes]] | Non
     if scan.budget.exceeded:
         scan.add(0, f"decoded content over {secret_forms.MAX_EXPANDED >> 20} MiB, not scanned in full", ())
     return sorted(scan.found.values(), key=lambda f: (f.line, f.kind))
+
+
+NAME_SEPARATORS = b"-_."  # in a name, a token may start after any of these (see the module docstring)
+
+
+def name_matches(name: bytes) -> Iterator[tuple[int, int, str]]:
+    """``(start, end, kind)`` of every pattern match in one file or directory name (no ``/``), each part after a
+    ``-``, ``_`` or ``.`` read as a word start too; of a URL, the span of its ``user:password``."""
+    for start in [0] + [i + 1 for i, byte in enumerate(name) if byte in NAME_SEPARATORS]:
+        for match, kind in matches(name[start:]):
+            low, high = match.span(1) if kind == URL_CREDENTIALS else match.span()
+            yield start + low, start + high, kind
+
+
+def _name_bytes(name: str) -> bytes:
+    return name.encode("utf-8", "surrogateescape")  # os.walk's str for a name that is not UTF-8
+
+
+def scan_name(name: str, needles: Mapping[str, Iterable[bytes]] | None = None) -> list[str]:
+    """The kinds of secret one file or directory ``name`` holds (no ``/``), sorted: the patterns
+    (:func:`name_matches`), the same in the forms of ``run.secret_forms`` (base64, UTF-16: ``... (in base64)``),
+    and the variable of each ``needles`` value (``{variable: its values as bytes}``) it contains."""
+    data = _name_bytes(name)
+    kinds = {kind for _, _, kind in name_matches(data)}
+    kinds |= {variable for variable, values in (needles or {}).items() if any(v and v in data for v in values)}
+    for start in [0] + [i + 1 for i, byte in enumerate(data) if byte in NAME_SEPARATORS]:
+        scan = _Scan(name, needles or {})
+        for _, form, view in secret_forms.views(data[start:], scan.budget, nested=False):
+            scan.window(view, 0, (form,), 1, lines=False)
+        kinds |= {finding.kind for finding in scan.found.values()}
+    return sorted(kinds)
+
+
+def redact_name(name: str, needles: Mapping[str, Iterable[bytes]] | None = None) -> str:
+    """``name`` with each secret in it replaced by ``REDACTED`` (``<redacted>.txt``); a name whose secret is found
+    only in another form (base64 of a key) is replaced whole. Names holding none come back unchanged."""
+    if not scan_name(name, needles):
+        return name
+    data = _name_bytes(name)
+    spans = [(low, high) for low, high, _ in name_matches(data)]
+    for values in (needles or {}).values():
+        for value in values:
+            at = data.find(value) if value else -1
+            while at >= 0:
+                spans.append((at, at + len(value)))
+                at = data.find(value, at + 1)
+    out, at = [], 0
+    for low, high in sorted(spans):
+        if low >= at:
+            out += [data[at:low], REDACTED.encode()]
+        at = max(at, high)
+    redacted = b"".join([*out, data[at:]]).decode("utf-8", "surrogateescape")
+    return redacted if redacted != name and not scan_name(redacted, needles) else REDACTED
+
+
+def redact_path(rel: str, needles: Mapping[str, Iterable[bytes]] | None = None) -> str:
+    """The relative path ``rel`` with every name in it passed through :func:`redact_name`."""
+    return "/".join(redact_name(part, needles) for part in rel.split("/"))

@@ -30,7 +30,7 @@ from rlrunbook.run.jsonio import atomic_write_text, fsync_dir
 from rlrunbook.run.liveness import liveness
 from rlrunbook.run.load import RunFiles, _load_metadata, _load_train_log
 from rlrunbook.run.redaction import MIN_SCRUB_LENGTH, is_secret_key, is_secret_name
-from rlrunbook.run.secret_scan import scan_file
+from rlrunbook.run.secret_scan import redact_name, scan_file, scan_name
 
 MANIFEST_FILE = "MANIFEST.sha256"
 # Fixed column order, so tables of different sweeps line up and diff cleanly.
@@ -284,30 +284,39 @@ def is_credentials_file(name: str) -> bool:
 def find_secrets(run_dir: Path, environ: Mapping[str, str]) -> list[str]:
     """Files of ``run_dir`` holding a secret: named like credentials (:func:`is_credentials_file`), holding the
     value of a secret-named variable, or holding a private key, an API-token-shaped string or a URL with a
-    password (``run.secret_scan``, by line), as plain text or compressed, base64 or UTF-16 (``run.secret_forms``).
+    password (``run.secret_scan``, by line), as plain text or compressed, base64 or UTF-16 (``run.secret_forms``);
+    and files, directories (the run directory too) and links whose *name* holds such a value or shape
+    (``run.secret_scan.scan_name``): an archive would carry the name in its member list and its manifest.
 
     Secret names and the minimum value length are the writer's (``*_KEY``, ``*_TOKEN``, ``*SECRET*``,
     ``*PASSWORD*``, ``*CREDENTIAL*``, any case). A finding is ``<relative path>: <VARIABLE>``,
-    ``<relative path>: credentials file`` or ``<relative path>:<line>: <kind>``, never the value. Values
-    are also sought JSON-escaped: JSON writes non-ASCII as ``\\uXXXX`` and a quote as ``\\"``.
+    ``<relative path>: credentials file``, ``<relative path>:<line>: <kind>`` or ``<relative path>: <kind> in
+    its name``, never the value: a path is shown with the secrets in its names redacted (``<redacted>.txt``).
+    Values are also sought JSON-escaped: JSON writes non-ASCII as ``\\uXXXX`` and a quote as ``\\"``.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return [f"{run_dir}: not a directory, nothing scanned"]
     needles = {name: {value.encode("utf-8"), json.dumps(value)[1:-1].encode("utf-8")}
                for name, value in environ.items() if is_secret_name(name) and len(value) >= MIN_SCRUB_LENGTH}
-    findings = []
+    top = run_dir.resolve().name  # the archive's top-level folder
+    findings = [f"{redact_name(top, needles)} (the run directory): {kind} in its name"
+                for kind in scan_name(top, needles)]
+    shown: dict[str, str] = {"": ""}  # relative path -> the same with secret names redacted; parents come first
     for rel, info in _walk(run_dir):
-        if is_credentials_file(Path(rel).name) or any(fnmatch.fnmatch(Path(rel).as_posix(), place)
-                                                       for place in CREDENTIAL_FILE_PLACES):
-            findings.append(f"{rel}: credentials file")
+        parent, _, name = rel.rpartition("/")
+        kinds = scan_name(name, needles)
+        shown[rel] = at = (shown[parent] + "/" if parent else "") + (redact_name(name, needles) if kinds else name)
+        findings += [f"{at}: {kind} in its name" for kind in kinds]
+        if is_credentials_file(name) or any(fnmatch.fnmatch(rel, place) for place in CREDENTIAL_FILE_PLACES):
+            findings.append(f"{at}: credentials file")
         if stat.S_ISREG(info.st_mode):
             try:
                 if needles:
-                    findings += [f"{rel}: {variable}" for variable in sorted(_scan(run_dir / rel, needles))]
-                findings += [str(finding) for finding in scan_file(run_dir / rel, rel, needles)]
-            except OSError as exc:
-                findings.append(f"{rel}: not scanned ({exc.__class__.__name__}: {exc})")
+                    findings += [f"{at}: {variable}" for variable in sorted(_scan(run_dir / rel, needles))]
+                findings += [str(finding) for finding in scan_file(run_dir / rel, at, needles)]
+            except OSError as exc:  # the reason only: the error's own text repeats the path, unredacted
+                findings.append(f"{at}: not scanned ({exc.__class__.__name__}: {exc.strerror or 'unreadable'})")
     return findings
 
 

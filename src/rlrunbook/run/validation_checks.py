@@ -9,6 +9,7 @@ or rollout file mentions (held out means never trained on).
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 from rlrunbook.run.checks import CheckResult, is_int, is_number, result
@@ -17,13 +18,30 @@ from rlrunbook.run.schema import (
     VALIDATION_FILE,
     VALIDATION_FLOAT_KEYS,
     VALIDATION_INT_KEYS,
+    iter_validation_schedule,
     validation_ks,
     validation_schedule,
+    validation_schedule_length,
 )
 
 
 def _interval_ok(value: Any) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(map(is_number, value)) and value[0] <= value[1]
+
+
+def _on_schedule(got: list[Any], steps: int, every: int) -> bool:
+    """Whether ``got`` is exactly the schedule; reads at most ``len(got)`` of its steps."""
+    return len(got) == validation_schedule_length(steps, every) and all(
+        is_int(step) and step == due for step, due in zip(got, iter_validation_schedule(steps, every), strict=False))
+
+
+def _schedule_text(steps: int, every: int, listed: int = 20) -> str:
+    """The schedule as a list, or (longer than ``listed``) its first steps, its last and its length."""
+    length = validation_schedule_length(steps, every)
+    if length <= listed:
+        return str(validation_schedule(steps, every))
+    first = ", ".join(f"{k:,}" for k in islice(iter_validation_schedule(steps, every), 5))
+    return f"[{first}, ..., {steps:,}] ({length:,} rows)"
 
 
 def _trained_problem_ids(run: RunFiles) -> set[str]:
@@ -74,11 +92,13 @@ def validation(run: RunFiles) -> CheckResult:
     got = [row.get("step") for row in run.validation_rows]
     if run.steps is None:
         problems.append(f"cannot tell which validations to expect: {run.steps_problem}")
-    elif got != validation_schedule(run.steps, every):
-        problems.append(f"{VALIDATION_FILE}: expected rows at steps {validation_schedule(run.steps, every)} "
-                        f"(validation.every {every}, {run.steps} steps), got {got}")
+    elif not _on_schedule(got, run.steps, every):
+        shown = f"{got[:20]}{'...' if len(got) > 20 else ''}"
+        problems.append(f"{VALIDATION_FILE}: expected rows at steps {_schedule_text(run.steps, every)} "
+                        f"(validation.every {every}, {run.steps:,} steps), got {len(got):,} rows {shown}")
     trained = _trained_problem_ids(run)
     for row in run.validation_rows:
         problems += _row_problems(row, settings, trained)
-    return result("validation", problems, f"{len(got)} validations at steps {got}, held out of "
+    return result("validation", problems, f"{len(got)} validations at steps {got[:20]}"
+                                          f"{'...' if len(got) > 20 else ''}, held out of "
                                           f"{len(trained)} trained problems")

@@ -455,3 +455,108 @@ def test_command_exit_status(fresh_run, capsys):
     assert rubric_main([str(good), str(bad)]) == 1
     out = capsys.readouterr().out
     assert f"== {bad}: FAIL" in out and "FAIL datums.nonzero_advantages: training_step_1.json" in out
+
+
+# --- a config that claims more steps than the directory holds -----------------------------------------------
+
+_HUGE = 1_000_000_000
+# Runs check_run on argv[1] under a 3 GiB address-space cap (so a check that enumerates the claimed steps
+# fails fast with MemoryError instead of eating the machine) and prints the time check_run took, then its results.
+_PROBE = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+from rlrunbook.run import check_run
+start = time.perf_counter()
+results = check_run(sys.argv[1])
+print(json.dumps({"seconds": time.perf_counter() - start, "results": {r.name: [r.passed, r.detail] for r in results}}))
+"""
+
+
+def _claim_steps(run_dir: Path, steps: int, **config) -> Path:
+    edit_json(run_dir / "run_metadata.json", lambda doc: doc["config"].update(steps=steps, **config))
+    return run_dir
+
+
+def _probe(run_dir: Path) -> tuple[float, dict[str, list]]:
+    import os
+    import subprocess
+    import sys
+
+    import rlrunbook
+
+    src = str(Path(rlrunbook.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(run_dir)], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    return out["seconds"], out["results"]
+
+
+@pytest.mark.parametrize("mode", ["single_turn", "debate"])
+def test_a_claimed_billion_steps_costs_what_is_on_disk(fresh_run, mode):
+    """run_metadata.json claims 10**9 steps, the directory holds 2: the rubric fails it, naming the claimed
+    count, what it found and the missing range, in the time the 2 steps take (nothing enumerates the claim)."""
+    run_dir = _claim_steps(fresh_run(mode), _HUGE, validation={"every": 1, "num_problems": 2, "samples": 2})
+    seconds, results = _probe(run_dir)
+    assert seconds < 2.0, results
+    kind = "summary" if mode == "single_turn" else "debate"
+    failed = {name: detail for name, (passed, detail) in results.items() if not passed}
+    assert set(failed) == {"train_log", "training_steps.present", "rollouts.present", "validation"}, failed
+    assert ("expected steps 0..999,999,999 once each in order, found 2 rows, got [0, 1]; missing 2..999,999,999"
+            in failed["train_log"])
+    for check, prefix in (("training_steps.present", "training_step"), ("rollouts.present", kind)):
+        assert failed[check] == (f"{prefix}_<k>.json: missing for steps 2..999,999,999 (999,999,998 files; "
+                                 "config.steps is 1,000,000,000, 2 such files found)")
+    assert "expected rows at steps [0, 1, 2, 3, 4, ..., 1,000,000,000] (1,000,000,001 rows)" in failed["validation"]
+
+
+def test_a_forged_step_number_costs_nothing_either(fresh_run):
+    """A train-log row and a file whose step number is near the claim are evidence of one step each, not of a
+    billion: the gaps before them are ranges, never enumerated."""
+    run_dir = _claim_steps(fresh_run("single_turn"), _HUGE)
+    row = json.loads((run_dir / "train_log.jsonl").read_text().splitlines()[1])
+    with (run_dir / "train_log.jsonl").open("a") as log:
+        log.write(json.dumps({**row, "step": _HUGE - 1}) + "\n")
+    shutil.copy(run_dir / "training_step_1.json", run_dir / f"training_step_{_HUGE - 1}.json")
+    seconds, results = _probe(run_dir)
+    assert seconds < 2.0
+    assert results["train_log"][1].endswith("got [0, 1, 999999999]; missing 2..999,999,998")
+    assert results["training_steps.present"][1].startswith(
+        "training_step_<k>.json: missing for steps 2..999,999,998 (999,999,997 files; config.steps is 1,000,000,000, "
+        "3 such files found)")
+
+
+def test_short_runs_of_missing_files_are_named_file_by_file(fresh_run):
+    """Up to five missing files in a row are named one by one, as before; a longer run of them as one range."""
+    short = _claim_steps(fresh_run("single_turn", "short"), 7)
+    long = _claim_steps(fresh_run("single_turn", "long"), 8)
+    detail = failing(check_run(short))["training_steps.present"]
+    assert detail.startswith(f"training_step_2.json: missing ({short / 'training_step_2.json'}); ")
+    assert detail.endswith(f"training_step_6.json: missing ({short / 'training_step_6.json'})")
+    details = failing(check_run(long))
+    assert details["training_steps.present"] == ("training_step_<k>.json: missing for steps 2..7 (6 files; "
+                                                 "config.steps is 8, 2 such files found)")
+    assert "missing [2, 3, 4, 5, 6, 7]" in details["train_log"]
+
+
+def test_odd_train_log_steps_fail_without_raising(fresh_run):
+    """A step that is a list, an object or repeated is reported (once each), not a TypeError."""
+    run_dir = fresh_run("single_turn")
+    row = json.loads((run_dir / "train_log.jsonl").read_text().splitlines()[1])
+    with (run_dir / "train_log.jsonl").open("a") as log:
+        for step in ([1], {"k": 1}, 1, -3):
+            log.write(json.dumps({**row, "step": step}) + "\n")
+    detail = failing(check_run(run_dir))["train_log"]
+    assert "found 6 rows" in detail and "extra or repeated [-3, 1, [1], {'k': 1}]" in detail
+
+
+def test_missing_ranges_and_their_text():
+    from rlrunbook.run.load import format_steps, missing_ranges
+
+    assert missing_ranges([5, 0, 1, 1, -2, 99], 8) == [range(2, 5), range(6, 8)]
+    assert missing_ranges([], 3) == [range(3)] and missing_ranges([0, 1, 2], 3) == []
+    assert format_steps([range(2, 5), range(6, 8)]) == "[2, 3, 4, 6, 7]"
+    assert format_steps([range(2, _HUGE)]) == "2..999,999,999"
+    many = [range(k, k + 1) for k in range(0, 40, 2)] + [range(50, 60)]
+    assert format_steps(many) == "0, 2, 4, 6, 8 (+16 more ranges)"

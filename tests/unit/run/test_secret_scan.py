@@ -169,3 +169,86 @@ def test_package_refuses_keys_and_token_shapes_and_allow_secrets_overrides(secre
         assert finding in err
     assert SECRET not in err and not out.exists()
     assert cli.main(["package", str(copy), "--out", str(out), "--allow-secrets"]) == 0 and out.is_file()
+
+
+# --- package's scan of names ------------------------------------------------------------------------------
+
+KEY_NAMES = {  # a file name holding each shape, and what the finding shows of it
+    "sk-proj-AbC123def456xyz.txt": ("<redacted>.txt", "OpenAI-style API key (sk-...)"),
+    "ghp_" + "a1" * 18: ("<redacted>", "GitHub token"),
+    "AKIAABCDEFGHIJKLMNOP": ("<redacted>", "AWS access key id"),
+    "notes_AKIAABCDEFGHIJKLMNOP.json": ("notes_<redacted>.json", "AWS access key id"),
+    "run-hf_" + "x9" * 15 + ".log": ("run-<redacted>.log", "Hugging Face token"),
+}
+
+
+def _bare_run(root: Path) -> Path:
+    """A directory that ``package`` takes for a run: a ``run_metadata.json`` and a clean log."""
+    root.mkdir()
+    (root / "run_metadata.json").write_text('{"status": "completed"}\n')
+    (root / "train_log.jsonl").write_text('{"step": 0}\n')
+    return root
+
+
+def _clean_environment(monkeypatch) -> None:
+    import os
+
+    for name in [k for k in os.environ if "KEY" in k or "TOKEN" in k or "SECRET" in k or "PASS" in k]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("name", KEY_NAMES)
+def test_package_refuses_a_file_whose_name_is_a_key_without_printing_it(tmp_path, capsys, monkeypatch, name):
+    _clean_environment(monkeypatch)
+    run = _bare_run(tmp_path / "run")
+    (run / name).write_text("nothing secret in here\n")
+    shown, kind = KEY_NAMES[name]
+    assert find_secrets(run, {}) == [f"{shown}: {kind} in its name"]
+    out = tmp_path / "run.tar.gz"
+    assert cli.main(["package", str(run), "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert f"{shown}: {kind} in its name" in captured.err
+    assert name not in captured.err + captured.out and not out.exists()
+    assert cli.main(["package", str(run), "--out", str(out), "--allow-secrets"]) == 0 and out.is_file()
+
+
+def test_a_secret_named_directory_hides_its_name_in_every_finding_below_it(tmp_path):
+    key = "sk-proj-AbC123def456xyz"
+    run = _bare_run(tmp_path / "run")
+    (run / key).mkdir()
+    (run / key / "notes.txt").write_text(f"line\n{SHAPES['private key']}\n")
+    (run / key / ".netrc").write_text("machine example.org\n")
+    (run / "keep").mkdir()
+    (run / "keep" / "db_s3cr3t-value-123.bin").write_bytes(b"\0")
+    findings = find_secrets(run, {"DB_PASSWORD": "s3cr3t-value-123"})
+    assert findings == [
+        "keep/db_<redacted>.bin: DB_PASSWORD in its name",  # the value of a secret variable, as in contents
+        "<redacted>: OpenAI-style API key (sk-...) in its name",  # once, for the directory itself
+        "<redacted>/.netrc: credentials file",
+        "<redacted>/notes.txt:2: private key",
+    ]
+    assert not any(key in f or "s3cr3t" in f for f in findings)
+
+
+def test_a_name_holding_a_key_in_another_form_is_found_and_hidden_whole(tmp_path):
+    import base64
+
+    encoded = base64.urlsafe_b64encode(b"sk-proj-AbC123def456xyz").decode().rstrip("=")
+    run = _bare_run(tmp_path / "run")
+    (run / f"{encoded}.txt").write_text("x\n")
+    assert find_secrets(run, {}) == ["<redacted>: OpenAI-style API key (sk-...) (in base64) in its name"]
+
+
+def test_a_run_directory_named_for_a_key_is_refused(tmp_path):
+    run = _bare_run(tmp_path / "20250101-000000_single_turn_qa_sk-proj-AbC123def456xyz")
+    assert find_secrets(run, {}) == [("20250101-000000_single_turn_qa_<redacted> (the run directory): "
+                                      "OpenAI-style API key (sk-...) in its name")]
+
+
+def test_the_names_a_run_writes_hold_no_secret(secret_run):
+    """Step files, checkpoints and their tensors: the name scan finds nothing in what a run writes."""
+    from rlrunbook.run.secret_scan import scan_name
+
+    _, run = secret_run
+    names = [p.name for p in run.rglob("*")] + [run.name]
+    assert len(names) > 10 and [n for n in names if scan_name(n)] == []

@@ -121,7 +121,9 @@ def _step_shape(config: TrainConfig) -> tuple[int, int, int, list[str]]:
 
 def plan_memory(config: TrainConfig, device_memory: int | None = None) -> MemoryPlan:
     """The memory plan of a local-backend run of ``config`` (``device_memory``: the device's size in bytes, for a
-    plan made elsewhere than on the device; default: this machine's device)."""
+    plan made elsewhere than on the device; default: this machine's device). A model the trainer runs through
+    transformers' forward over padded datums (``engines.decoder.unsupported_reason``: sliding-window attention,
+    ...) gets no traced training cost, as in the backend: a note says its activations are not planned."""
     import torch
 
     from rlrunbook.backend import memory
@@ -187,13 +189,20 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None) -> Memory
         available -= plan.sampling_activations + plan.concurrent_snapshots * (plan.training_state // 4)
     where = (f"{total / GIB:.1f} GiB {device_type} memory, {available / GIB:.1f} GiB left for a micro-batch "
              "after the weights, the training state and the sampler's caches")
+    from dataclasses import replace
+
+    from rlrunbook.engines.decoder import unsupported_reason
+
+    reason = unsupported_reason(skeleton)
+    if reason is not None:  # the trainer runs transformers' own forward over padded datums, as the backend does
+        notes.append(f"training runs transformers' forward over padded datums ({reason}): its activations are not "
+                     "planned")
+        return replace(plan, micro_batch_tokens=settings.micro_batch_tokens or None)
     batching = memory.choose_micro_batching(
         shape, dtype, lora, settings.decoder_numerics(), available=max(0, available), device_type=device_type,
         tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing, where=where,
         refuse=False)
     tokens = min(batch_tokens, batching.tokens or batch_tokens)
-    from dataclasses import replace
-
     return replace(plan, micro_batch_tokens=batching.tokens, recompute_layers=batching.recompute_layers,
                    training_activations=batching.cost.bytes(tokens))
 

@@ -136,3 +136,54 @@ def test_the_backend_derives_a_budget_for_the_model_it_loaded(local_service):
     assert trainer.micro_batch_tokens is not None and trainer.micro_batch_tokens >= 4096
     assert trainer.micro_batch_tokens % 256 == 0 and trainer.recompute_layers is False
     assert torch.device(local_service.settings.device).type == "cpu"
+
+
+# --- models whose config states each layer's attention (layer_types) --------------------------------------------
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _model_folder(root: Path, tiny_folder: Path, kind: str, layer_types: list[str]) -> str:
+    """``tiny``'s tokenizer beside a Qwen2 or Qwen3 model with these layers and random weights."""
+    import shutil
+
+    import transformers
+
+    folder = root / f"{kind}-{'-'.join(layer_types)}"
+    shutil.copytree(tiny_folder, folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    tiny = json.loads((tiny_folder / "config.json").read_text())
+    sliding = SLIDING in layer_types
+    config_class = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind]
+    config = config_class(
+        **{k: tiny[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                "num_key_value_heads", "bos_token_id", "eos_token_id", "pad_token_id")},
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types), use_sliding_window=sliding,
+        sliding_window=16 if sliding else None, max_position_embeddings=2048, tie_word_embeddings=False,
+        **({"head_dim": 16} if kind == "qwen3" else {}))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(("kind", "layer_types"), [
+    ("qwen2", [FULL]), ("qwen3", [FULL, FULL]), ("qwen2", [FULL, FULL, FULL]),
+    ("qwen2", [SLIDING]), ("qwen3", [SLIDING, FULL]), ("qwen2", [FULL, SLIDING, FULL]),
+], ids=lambda value: value if isinstance(value, str) else "-".join(t.split("_")[0] for t in value))
+def test_any_layer_count_and_pattern_is_planned(tmp_path, tiny_folder, capsys, monkeypatch, kind, layer_types):
+    """``show-config --memory-plan`` of 1, 2 and 3-layer models, full and sliding attention mixed: full-attention
+    models get a traced plan; sliding ones (which the trainer runs through transformers' padded forward, with
+    ``TINKER_LOCAL_SAMPLER=generate``) a plan that says their activations are not planned. Never a traceback."""
+    from rlrunbook import cli
+
+    folder = _model_folder(tmp_path, tiny_folder, kind, layer_types)
+    sliding = SLIDING in layer_types
+    monkeypatch.setenv("TINKER_LOCAL_SAMPLER", "generate" if sliding else "hf")
+    assert cli.main(["show-config", "--model", folder, "--memory-plan"]) == 0
+    out = capsys.readouterr().out
+    (training,) = [line for line in out.splitlines() if line.startswith("#   training: ")]
+    if sliding:
+        assert "training runs transformers' forward over padded datums (sliding-window attention" in out
+    else:
+        assert "micro-batch(es) of" in training and "no limit" not in training and "padded" not in out
