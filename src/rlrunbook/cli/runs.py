@@ -59,7 +59,8 @@ def cmd_package(args: argparse.Namespace) -> int:
     if findings:
         print("refusing to package: possible secrets (file:line: kind; values not shown):", *findings,
               sep="\n  ", file=sys.stderr)
-        print("remove those files or values, or pass --allow-secrets if they are not secrets", file=sys.stderr)
+        print("remove or rename those files, or remove the values, or pass --allow-secrets if they are not secrets",
+              file=sys.stderr)
         return 1
     archive = package_run(run_dir, Path(args.out) if args.out else None, overwrite=args.overwrite)
     problems = verify_package(archive)
