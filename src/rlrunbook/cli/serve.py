@@ -21,7 +21,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = ServeOptions(host=args.host, port=args.port, storage=Path(args.storage) if args.storage else None,
                            api_keys=keys_from(args.api_key, os.environ.get(API_KEY_ENV)), device=args.device,
-                           max_body_bytes=args.max_body_mib * 2**20, session_timeout_s=args.session_timeout)
+                           max_body_bytes=args.max_body_mib * 2**20, session_timeout_s=args.session_timeout,
+                           max_sessions=args.max_sessions, max_models=args.max_models)
     return serve(options)
 
 
@@ -45,5 +46,12 @@ def add_command(commands) -> None:
     serve.add_argument("--session-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="a session whose client sent no heartbeat for this long expires and its models' "
                             "memory is freed (300; the SDK sends one every 10 s); saved checkpoints stay")
+    # The defaults are ServeOptions' (a test holds them equal; importing the service here would load torch).
+    serve.add_argument("--max-sessions", type=int, default=64, metavar="N",
+                       help="active sessions (ServiceClients) one API key may hold at once (64); more are refused "
+                            "with 429 until one closes or expires")
+    serve.add_argument("--max-models", type=int, default=16, metavar="N",
+                       help="training models one API key may hold at once (16); a model is released when its "
+                            "session ends, its checkpoints stay")
     serve.set_defaults(func=cmd_serve)
 

@@ -12,15 +12,31 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
+from rlrunbook.errors import RlrunbookError
 from rlrunbook.service.records import Model, Sampler, Session, UnknownIdError, ended_message
+
+
+class TenantLimitError(RlrunbookError, RuntimeError):
+    """A tenant holds as many sessions or models as the server allows (HTTP 429, which the SDK retries later)."""
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may hold at once: active sessions and training models not yet released (the serve options
+    ``--max-sessions`` and ``--max-models``). A session ends with its client's ``close`` or its expiry."""
+
+    sessions: int = 64
+    models: int = 16
 
 
 class Holdings:
     """Sessions, models and samplers by id for every tenant; ``session_timeout_s`` is what an expiry names."""
 
-    def __init__(self, session_timeout_s: float):
+    def __init__(self, session_timeout_s: float, limits: TenantLimits = TenantLimits()):
         self.session_timeout_s = session_timeout_s
+        self.limits = limits
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -35,6 +51,19 @@ class Holdings:
             raise UnknownIdError(ended_message(session, self.session_timeout_s))
         session.last_heartbeat = time.monotonic()  # any request of a session shows its client is alive
         return session
+
+    def check_room(self, tenant: str, kind: str) -> None:
+        """``TenantLimitError`` when ``tenant`` already holds its limit of ``kind`` (``sessions`` or ``models``);
+        the caller holds :attr:`lock`, so the count and the filing that follows are one step."""
+        if kind == "sessions":
+            held = sum(1 for s in self.sessions.values() if s.tenant == tenant and s.status == "active")
+            limit, option, fix = self.limits.sessions, "--max-sessions", "close finished ServiceClients"
+        else:
+            held = sum(1 for m in self.models.values() if m.tenant == tenant and m.status != "released")
+            limit, option, fix = self.limits.models, "--max-models", "close the ServiceClients of finished runs"
+        if held >= limit:
+            raise TenantLimitError(f"this key already holds {held} {kind}, the server's limit per key ({option} "
+                                   f"{limit}); {fix} (their checkpoints stay), or ask the operator to raise it.")
 
     def touch(self, session_id: str) -> None:
         """Renew the heartbeat of ``session_id`` if it is active."""

@@ -65,6 +65,7 @@ class Models:
                 return {"request_id": known, "model_id": model_id}
             if model_id in self.holdings.models:
                 raise InputError(f"model {model_id} exists: model_seq_id {model_seq_id} of this session is taken.")
+            self.holdings.check_room(tenant, "models")
             self.store.add_model(model_id, session_id, tenant, base_model, lora)
             model = Model(model_id, session_id, tenant, base_model, lora, SeqOrder(order_thread_name(model_id)))
             model.client = self._creator.submit(self._made, model, create)

@@ -29,6 +29,7 @@ from tinker import types
 
 from rlrunbook.errors import InputError, ModelNotFoundError, RlrunbookError
 from rlrunbook.service.futures import CallFailedError
+from rlrunbook.service.holdings import TenantLimitError
 from rlrunbook.service.records import ModelRestartedError, SessionEndedError, UnknownIdError, dump
 from rlrunbook.service.state import ServeState
 from rlrunbook.service.wire import decode_forward_backward
@@ -103,6 +104,8 @@ def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
             return await handler(request, request.app.state.serve)
         except BodyTooLargeError as error:
             return JSONResponse({"detail": str(error)}, status_code=413)
+        except TenantLimitError as error:
+            return JSONResponse({"detail": str(error)}, status_code=429)
         except SessionEndedError as error:
             return JSONResponse({"detail": str(error)}, status_code=410)
         except ModelRestartedError as error:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.service.holdings import TenantLimits
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S
 
 API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"  # one key, or several separated by commas (one tenant each)
@@ -47,6 +48,7 @@ class ServeOptions:
         device: the torch device of the local backend (None: ``TINKER_LOCAL_DEVICE``, else cuda if available).
         max_body_bytes: the largest request body accepted (413 above it).
         session_timeout_s: a session without a heartbeat for this long expires and its models are released.
+        max_sessions, max_models: what one tenant (key) may hold at once; more is refused with 429.
     """
 
     host: str = "127.0.0.1"
@@ -56,6 +58,8 @@ class ServeOptions:
     device: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_MIB * 2**20
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
+    max_sessions: int = TenantLimits.sessions
+    max_models: int = TenantLimits.models
 
 
 def is_loopback(host: str) -> bool:
@@ -85,6 +89,9 @@ def check_options(options: ServeOptions) -> None:
         raise ConfigError(f"--port {options.port} is not a TCP port (0..65535; 0 picks a free one).")
     if options.max_body_bytes < 1:
         raise ConfigError("--max-body-mib must be at least 1.")
+    for option, value in (("--max-sessions", options.max_sessions), ("--max-models", options.max_models)):
+        if not 1 <= value <= 100_000:
+            raise ConfigError(f"{option} {value} must be from 1 to 100,000 (per API key).")
     if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
         raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
                           "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
@@ -101,7 +108,8 @@ def build_app(service, options: ServeOptions):
 
     app = Starlette(routes=routes())
     store = ServeStore(service.settings.resolved_storage_dir())
-    app.state.serve = ServeState(service, store, options.session_timeout_s)
+    app.state.serve = ServeState(service, store, options.session_timeout_s,
+                                 TenantLimits(options.max_sessions, options.max_models))
     app.state.max_body_bytes = options.max_body_bytes
     return Admission(app, options.api_keys, options.max_body_bytes)
 

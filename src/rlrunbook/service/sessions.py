@@ -33,8 +33,9 @@ class Sessions:
     def create_session(self, request: types.CreateSessionRequest, tenant: str) -> dict:
         session = Session(session_id=f"session-{secrets.token_urlsafe(16)}", tenant=tenant,
                           user_metadata=dict(request.user_metadata or {}))
-        self.store.add_session(session.session_id, tenant, session.user_metadata)
         with self.holdings.lock:
+            self.holdings.check_room(tenant, "sessions")
+            self.store.add_session(session.session_id, tenant, session.user_metadata)
             self.holdings.sessions[session.session_id] = session
         return dump(types.CreateSessionResponse(session_id=session.session_id))
 

@@ -21,7 +21,7 @@ from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
 from rlrunbook.service.futures import FutureRegistry
-from rlrunbook.service.holdings import Holdings
+from rlrunbook.service.holdings import Holdings, TenantLimits
 from rlrunbook.service.models import Models
 from rlrunbook.service.ownership import Ownership
 from rlrunbook.service.records import dump
@@ -36,12 +36,12 @@ class ServeState:
     """The server's sessions, models and samplers over one local ServiceClient (see the module docstring)."""
 
     def __init__(self, service: LocalServiceClient, store: ServeStore,
-                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S):
+                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits()):
         self.service = service
         self.store = store
         self.futures = FutureRegistry(store)
         self.rest = LocalRestClient(service._store)
-        self.holdings = Holdings(session_timeout_s)
+        self.holdings = Holdings(session_timeout_s, limits)
         self.sessions = Sessions(self.holdings, service, store)
         self.samplers = Samplers(self.holdings, service, store, self.futures)
         self.models = Models(self.holdings, service, store, self.futures, self.rest, self.samplers)

@@ -208,3 +208,33 @@ def test_a_deleted_checkpoint_leaves_the_disk_and_the_listing(app_storage, model
     expires = [c for c in client.get(f"{API}/training_runs/{run}/checkpoints", headers={"X-API-Key": KEY_B})
                .json()["checkpoints"] if c["tinker_path"].endswith("/first")]
     assert expires and expires[0]["expires_at"] is not None
+
+
+def test_a_tenant_holds_at_most_its_limits_and_another_tenant_is_not_affected(tmp_path):
+    """With --max-sessions 2 --max-models 1: the third session and the second model of one key are 429 naming the
+    option; a closed session frees its room; the other key still gets its own."""
+    import torch
+    from starlette.testclient import TestClient
+
+    from rlrunbook.service.server import ServeOptions, build_app
+
+    storage = tmp_path / "storage"
+    service = LocalServiceClient(LocalSettings(device="cpu", dtype=torch.float32, storage_dir=storage))
+    app = build_app(service, ServeOptions(api_keys=(KEY_A, KEY_B), storage=storage, max_sessions=2, max_models=1))
+    session_body = types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="test").model_dump(mode="json")
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            first, second = (_post(client, "/create_session", session_body).json()["session_id"] for _ in range(2))
+            refused = _post(client, "/create_session", session_body)
+            assert refused.status_code == 429 and "--max-sessions 2" in refused.text, refused.text
+            assert _post(client, "/create_session", session_body, KEY_B).status_code == 200
+            assert client.post(f"{API}/sessions/{second}/finish", headers={"X-API-Key": KEY_A}).status_code == 200
+            assert _post(client, "/create_session", session_body).status_code == 200  # the closed one's room
+            create = types.CreateModelRequest(session_id=first, model_seq_id=0, base_model="tiny",
+                                              lora_config=types.LoraConfig(rank=4))
+            assert "model_id" in _result(client, _post(client, "/create_model", create.model_dump(mode="json")))
+            again = _post(client, "/create_model", create.model_copy(update={"model_seq_id": 1}).model_dump(
+                mode="json"))
+            assert again.status_code == 429 and "--max-models 1" in again.text, again.text
+    finally:
+        app.app.state.serve.close()
