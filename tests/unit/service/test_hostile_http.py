@@ -206,7 +206,8 @@ def world(tmp_path_factory) -> Iterator[World]:
     root = tmp_path_factory.mktemp("hostile-http")
     storage = root / "storage"
     service = LocalServiceClient(LocalSettings(device="cpu", dtype=torch.float32, storage_dir=storage))
-    app = build_app(service, ServeOptions(api_keys=(KEY_A, KEY_B), storage=storage, max_body_bytes=MAX_BODY))
+    app = build_app(service, ServeOptions(api_keys=(KEY_A, KEY_B), storage=storage, max_body_bytes=MAX_BODY,
+                                          max_sessions=10_000, max_models=10_000))  # limits: test_boundaries
     long_poll, routes.LONG_POLL_S = routes.LONG_POLL_S, 0.5
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
