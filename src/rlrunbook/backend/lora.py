@@ -25,12 +25,18 @@ def lora_target_modules(train_attn: bool, train_mlp: bool, train_unembed: bool) 
     return targets
 
 
+# The widest layer of a published dense model (Llama 3.1 405B); the run config states the same bound
+# (rlrunbook.rl.setup.limits). A rank above a layer's width is accepted below it (stand-in models run recipes
+# written for larger ones), but not one that could never be allocated.
+MAX_LORA_RANK = 16_384
+
+
 def wrap_with_lora(
     model: torch.nn.Module, *, rank: int, alpha: int, seed: int,
     train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
 ) -> torch.nn.Module:
-    """Wrap ``model`` in a peft LoRA adapter named ``default``; base weights are frozen. ``rank`` is from 1 to the
-    widest adapted layer's smaller side (``ConfigError`` otherwise).
+    """Wrap ``model`` in a peft LoRA adapter named ``default``; base weights are frozen. ``rank`` is from 1 to
+    :data:`MAX_LORA_RANK` (``ConfigError`` otherwise).
 
     peft initialises A randomly (seeded here, without touching the global RNG stream) and B at
     zero, so the wrapped model computes exactly what the base model does until the first step.
@@ -41,12 +47,9 @@ def wrap_with_lora(
     targets = [t for t in lora_target_modules(train_attn, train_mlp, train_unembed) if t in present]
     if not targets:
         raise ConfigError(f"none of the LoRA target modules exist in {type(model).__name__}.")
-    widths = [min(module.in_features, module.out_features) for name, module in model.named_modules()
-              if name.rsplit(".", 1)[-1] in targets and isinstance(module, torch.nn.Linear)]
-    if widths and rank > max(widths):
-        raise ConfigError(f"LoRA rank={rank} is above {max(widths)}, the widest of this model's adapted layers "
-                          "(the smaller of a layer's inputs and outputs), where a higher rank adds no capacity. "
-                          f"Use a rank of at most {max(widths)}.")
+    if rank > MAX_LORA_RANK:
+        raise ConfigError(f"LoRA rank={rank} is above {MAX_LORA_RANK:,}, the widest layer of a published dense model, "
+                          f"where a higher rank adds no capacity. Use a rank of at most {MAX_LORA_RANK:,}.")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                         target_modules=targets, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
