@@ -9,6 +9,8 @@ An SDK model id (``<session>:train:<n>``) names its run wherever a run id is tak
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rlrunbook.backend.storage import parse_tinker_path
 from rlrunbook.errors import ModelNotFoundError
 from rlrunbook.service.store import ServeStore
@@ -39,6 +41,11 @@ class Ownership:
     def visible(self, run_id: str, tenant: str) -> bool:
         owner = self.owner(run_id)
         return owner is None or owner == tenant
+
+    def visible_to(self, tenant: str) -> Callable[[str], bool]:
+        """:meth:`visible` for many runs: the store is read once, for a listing."""
+        owners = {row["run_id"]: row["tenant"] for row in self._rows() if row["run_id"]}
+        return lambda run_id: owners.get(run_id, tenant) == tenant
 
     def check_run(self, run_id: str, tenant: str) -> None:
         if not self.visible(run_id, tenant):

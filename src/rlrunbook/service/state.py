@@ -135,12 +135,10 @@ class ServeState:
         return dump(self.rest.list_checkpoints(self.ownership.run_id(run_id, tenant)).result())
 
     def training_runs(self, limit: int, offset: int, tenant: str) -> dict:
-        visible = lambda run_id: self.ownership.visible(run_id, tenant)  # noqa: E731
-        return dump(self.rest.list_training_runs(limit, offset, visible=visible).result())
+        return dump(self.rest.list_training_runs(limit, offset, visible=self.ownership.visible_to(tenant)).result())
 
     def user_checkpoints(self, limit: int, offset: int, tenant: str) -> dict:
-        visible = lambda run_id: self.ownership.visible(run_id, tenant)  # noqa: E731
-        return dump(self.rest.list_user_checkpoints(limit, offset, visible=visible).result())
+        return dump(self.rest.list_user_checkpoints(limit, offset, visible=self.ownership.visible_to(tenant)).result())
 
     def weights_info(self, path: str, tenant: str) -> dict:
         self.ownership.check_path(path, tenant)
