@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.float64_weights import float64_weights
+from rlrunbook.engines.fused_pass import FusedPass
 from rlrunbook.engines.lora_groups import (
     GroupFactors,
     adapter_names,
@@ -138,6 +139,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions applied to ``[..., D]`` ``x`` with ``cos``, ``sin`` broadcast to it, as transformers does."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def fixed_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm under fixed numerics: the mean of squares as a fixed-order sum, then transformers' elementwise steps
+    (``x * rsqrt(mean + eps)`` in float32, rounded to ``x``'s dtype, times ``weight``)."""
+    x32 = x.float()
+    mean = fixed.row_sumsq(x32)[..., None] / x.shape[-1]
+    return weight * (x32 * torch.rsqrt(mean + eps)).to(x.dtype)
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's ``silu(gate) * up`` under fixed numerics (silu from the fixed-order sigmoid)."""
+    return fixed.silu(gate) * up
+
+
 def _at_least_two_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for a ``[M, ...]`` input, computed with ``M >= 2`` rows (see the module docstring)."""
     if x.shape[0] != 1:
@@ -199,6 +218,11 @@ class Decoder:
         # Where set (a sampling engine's call), LoRA factors and whether the adapter is on are read from these
         # engine-owned copies, not from the modules the trainer updates (engines/pinned_adapter.py).
         self.pinned: PinnedAdapter | None = None
+        self._fused = FusedPass(self)
+
+    # Passes that record no gradient go through the fused kernels (engines/fused_pass.py) where they apply;
+    # False: always the chain of operations the trainer differentiates (the same bits, more operations).
+    use_fused = True
 
     def adapter_state(self) -> tuple:
         """What decides which adapters a pass adds, for caches keyed by it (captured graphs)."""
@@ -328,10 +352,8 @@ class Decoder:
         reduction's thread layout follows the number of rows (a 2-row decode step and a 500-row training pass
         add a row's squares in different orders), which in float32 can move the rounded result by an ulp.
         """
-        if self.fixed:  # the mean of squares as a fixed-order sum, then the same elementwise steps
-            x32 = x.float()
-            mean = fixed.row_sumsq(x32)[..., None] / x.shape[-1]
-            return norm.weight * (x32 * torch.rsqrt(mean + norm.variance_epsilon)).to(x.dtype)
+        if self.fixed:
+            return fixed_norm(x, norm.weight, norm.variance_epsilon)
         stats_dtype = torch.float64 if self.numerics.float64_matmuls else torch.promote_types(x.dtype, torch.float32)
         x32 = x.to(stats_dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
@@ -348,15 +370,14 @@ class Decoder:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = layout.attend(index, q, k, v, attn.scaling, self.attention_core)  # [N, H*D]
         return self.linears((attn.o_proj,), out)[0]
 
     def _mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linears((mlp.gate_proj, mlp.up_proj), x)
-        act = fixed.silu(gate) if self.fixed else mlp.act_fn(gate)
-        return self.linears((mlp.down_proj,), act * up)[0]
+        act = gated(gate, up) if self.fixed else mlp.act_fn(gate) * up
+        return self.linears((mlp.down_proj,), act)[0]
 
     # -- the whole pass ---------------------------------------------------------------------------
     def _layer(self, index: int, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -375,6 +396,8 @@ class Decoder:
         if ids.shape[0] == 1 and not self.fixed:  # one token: as two identical rows (see _at_least_two_rows)
             return self.hidden(ids.repeat(2), positions.repeat(2), _FirstOfTwo(layout), recompute_layers)[:1]
         body = self.lm.model
+        if self.use_fused and self._fused.applies(body.embed_tokens.weight.dtype, ids.device):
+            return self._fused.hidden(ids, positions, layout)
         h = body.embed_tokens(ids)  # [N, E]
         if self._rope is not None:  # a table computed once per position: the same values in any batch
             cos, sin = self._rope.lookup(positions, h.dtype)  # [N, D] each

@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.attention import attend, recompute_pays, score_elements
+from rlrunbook.kernels import fused
 from rlrunbook.prefix_tree import Row
 
 # Rows are batched (sorted by key length, so little is padding) while rows x queries x keys stays within the
@@ -192,6 +193,8 @@ class RowCache:
         self.window = capacity
         self._columns = torch.arange(capacity, device=device)[None]  # [1, capacity]: a key's position
         self._all_valid = torch.ones(1, capacity, dtype=torch.bool, device=device)
+        self._positions = torch.arange(capacity, device=device)  # the fused kernel's key positions and validity
+        self._valid_bytes = torch.ones(capacity, dtype=torch.uint8, device=device)
 
     @property
     def rows(self) -> int:
@@ -210,6 +213,13 @@ class RowCache:
         out = attend(q[:, None], keys[:, :window], values[:, :window], self.lengths[:, None],
                      self._columns[:, :window], self._all_valid[:, :window], scale, core)
         return out[:, 0]
+
+    def attend_packed(self, layer: int, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                      scale: float) -> torch.Tensor:
+        """:meth:`attend` in one fused call (no gradient, CPU): ``qkv`` ``[rows, (H + 2 Hkv) D]`` holds each row's
+        queries, key and value side by side; the same bits as :meth:`attend` with the ``fixed`` core."""
+        return fused.cached_attention(qkv, self.keys[layer], self.values[layer], self.lengths, self._positions,
+                                      self._valid_bytes, self.window, heads, kv_heads, head_dim, scale)
 
     def reset(self) -> None:
         """Forget every row (the buffers are reused; stale entries are never read past ``lengths``)."""

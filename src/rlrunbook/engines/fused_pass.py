@@ -1,0 +1,126 @@
+"""The decoder's pass through the fused kernels, where no gradient is recorded (decode steps, prefill, scoring).
+
+:class:`rlrunbook.engines.decoder.Decoder` computes a layer as a chain of fixed-order operations that autograd
+can differentiate: about 60 operations per layer of a model with LoRA on its 7 projections (norms, products,
+each adapter's four steps, the rotation, the cache writes, the residual adds). Where nothing is differentiated,
+:class:`FusedPass` runs the same layer as 8 or 9 calls of :mod:`rlrunbook.kernels.fused`:
+
+    add_rms_norm | q/k/v with LoRA | rotary | attention (cache write included) | o with LoRA | add_rms_norm |
+    gate/up with LoRA | silu_mul | down with LoRA
+
+each giving the chain's bits, so the sampler and the trainer still agree bit for bit (the trainer's pass is the
+chain). It covers the fixed numerics on CPU for float32 and bfloat16 models without per-head norms (Llama,
+Qwen2, Mistral); a projection group it cannot fuse (several adapters on one module, trained base weights) goes
+through the chain inside the fused pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rlrunbook.engines.lora_groups import adapter_names, adapter_weights
+from rlrunbook.engines.stacked_projections import stackable, stacked_weights
+from rlrunbook.kernels import fused
+
+_UNFUSABLE = object()
+
+
+def _adapter(module: torch.nn.Module, pinned) -> tuple[torch.Tensor, torch.Tensor, float] | None | object:
+    """A projection's one plain LoRA adapter ``(A, B, scaling)``, ``None`` when it adds none, or ``_UNFUSABLE``."""
+    if getattr(module, "base_layer", None) is None:
+        return None
+    names = adapter_names(module, pinned)
+    if not names:
+        return None
+    name = names[0]
+    if len(names) > 1 or name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None:
+        return _UNFUSABLE
+    a, b = adapter_weights(module, name, pinned)
+    return a.detach(), b.detach(), float(module.scaling[name])
+
+
+class FusedPass:
+    """A :class:`~rlrunbook.engines.decoder.Decoder`'s forward pass through fused kernels (see the module docstring).
+
+    Projection groups are prepared once per :meth:`Decoder.weights_fixed` block (one sampling call) and on every
+    pass outside one.
+    """
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self._groups: dict[tuple[int, ...], tuple[int, fused.LoraLinears | None]] = {}
+        self._model_fits: dict[torch.dtype, bool] = {}
+
+    def applies(self, h_dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a pass on ``device`` with hidden states of ``h_dtype`` can run here now."""
+        if not (self.decoder.fixed and fused.applies(h_dtype, device)):
+            return False
+        fits = self._model_fits.get(h_dtype)
+        if fits is None:
+            body = self.decoder.lm.model
+            norms = [body.norm, *(n for layer in body.layers for n in (layer.input_layernorm,
+                                                                        layer.post_attention_layernorm))]
+            fits = self._model_fits[h_dtype] = (len(body.layers) > 0 and not hasattr(body.layers[0].self_attn, "q_norm")
+                                                and all(norm.weight.dtype == h_dtype for norm in norms))
+        return fits
+
+    def group(self, modules: Sequence[torch.nn.Module]) -> fused.LoraLinears | None:
+        """``modules`` prepared for :func:`rlrunbook.kernels.fused.lora_linears` (``None``: through the chain)."""
+        decoder = self.decoder
+        key = tuple(map(id, modules))
+        if decoder._fixed_depth:
+            epoch, group = self._groups.get(key, (None, None))
+            if epoch == decoder._epoch:
+                return group
+        bases = [getattr(m, "base_layer", m) for m in modules]
+        group = None
+        if stackable(bases):
+            adapters = [_adapter(m, decoder.pinned) for m in modules]
+            if not any(a is _UNFUSABLE for a in adapters):
+                weight, bias = stacked_weights(bases)
+                group = fused.LoraLinears.prepare(weight, bias, [b.out_features for b in bases], adapters)
+        if decoder._fixed_depth:
+            self._groups[key] = (decoder._epoch, group)
+        return group
+
+    def linears(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+        """The projections' outputs side by side, ``[N, sum of out_features]``."""
+        group = self.group(modules)
+        if group is not None:
+            return fused.lora_linears(x, group)
+        outputs = self.decoder.linears(modules, x)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    def _attend(self, index: int, qkv: torch.Tensor, layout, scale: float) -> torch.Tensor:
+        decoder = self.decoder
+        heads, kv_heads, dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
+        packed = getattr(layout, "attend_packed", None)
+        if packed is not None:
+            return packed(index, qkv, heads, kv_heads, dim, scale)
+        n = qkv.shape[0]
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        return layout.attend(index, q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim),
+                             scale, decoder.attention_core)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, layout) -> torch.Tensor:
+        """Final-norm hidden states ``[N, E]``, bitwise those of the decoder's chain (see ``Decoder.hidden``)."""
+        decoder = self.decoder
+        body = decoder.lm.model
+        h = body.embed_tokens(ids)
+        cos, sin = decoder._rope.lookup(positions, h.dtype)
+        layers = body.layers
+        first = layers[0].input_layernorm
+        x = fused.rms_norm(h, first.weight, first.variance_epsilon)
+        for index, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)
+            fused.rotary_(qkv, decoder.num_heads + decoder.num_kv_heads, decoder.head_dim, cos, sin)
+            out = self.linears((attn.o_proj,), self._attend(index, qkv, layout, attn.scaling))
+            norm = layer.post_attention_layernorm
+            h, x = fused.add_rms_norm(h, out, norm.weight, norm.variance_epsilon)
+            act = fused.silu_mul(self.linears((mlp.gate_proj, mlp.up_proj), x))
+            norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
+            h, x = fused.add_rms_norm(h, self.linears((mlp.down_proj,), act), norm.weight, norm.variance_epsilon)
+        return x

@@ -1,0 +1,215 @@
+/* Fused kernels for passes that record no gradient (a decode step, scoring): each replaces a chain of the
+ * fixed-order operations the trainer differentiates (rlrunbook/engines/decoder.py) with one call, and gives
+ * every output element the bits that chain gives it.
+ *
+ * That holds by construction: every sum is computed by the same kernel as in the chain (row_sumsq, gemm_nt,
+ * gemm_seq, sigmoid_f32, attention_fwd are called, not rewritten), and the elementwise steps between them
+ * round where the chain's separate operations round (to the storage type after each step, float32 inside
+ * it). This file is compiled without contracting a multiply and an add into one fused multiply-add (the
+ * chain runs them as two operations, each rounded); the sums it calls keep their own files' flags.
+ */
+#include "fixed_order.h"
+
+#ifdef __clang__
+#define NO_CONTRACT
+#define CONTRACT_OFF _Pragma("clang fp contract(off)")
+#else
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define CONTRACT_OFF
+#endif
+
+int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias, void *C,
+            int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads);
+int gemm_seq(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int tb, int64_t ldb, const float *bias,
+             void *C, int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads);
+void row_sumsq(const void *X, int tx, int64_t ldx, int64_t M, int64_t E, float *out, int nthreads);
+void sigmoid_f32(const float *x, float *y, int64_t n, int nthreads);
+int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qpos, const int64_t *kpos,
+                  const uint8_t *kvalid, void *out, float *lse, int64_t R, int64_t T, int64_t S, int64_t H,
+                  int64_t Hkv, int64_t D, int64_t q_row, int64_t k_row, int64_t pos_rows, int tq, int tk,
+                  float scale, int nthreads);
+
+#define SMALL_K 64 /* as rlrunbook/kernels/ops.py: products over at most this many terms are sequential */
+
+static inline size_t esize(int type) { return type == BF16 ? 2 : 4; }
+
+/* x rounded to storage type t (float32: unchanged) */
+static inline float rounded(float x, int t) { return t == BF16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+/* ops.product: C = A @ B^T (+ bias), A [M, K], B [N, K]; lanes16/pairs16 over k, or sequential for K <= 64
+ * (over B transposed, as ops.product passes it). */
+static int product(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias,
+                   void *C, int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads) {
+  if (K > SMALL_K) return gemm_nt(A, ta, lda, B, tb, ldb, bias, C, tc, ldc, M, N, K, nthreads);
+  size_t e = esize(tb);
+  char *bt = malloc((size_t)(N * K + 1) * e);
+  if (!bt) return 1;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) memcpy(bt + (k * N + n) * e, (const char *)B + (n * ldb + k) * e, e);
+  int status = gemm_seq(A, ta, lda, 1, bt, tb, N, bias, C, tc, ldc, M, N, K, nthreads);
+  free(bt);
+  return status;
+}
+
+/* -- RMSNorm ------------------------------------------------------------------------------------------ */
+
+/* Y[m, e] = w[e] * round(x[m, e] * 1 / sqrt(sumsq[m] / E + eps)), rounded to the storage type */
+NO_CONTRACT static void scale_rows(const void *X, int64_t ldx, int64_t M, int64_t E, const void *W, float eps,
+                                   const float *sumsq, void *Y, int64_t ldy, int t, int nthreads) {
+  CONTRACT_OFF
+#pragma omp parallel for schedule(static) num_threads(threads_for(M, nthreads))
+  for (int64_t m = 0; m < M; m++) {
+    float mean = sumsq[m] / (float)E;
+    float r = 1.0f / sqrtf(mean + eps);
+    for (int64_t e = 0; e < E; e++) {
+      float y = rounded(load1(X, m * ldx + e, t) * r, t);
+      store1(Y, m * ldy + e, load1(W, e, t) * y, t);
+    }
+  }
+}
+
+/* RMSNorm of the rows of X [M, E] with weight W [E] (one storage type t for all): the decoder's
+ * fixed-numerics _norm. */
+int rms_norm(const void *X, int64_t ldx, int64_t M, int64_t E, const void *W, float eps, void *Y, int64_t ldy,
+             int t, int nthreads) {
+  float *sumsq = malloc((size_t)(M + 1) * sizeof(float));
+  if (!sumsq) return 1;
+  row_sumsq(X, t, ldx, M, E, sumsq, nthreads);
+  scale_rows(X, ldx, M, E, W, eps, sumsq, Y, ldy, t, nthreads);
+  free(sumsq);
+  return 0;
+}
+
+NO_CONTRACT static void add_rows(const void *H, const void *D, void *S, int64_t n, int t) {
+  CONTRACT_OFF
+  for (int64_t i = 0; i < n; i++) store1(S, i, load1(H, i, t) + load1(D, i, t), t);
+}
+
+/* S = H + D (the residual stream, contiguous [M, E]), then Y = RMSNorm(S) with weight W. */
+int add_rms_norm(const void *H, const void *D, void *S, int64_t M, int64_t E, const void *W, float eps, void *Y,
+                 int t, int nthreads) {
+  add_rows(H, D, S, M * E, t);
+  return rms_norm(S, E, M, E, W, eps, Y, E, t, nthreads);
+}
+
+/* -- rotary positions ------------------------------------------------------------------------------- */
+
+/* In place on each of the first `heads` heads (size Dh) of the N rows of X (row stride ld):
+ * x = round(round(x * cos) + round(rotate_half(x) * sin)), cos and sin [N, Dh] in the same type t. */
+NO_CONTRACT int rotary(void *X, int64_t ld, int64_t N, int64_t heads, int64_t Dh, const void *cos_, const void *sin_,
+                       int t, int nthreads) {
+  CONTRACT_OFF
+  int64_t half = Dh / 2;
+  int failed = 0;
+#pragma omp parallel num_threads(threads_for(N, nthreads))
+  {
+    float *x = malloc((size_t)(Dh + 1) * sizeof(float));
+    if (!x) failed = 1;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      if (!x) continue;
+      for (int64_t h = 0; h < heads; h++) {
+        int64_t base = n * ld + h * Dh;
+        for (int64_t i = 0; i < Dh; i++) x[i] = load1(X, base + i, t);
+        for (int64_t i = 0; i < Dh; i++) {
+          float turned = i < half ? -x[i + half] : x[i - half];
+          float a = rounded(x[i] * load1(cos_, n * Dh + i, t), t);
+          float b = rounded(turned * load1(sin_, n * Dh + i, t), t);
+          store1(X, base + i, a + b, t);
+        }
+      }
+    }
+    free(x);
+  }
+  return failed;
+}
+
+/* -- gated MLP ---------------------------------------------------------------------------------------- */
+
+NO_CONTRACT static void gate_times_up(const float *g, const float *s, const void *GU, int64_t ld, int64_t N,
+                                      int64_t I, void *Y, int t) {
+  CONTRACT_OFF
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t i = 0; i < I; i++) {
+      float act = rounded(g[n * I + i] * s[n * I + i], t);
+      store1(Y, n * I + i, act * load1(GU, n * ld + I + i, t), t);
+    }
+}
+
+/* Y [N, I] = round(silu(gate)) * up, gate and up the two halves of GU's rows (row stride ld), silu(x) =
+ * round(x * sigmoid_f32(x)) as ops.silu computes it. */
+int silu_mul(const void *GU, int64_t ld, int64_t N, int64_t I, void *Y, int t, int nthreads) {
+  float *g = malloc((size_t)(N * I + 16) * sizeof(float)), *s = malloc((size_t)(N * I + 16) * sizeof(float));
+  if (!g || !s) {
+    free(g);
+    free(s);
+    return 1;
+  }
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t i = 0; i < I; i++) g[n * I + i] = load1(GU, n * ld + i, t);
+  sigmoid_f32(g, s, N * I, nthreads);
+  gate_times_up(g, s, GU, ld, N, I, Y, t);
+  free(g);
+  free(s);
+  return 0;
+}
+
+/* -- projections with LoRA ------------------------------------------------------------------------------ */
+
+NO_CONTRACT static void add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t col0, int64_t cols,
+                                   const void *V, int ta, float scaling) {
+  CONTRACT_OFF
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < cols; j++) {
+      float delta = rounded(load1(V, m * cols + j, ta) * scaling, ta);
+      store1(C, m * ldc + col0 + j, load1(C, m * ldc + col0 + j, tc) + delta, tc);
+    }
+}
+
+/* C [M, N] = X @ W^T (+ bias), W the stacked base weights of P projections (their outputs are C's columns
+ * cols[p] .. cols[p + 1]); then each projection p with an adapter (A[p] [ranks[p], K], B[p]
+ * [cols[p+1] - cols[p], ranks[p]], storage type ta; A[p] NULL: none) adds peft's update
+ * round(round(round(round(X) @ A^T) @ B^T) * scaling) to its columns (rounding to ta each step, the sum rounded
+ * to C's type tc): the decoder's fixed-numerics linears with one LoRA adapter per projection. */
+int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const void *W, int64_t ldw,
+                 const float *bias, int64_t N, void *C, int tc, int64_t ldc, int P, const int64_t *cols,
+                 const void *const *A, const void *const *B, const int64_t *ranks, const float *scalings, int ta,
+                 int nthreads) {
+  if (product(X, tx, ldx, W, tx, ldw, bias, C, tc, ldc, M, N, K, nthreads)) return 1;
+  for (int p = 0; p < P; p++) {
+    if (!A[p]) continue;
+    int64_t r = ranks[p], cols_p = cols[p + 1] - cols[p];
+    char *u = malloc((size_t)(M * r + 1) * esize(ta)), *v = malloc((size_t)(M * cols_p + 1) * esize(ta));
+    int failed = !u || !v || product(X, tx, ldx, A[p], ta, K, NULL, u, ta, r, M, r, K, nthreads) ||
+                 product(u, ta, r, B[p], ta, r, NULL, v, ta, cols_p, M, cols_p, r, nthreads);
+    if (!failed) add_update(C, tc, ldc, M, cols[p], cols_p, v, ta, scalings[p]);
+    free(u);
+    free(v);
+    if (failed) return 1;
+  }
+  return 0;
+}
+
+/* -- attention over a per-row cache ------------------------------------------------------------------------ */
+
+/* One decode step of R rows over their caches (RowCache): row r's new key and value (in QKV's row, after its H
+ * query heads: Hkv key heads, then Hkv value heads, each of size D) are written at cache index lengths[r], then
+ * its queries attend over the first S cache entries (attention_fwd, positions 0..S-1 all valid, the query at
+ * position lengths[r]). Out [R, H * D]; Kc, Vc [R, capacity, Hkv, D] with row stride c_row. */
+int cached_attention(const void *QKV, int64_t qkv_row, void *Kc, void *Vc, int64_t c_row, const int64_t *lengths,
+                     const int64_t *kpos, const uint8_t *kvalid, void *out, int64_t R, int64_t S, int64_t H,
+                     int64_t Hkv, int64_t D, int t, float scale, int nthreads) {
+  size_t e = esize(t), width = (size_t)(Hkv * D) * e;
+  for (int64_t r = 0; r < R; r++) {
+    const char *row = (const char *)QKV + (size_t)(r * qkv_row) * e;
+    size_t at = (size_t)(r * c_row + lengths[r] * Hkv * D) * e;
+    memcpy((char *)Kc + at, row + (size_t)(H * D) * e, width);
+    memcpy((char *)Vc + at, row + (size_t)((H + Hkv) * D) * e, width);
+  }
+  float *lse = malloc((size_t)(R * H + 1) * sizeof(float));
+  if (!lse) return 1;
+  int status = attention_fwd(QKV, Kc, Vc, lengths, kpos, kvalid, out, lse, R, 1, S, H, Hkv, D, qkv_row, c_row, 1,
+                             t, t, scale, nthreads);
+  free(lse);
+  return status;
+}

@@ -1,0 +1,123 @@
+"""The fused pass (engines/fused_pass.py): a pass that records no gradient runs each layer as a few fused calls and
+gives the bits of the chain of operations the trainer differentiates.
+
+Models are built from small configs with random weights and random LoRA factors (B non-zero, so every adapter
+changes the output): a Llama whose width takes the sequential products (64 <= SMALL_K), a wider Llama, and a
+Qwen2 with q/k/v biases, in float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rlrunbook.backend.lora import wrap_with_lora
+from rlrunbook.engines.base import GenerationRequest, SampleJob
+from rlrunbook.engines.decoder import Decoder
+from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.engines.layouts import RowCache, TreeLayout
+from rlrunbook.prefix_tree import TokenTrie, plan_forward
+
+_SHAPES = {
+    "llama-64": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                     num_key_value_heads=2)),
+    "llama-160": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=160, intermediate_size=272, num_attention_heads=5,
+                                                      num_key_value_heads=1)),
+    "qwen2-128": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=128, intermediate_size=200, num_attention_heads=4,
+                                                      num_key_value_heads=2)),
+}
+
+
+def _model(shape: str, dtype: torch.dtype, layers: int = 2) -> torch.nn.Module:
+    config_class, model_class, sizes = _SHAPES[shape]
+    torch.manual_seed(0)
+    config = config_class(vocab_size=320, num_hidden_layers=layers, max_position_embeddings=256,
+                          tie_word_embeddings=False, **sizes)
+    model = model_class(config).to(dtype).eval()
+    model = wrap_with_lora(model, rank=8, alpha=24, seed=0)  # scaling 3: not a power of two
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.2)
+    return model
+
+
+def _sample(model: torch.nn.Module, fused: bool, monkeypatch) -> list:
+    monkeypatch.setattr(Decoder, "use_fused", fused)
+    config = model.get_base_model().config
+    engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size, max_context=256)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, config.vocab_size, (length,), generator=generator).tolist() for length in (3, 11, 11, 30)]
+    request = GenerationRequest(max_tokens=10, filters=SamplingFilters(0.9, top_p=0.95), stop=(), seed=7)
+    return [[(c.tokens, c.logprobs) for c in completions]
+            for completions in engine.sample_jobs([SampleJob(p, 2, request) for p in prompts])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
+def test_sampling_through_the_fused_pass_gives_the_chain_bits(shape, dtype, monkeypatch):
+    model = _model(shape, dtype)
+    fused, chain = _sample(model, True, monkeypatch), _sample(model, False, monkeypatch)
+    assert fused == chain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_steps_through_the_fused_pass_equal_the_trainers_pass(dtype):
+    """The trainer's pass records gradients (the chain); each fused decode step equals it at its token, exactly."""
+    model = _model("qwen2-128", dtype)
+    decoder = Decoder(model)
+    tokens = [1, 285, 201, 279, 261, 223, 40, 41, 300, 12, 99, 7, 100, 18]
+    trie = TokenTrie()
+    plan = plan_forward(trie, [tokens])
+    flat = plan.flat_of()
+    with torch.enable_grad():
+        full = decoder.hidden(torch.tensor([trie.tokens[n] for n in plan.nodes]),
+                              torch.tensor([trie.positions[n] for n in plan.nodes]),
+                              TreeLayout(plan.rows, flat, trie.positions, torch.device("cpu")))
+    assert full.requires_grad  # the chain ran
+    cache = RowCache(len(model.get_base_model().model.layers), 2, 64, decoder.num_kv_heads, decoder.head_dim, dtype,
+                     torch.device("cpu"))
+    with torch.no_grad():
+        for t, token in enumerate(tokens):
+            cache.lengths[:] = t
+            step = decoder.hidden(torch.tensor([token, token]), cache.lengths.clone(), cache)
+            assert torch.equal(step[0], full[flat[plan.paths[0][t]]].detach()), f"position {t}"
+
+
+_COUNTED = ("aten::", "rlrunbook::")
+
+
+def _ops_per_decode_step(decoder: Decoder, rows: int = 4) -> int:
+    """Top-level aten ops and fixed-order kernels (an op called by another is part of it) of one decode step's
+    model pass, counted as scripts/profile_decode_ops.py counts them."""
+    cache = RowCache(len(decoder.lm.model.layers), rows, 32, decoder.num_kv_heads, decoder.head_dim, decoder.dtype,
+                     torch.device("cpu"))
+    cache.lengths[:] = 5
+    tokens = torch.arange(3, 3 + rows)
+    with torch.no_grad(), decoder.weights_fixed():  # as in a sampling call
+        decoder.hidden(tokens, cache.lengths, cache)  # first use: stacks and library built
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decoder.hidden(tokens, cache.lengths, cache)
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith(_COUNTED):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(_COUNTED):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+def test_a_decode_step_runs_a_few_fused_calls_per_layer(monkeypatch):
+    """9 calls per layer of a model with LoRA on its 7 projections (see engines/fused_pass.py), and a few for the
+    embedding, the rotary table and the first norm; the chain runs about 60 per layer."""
+    decoder = Decoder(_model("llama-160", torch.bfloat16, layers=4))
+    fused = _ops_per_decode_step(decoder)
+    monkeypatch.setattr(Decoder, "use_fused", False)
+    chain = _ops_per_decode_step(decoder)
+    assert fused <= 9 * 4 + 6, fused
+    assert chain >= 40 * 4, chain

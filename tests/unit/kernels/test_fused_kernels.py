@@ -1,0 +1,115 @@
+"""The fused kernels (kernels/fused.py) against the decoder's chains of operations they stand for: the same bits
+for any shape, dtype and values (hypothesis), including rows of odd widths, zero rows, large and tiny values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlrunbook.engines.decoder import fixed_norm, gated, rotate
+from rlrunbook.kernels import fused
+from rlrunbook.kernels import ops as fixed
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def _values(seed: int, shape: tuple[int, ...], dtype: torch.dtype, spread: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(shape, generator=generator) * spread)  # magnitudes over several decades
+    return (torch.randn(shape, generator=generator) * scale).to(dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(1, 200), dtype=DTYPES, seed=st.integers(0, 2**16),
+       eps=st.sampled_from([1e-5, 1e-6, 0.3]))
+def test_norms_give_the_chain_bits(rows, width, dtype, seed, eps):
+    x, delta = _values(seed, (rows, width), dtype, 2.0), _values(seed + 1, (rows, width), dtype)
+    weight = _values(seed + 2, (width,), dtype)
+    x[0, : width // 2] = 0  # a row partly zero
+    assert torch.equal(fused.rms_norm(x, weight, eps), fixed_norm(x, weight, eps))
+    total, normed = fused.add_rms_norm(x, delta, weight, eps)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, fixed_norm(x + delta, weight, eps))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 7), heads=st.integers(1, 5), kv_heads=st.integers(1, 3), half=st.integers(1, 40),
+       dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_rotary_gives_the_chain_bits_and_leaves_the_values(rows, heads, kv_heads, half, dtype, seed):
+    dim = 2 * half
+    qkv = _values(seed, (rows, (heads + 2 * kv_heads) * dim), dtype, 2.0)
+    cos, sin = _values(seed + 1, (rows, dim), dtype), _values(seed + 2, (rows, dim), dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    expected_q = rotate(q.view(rows, heads, dim), cos[:, None], sin[:, None]).reshape(rows, -1)
+    expected_k = rotate(k.view(rows, kv_heads, dim), cos[:, None], sin[:, None]).reshape(rows, -1)
+    expected_v = v.clone()
+    out = fused.rotary_(qkv, heads + kv_heads, dim, cos, sin)
+    assert out is qkv
+    assert torch.equal(qkv, torch.cat([expected_q, expected_k, expected_v], dim=-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(1, 150), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_silu_mul_gives_the_chain_bits(rows, width, dtype, seed):
+    gate_up = _values(seed, (rows, 2 * width), dtype, 1.5)
+    gate, up = gate_up.split([width, width], dim=-1)
+    assert torch.equal(fused.silu_mul(gate_up), gated(gate, up))
+
+
+def _lora_chain(x, weight, bias, sizes, adapters):
+    """Decoder.linears + Decoder._with_adapters under fixed numerics, for one adapter per projection."""
+    outputs = fixed.linear(x, weight, bias).split(sizes, dim=-1)
+    result = []
+    for out, adapter in zip(outputs, adapters, strict=True):
+        if adapter is not None:
+            a, b, scaling = adapter
+            delta = fixed.linear(fixed.linear(x.to(a.dtype), a), b) * scaling
+            out = (out + delta).to(out.dtype)
+        result.append(out)
+    return torch.cat(result, dim=-1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), width=st.sampled_from([24, 64, 65, 130]), sizes=st.lists(st.integers(1, 70), min_size=1,
+       max_size=3), rank=st.sampled_from([1, 4, 16, 65]), pair=st.sampled_from(
+       [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]),
+       with_bias=st.booleans(), skip=st.integers(-1, 2), scaling=st.sampled_from([2.0, 3.0, 0.37]),
+       seed=st.integers(0, 2**16))
+def test_lora_linears_give_the_chain_bits(rows, width, sizes, rank, pair, with_bias, skip, scaling, seed):
+    """Widths on both sides of SMALL_K (sequential products below), ranks too; a projection without adapter."""
+    dtype, adapter_dtype = pair
+    x = _values(seed, (rows, width), dtype)
+    weight = _values(seed + 1, (sum(sizes), width), dtype) / 8
+    bias = _values(seed + 2, (sum(sizes),), dtype) if with_bias else None
+    adapters = [None if i == skip else (_values(seed + 3 + i, (rank, width), adapter_dtype) / 4,
+                                        _values(seed + 9 + i, (size, rank), adapter_dtype), scaling)
+                for i, size in enumerate(sizes)]
+    group = fused.LoraLinears.prepare(weight, bias, sizes, adapters)
+    assert torch.equal(fused.lora_linears(x, group), _lora_chain(x, weight, bias, sizes, adapters))
+
+
+def test_lora_linears_refuse_what_the_chain_computes_otherwise():
+    """A float32 model with bfloat16 factors (the chain rounds the input to bfloat16 first): left to the chain."""
+    weight = torch.randn(8, 16)
+    adapters = [(torch.randn(2, 16).bfloat16(), torch.randn(8, 2).bfloat16(), 2.0)]
+    assert fused.LoraLinears.prepare(weight, None, [8], adapters) is None
+    assert fused.LoraLinears.prepare(weight, None, [8], [(torch.randn(16, 2).t(), torch.randn(8, 2), 2.0)]) is None
+
+
+def test_fused_kernels_apply_only_where_no_gradient_is_recorded():
+    with torch.no_grad():
+        assert fused.applies(torch.bfloat16, torch.device("cpu"))
+        assert fused.applies(torch.float32, torch.device("cpu"))
+        assert not fused.applies(torch.float16, torch.device("cpu"))
+        assert not fused.applies(torch.float32, torch.device("meta"))
+    with torch.enable_grad():
+        assert not fused.applies(torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mismatched_dtype_is_refused_by_name(dtype):
+    with pytest.raises(TypeError, match="one dtype"):
+        fused.rms_norm(torch.ones(2, 4, dtype=dtype), torch.ones(4, dtype=torch.float64 if dtype == torch.float32
+                                                                      else torch.float32), 1e-6)
