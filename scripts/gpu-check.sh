@@ -37,6 +37,7 @@ PARTS=(
   "debate|3|the runbook's mini debate RS->GRPO at full shape (-n 64, 4 groups, 10 steps) and its rubric"
   "scale|8|one step of the h100-rlvr shape (1.5B config, random weights): peak memory vs the plan, phases, decode ms/step, MFU"
   "invariance|4|scripts/invariance_check.py on smollm2-135m bf16: batch compositions bitwise, sampler vs trainer, default vs native time"
+  "speed|8|the speed targets (scripts/speed_check.py): decode ms/step (smollm2 16x64, 1.5B shape 64x256), forward_backward MFU (1.5B shape), mini debate s/step (4 steps), rlrunbook vs TRL GRPOTrainer (1.5B shape, 16x4x256), then one h100-rlvr step until the budget"
 )
 ARCHIVE_LIMIT_BYTES=$((15 * 1024 * 1024))
 
@@ -132,6 +133,17 @@ part_invariance() {
 part_scale() {  # GPU_CHECK_SCALE_ARGS: more arguments, e.g. "--device-memory 80GiB" to plan an H100 on a larger card
   # shellcheck disable=SC2086
   step scale gated "$py" scripts/scale_check.py --out "$work" ${GPU_CHECK_SCALE_ARGS:-}
+}
+
+# GPU_CHECK_SPEED_SIZE=tiny: every step at a toy size on CPU (the tests); GPU_CHECK_SCALE_ARGS as for scale (rlvr step).
+# The whole h100-rlvr step goes last: until it fits its target it is what the budget stops, after the rest is measured.
+part_speed() {
+  local size=${GPU_CHECK_SPEED_SIZE:-gpu} name
+  for name in decode-smollm2 decode-1.5b mfu debate peer; do
+    step "speed-$name" gated "$py" scripts/speed_check.py "$name" --out "$work" --size "$size"
+  done
+  # shellcheck disable=SC2086
+  step speed-rlvr gated "$py" scripts/speed_check.py rlvr --out "$work" --size "$size" -- ${GPU_CHECK_SCALE_ARGS:-}
 }
 
 # archive DEST: the part's work folder as DEST (.tar.gz), within ARCHIVE_LIMIT_BYTES; prints a note when it

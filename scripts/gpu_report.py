@@ -7,7 +7,8 @@
 record, check-logprobs outputs, benchmark JSON, the mini debate's run directory, and ``steps.tsv`` with each
 step's exit status and seconds, its output in ``<step>.log``) and prints a self-contained section, headed by a
 marker line naming the part and when it ran. Anything missing is reported as missing, never invented. A part without a renderer below gets its steps'
-table only: a new part (``scale``, ...) adds a function to ``RENDERERS`` for its own figures.
+table only: a new part (``scale``, ...) adds a function to ``RENDERERS`` for its own figures. The ``speed`` part's
+renderer turns its steps' JSON into the table of targets (``SPEED_TARGETS``), pass or fail computed here.
 
 ``merge`` appends the sections found in the folders brought back from the GPU machine (``*.md`` with a marker
 line) to the record, grouped under a dated heading, in part order; a section already in the record is skipped,
@@ -29,7 +30,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
-PART_ORDER = ("tier", "parity", "bench", "debate", "scale")  # the order merge lists parts in; others follow by name
+PART_ORDER = ("tier", "parity", "bench", "debate", "scale", "invariance", "speed")  # the order merge lists parts in; others follow by name
 MARKER = re.compile(r"^<!-- gpu-check part=(?P<part>[\w-]+) ran=(?P<ran>[0-9TZ:-]+) -->$", re.MULTILINE)
 
 
@@ -164,6 +165,62 @@ def _scale(work: Path) -> list[str]:
     return [*lines, *(f"plan: {line}" for line in r.get("plan", []))]
 
 
+# The speed targets: (step of the speed part, what, comparison, target, unit). The step writes speed-STEP.json with
+# "value" (None when not measured), "size" (gpu: the target's shape), "shape", and the device as it reports itself.
+SPEED_TARGETS = (
+    ("decode-smollm2", "decode, SmolLM2-135M", "<=", 2.0, "ms/step"),
+    ("decode-1.5b", "decode, Qwen2.5-Math-1.5B shape", "<=", 3.0, "ms/step"),
+    ("mfu", "forward_backward MFU, 1.5B shape", ">=", 35.0, "%"),
+    ("rlvr", "one whole h100-rlvr step", "<=", 45.0, "s"),
+    ("debate", "mini debate", "<=", 3.0, "s/step"),
+    ("peer", "rlrunbook step / TRL GRPOTrainer step, 1.5B shape", "<=", 0.25, "x"),
+)
+
+
+def _speed_row(work: Path, step: str, what: str, op: str, target: float, unit: str) -> tuple[str, bool]:
+    """One row of the speed table and whether its target was met (never for a figure not measured at its shape)."""
+    path = work / f"speed-{step}.json"
+    r = json.loads(path.read_text()) if path.exists() else {}
+    value, at_least = r.get("value"), r.get("at_least")
+    met = value is not None and (value <= target if op == "<=" else value >= target)
+    if value is not None:
+        measured, verdict = f"{value:.3g} {unit}", "pass" if met else "FAIL"
+    elif at_least is not None:  # stopped by the budget while running
+        measured = f"> {at_least:.0f} {unit} (stopped by the budget)"
+        verdict = "FAIL" if op == "<=" and at_least > target else "not finished"
+    elif r.get("missing"):
+        measured, verdict = f"not measured: {r['missing']}", "FAIL"
+    else:
+        measured, verdict = "not measured" + ("" if r else f" (no {path.name})"), "FAIL"
+    if r and r.get("size") != "gpu":
+        verdict, met = f"n/a ({r.get('size')} size, not the target's shape)", False
+    return f"| {what} | {r.get('shape', '')} | {measured} | {op} {target:g} {unit} | {verdict} |", met
+
+
+def _speed(work: Path) -> list[str]:
+    rows = [_speed_row(work, *target) for target in SPEED_TARGETS]
+    found = [json.loads(p.read_text()) for p in sorted(work.glob("speed-*.json"))]
+    card = next((r for r in found if r.get("gpu")), None)
+    lines = [f"card (as the device reports it): {card['gpu']}, {card['gpu_memory_gib']} GiB" if card else
+             f"device: {found[0].get('device', 'unknown') if found else 'unknown'} (no CUDA card reported)",
+             f"targets met: {sum(met for _, met in rows)} of {len(rows)}", "",
+             "| target | shape | measured | target | verdict |", "|---|---|---|---|---|", *(row for row, _ in rows), ""]
+    mfu = work / "speed-mfu.json"
+    if mfu.exists():
+        r = json.loads(mfu.read_text())
+        lines.append(f"- MFU: {r['formula']} = 4 x {r['product_params']:,} x {r['tokens']:,} / "
+                     f"{r['forward_backward_s']:.3g} s / {r['peak_flops'] / 1e12:g} TFLOP/s ({r['peak_of']}); "
+                     "adapter and attention-score products and recomputation not counted")
+    peer = work / "speed-peer.json"
+    if peer.exists() and json.loads(peer.read_text()).get("value") is not None:
+        r = json.loads(peer.read_text())
+        lines.append(f"- peer: rlrunbook {r['rlrunbook_s_per_step']} s/step (sampling {r['rlrunbook_sample_s']} s), "
+                     f"TRL GRPOTrainer {r['trl_s_per_step']} s/step (generate {r['trl_generate_s']} s)")
+    if (work / "scale.json").exists():
+        lines += [f"- h100-rlvr step: {line}" for line in _scale(work)[1:]]
+    return lines
+
+
 def _invariance(work: Path) -> list[str]:
     path = work / "invariance.json"
     if not path.exists():
@@ -180,7 +237,8 @@ def _invariance(work: Path) -> list[str]:
 
 
 RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _checks, "bench": _bench,
-                                                     "debate": _debate, "scale": _scale, "invariance": _invariance}
+                                                     "debate": _debate, "scale": _scale, "invariance": _invariance,
+                                                     "speed": _speed}
 
 
 def section(part: str, work: Path, status: int, planned: float, seconds: float, dry_run: bool,

@@ -4,15 +4,15 @@ The model is Qwen2.5-Math-1.5B's architecture built from its published config va
 download), LoRA rank 64 as the preset trains it. The step: 64 prompts of 1,024 random tokens, 4 samples each,
 up to 1,536 new tokens (no stop: every row runs to the end), through the in-process engine; then
 ``forward_backward`` of the 256 datums in the planned micro-batches and one optimizer step. Then a decode
-benchmark at 64 rows x 256 positions. Written to ``OUT/scale.json``:
+benchmark at 64 rows x 256 positions (first; ``--decode-rows 0`` leaves it out). Written to ``OUT/scale.json``:
 
     python scripts/scale_check.py --out DIR                       # the full shape, on cuda
     python scripts/scale_check.py --out DIR --device cpu --layers 2 --groups 2 --samples 2 --prompt 64 --new 16
 
-Reported: seconds per phase, peak memory (``torch.cuda.max_memory_allocated``; on CPU the traced tensor peak is
+Reported: seconds per phase and of the whole step (``step_s``: sampling through the optimizer step), peak memory (``torch.cuda.max_memory_allocated``; on CPU the traced tensor peak is
 not measured here) against the plan's sampling and training peaks, decode ms per step, trained tokens per second
-and the MFU of the LoRA forward/backward (4 x frozen product parameters x tokens FLOPs, recomputation not counted,
-against 989 TFLOP/s: an H100's dense bf16).
+and the MFU of the LoRA forward/backward (:func:`lora_training_flops`, against 989 TFLOP/s: an H100's dense bf16).
+``--model`` another model of the preset's kind (``tiny`` for a quick check; the plan is then for it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,16 @@ from rlrunbook.rl.setup.memory_plan import format_plan, parse_size, plan_memory
 H100_BF16_FLOPS = 989e12
 
 
+def lora_training_flops(product_params: int, tokens: int) -> float:
+    """FLOPs of one LoRA ``forward_backward`` over ``tokens`` input positions: 4 x frozen product parameters x tokens.
+
+    Per position and frozen weight: 2 in the forward product, 2 in the backward product for the input's gradient; a
+    frozen weight has no weight gradient. Not counted: the adapters' own products, attention's score and value
+    products, and recomputed layers (activation checkpointing), so the MFU it gives is a lower bound.
+    """
+    return 4.0 * product_params * tokens
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -47,19 +57,47 @@ def _peak(device: str) -> int | None:
     return int(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else None
 
 
-def main() -> None:
+def decode_ms_per_step(model, config, *, rows: int, prompt_tokens: int, new_tokens: int, device: str,
+                       generator: torch.Generator, repeats: int = 1) -> float:
+    """Milliseconds per decode step of the in-process engine: ``rows`` random prompts of ``prompt_tokens``, one
+    sample each, ``new_tokens`` new tokens (no stop, temperature 0.6). After a warm-up call (caches, graph captures),
+    the median over ``repeats`` calls of (wall time - the engine's prefill seconds) / its decode steps. The engine
+    and its cache are released before returning."""
+    import statistics
+
+    engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
+                              max_context=config.max_position_embeddings)
+    prompts = [torch.randint(3, config.vocab_size, (prompt_tokens,), generator=generator).tolist() for _ in range(rows)]
+    request = GenerationRequest(max_tokens=new_tokens, filters=SamplingFilters(0.6), stop=(), seed=1)
+    engine.sample_jobs([SampleJob(p, 1, request) for p in prompts])  # warm-up
+    timed = []
+    for _ in range(repeats):
+        _sync(device)
+        before, steps, prefill = time.perf_counter(), engine.decode_steps, engine.prefill_seconds
+        engine.sample_jobs([SampleJob(p, 1, request) for p in prompts])
+        _sync(device)
+        elapsed = time.perf_counter() - before - (engine.prefill_seconds - prefill)
+        timed.append(1000 * elapsed / max(1, engine.decode_steps - steps))
+    del engine  # its cache is not part of what follows
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return statistics.median(timed)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="Qwen/Qwen2.5-Math-1.5B", help="the preset's model by default")
     parser.add_argument("--layers", type=int, default=None, help="default: the model's 28")
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=1536)
-    parser.add_argument("--decode-rows", type=int, default=64)
+    parser.add_argument("--decode-rows", type=int, default=64, help="0: no decode benchmark")
     parser.add_argument("--decode-window", type=int, default=256)
     parser.add_argument("--device-memory", default=None, help="plan for this size (default: the device's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -67,14 +105,14 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                     "torch": torch.__version__}
 
-    config = model_shape("Qwen/Qwen2.5-Math-1.5B")[0]
+    config = model_shape(args.model)[0]
     if args.layers:
         config = with_layers(config, args.layers)
     rows = args.groups * args.samples
     run = build_config(file="h100-rlvr", overrides=[
         f"num_rollouts={rows}", f"num_groups={args.groups}", f"max_tokens={args.new}",
         f"data.max_prompt_tokens={args.prompt}", f"backend.device={args.device}",
-        f"backend.dtype={report['dtype']}"], cli={}, strict=False).config
+        f"backend.dtype={report['dtype']}", f"model={args.model}"], cli={}, strict=False).config
     if args.layers:  # plan the cut model: a local folder would do; the published config has 28 layers
         report["note"] = f"{args.layers} of the model's layers; the plan is for all of them"
     plan = plan_memory(run, parse_size(args.device_memory) if args.device_memory else None)
@@ -98,22 +136,11 @@ def main() -> None:
     report["weights_bytes"] = sizes.frozen
 
     generator = torch.Generator().manual_seed(1)
-    decode = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
-                              max_context=config.max_position_embeddings)
-    short = [torch.randint(3, config.vocab_size, (args.decode_window // 2,), generator=generator).tolist()
-             for _ in range(args.decode_rows)]
-    decode_request = GenerationRequest(max_tokens=args.decode_window // 2, filters=SamplingFilters(0.6), stop=(), seed=1)
-    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])  # warm-up: caches, graph captures
-    _sync(args.device)
-    before, steps, prefill = time.perf_counter(), decode.decode_steps, decode.prefill_seconds
-    decode.sample_jobs([SampleJob(p, 1, decode_request) for p in short])
-    _sync(args.device)
-    elapsed = time.perf_counter() - before - (decode.prefill_seconds - prefill)
-    report["decode_ms_per_step"] = 1000 * elapsed / max(1, decode.decode_steps - steps)
-    del decode  # its cache is not part of the step's peak
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    save()
+    if args.decode_rows:
+        report["decode_ms_per_step"] = decode_ms_per_step(
+            model, config, rows=args.decode_rows, prompt_tokens=args.decode_window // 2,
+            new_tokens=args.decode_window // 2, device=args.device, generator=generator)
+        save()
 
     engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
                               max_context=config.max_position_embeddings, max_batch_rows=256)
@@ -123,10 +150,13 @@ def main() -> None:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     _sync(args.device)
+    report["step_started_at"] = time.time()  # for a run stopped mid-step: how long the step had run
+    save()
     started = time.perf_counter()
     completions = engine.sample_jobs([SampleJob(p, args.samples, request) for p in prompts])
     _sync(args.device)
     report["sample_s"] = time.perf_counter() - started
+    step_started = started
     report["prefill_s"], report["decode_steps"] = engine.prefill_seconds, engine.decode_steps
     report["sampling_peak_bytes"] = _peak(args.device)
     save()
@@ -153,12 +183,13 @@ def main() -> None:
     trainer.optim_step(types.AdamParams(learning_rate=1e-6))
     _sync(args.device)
     report["optim_s"] = time.perf_counter() - started
+    report["step_s"] = time.perf_counter() - step_started
     report["training_peak_bytes"] = _peak(args.device)
     tokens = int(result.metrics["num_tokens:sum"])
     report["trained_tokens"], report["micro_batches"] = tokens, int(result.metrics["micro_batches:sum"])
     report["tokens_per_s"] = tokens / report["forward_backward_s"]
     product_params = sizes.float64_copy // 8  # the frozen matrix-product weights (lm_head included)
-    report["mfu"] = 4 * product_params * tokens / report["forward_backward_s"] / H100_BF16_FLOPS
+    report["mfu"] = lora_training_flops(product_params, tokens) / report["forward_backward_s"] / H100_BF16_FLOPS
     save()
 
     print(json.dumps(report, indent=1))

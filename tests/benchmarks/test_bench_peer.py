@@ -15,7 +15,8 @@ one run does not.
 
 Needs the ``bench`` extra (trl): without it the test skips with one reason line, and fails under
 ``RLRUNBOOK_REQUIRE_TRL=1`` (the ``trl`` marker; rlrunbook/testing/trl.py). The decode, RL-step and training
-benchmarks need no TRL and run regardless. ``RLRUNBOOK_PEER_STEPS`` (default 4) timed steps per side.
+benchmarks need no TRL and run regardless. ``RLRUNBOOK_PEER_STEPS`` (default 4) timed steps per side;
+``RLRUNBOOK_PEER_SHAPE`` another workload shape (peer_workload.py; its baseline is kept apart).
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 from bench_support import bench_device, describe, synchronize
-from peer_workload import GenerateTimer, RlrunbookPeer, Timings, peer_model, trl_trainer
+from peer_workload import (
+    GenerateTimer,
+    PeerShape,
+    RlrunbookPeer,
+    Timings,
+    peer_model,
+    peer_shape,
+    trl_trainer,
+)
 
 pytestmark = [pytest.mark.benchmark(group="peer"), pytest.mark.trl]
 
@@ -39,8 +48,9 @@ ALONE = 2  # rlrunbook steps timed before TRL starts (after a warm-up of their o
 REGRESSION = 1.15  # a ratio more than 15% above the stored one fails
 
 
-def _baseline_key(device: str) -> str:
-    return f"peer/{device.split(':')[0]}/{peer_model()}"
+def _baseline_key(device: str, shape: PeerShape) -> str:
+    key = f"peer/{device.split(':')[0]}/{peer_model()}"
+    return key if shape == PeerShape() else f"{key}/{shape}"
 
 
 def test_rl_step_against_trl(benchmark, tmp_path):
@@ -49,7 +59,8 @@ def test_rl_step_against_trl(benchmark, tmp_path):
     device = bench_device()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     steps = int(os.environ.get("RLRUNBOOK_PEER_STEPS", "4"))
-    ours = RlrunbookPeer(device, dtype, tmp_path / "tinker")
+    shape = peer_shape()
+    ours = RlrunbookPeer(device, dtype, tmp_path / "tinker", shape)
     # rlrunbook's steps before TRL has run in this process. They once ran ~40% faster than the interleaved
     # ones: TRL's OpenMP thread pool on this thread throttled the backend's (fixed in backend/openmp.py).
     for _ in range(WARMUP + ALONE):
@@ -71,7 +82,7 @@ def test_rl_step_against_trl(benchmark, tmp_path):
             theirs.add(time.perf_counter() - self.started, sample=timer.seconds - self.generating)
             ours.step()
 
-    trainer = trl_trainer(device, dtype, WARMUP + steps, [Interleave()], str(tmp_path / "trl"))
+    trainer = trl_trainer(device, dtype, WARMUP + steps, [Interleave()], str(tmp_path / "trl"), shape)
     with timer:
         benchmark.pedantic(trainer.train, rounds=1, iterations=1)
     ours.close()
@@ -80,7 +91,7 @@ def test_rl_step_against_trl(benchmark, tmp_path):
     decode_seconds = getattr(engine, "decode_seconds", 0.0) - decode_before[0]
     decode_steps = getattr(engine, "decode_steps", 0) - decode_before[1]
     info = {
-        "model": peer_model(), "rlrunbook_s_per_step": round(ours.timings.median(WARMUP), 3),
+        "model": peer_model(), "shape": str(shape), "rlrunbook_s_per_step": round(ours.timings.median(WARMUP), 3),
         "trl_s_per_step": round(theirs.median(WARMUP), 3), "ratio_rlrunbook_over_trl": round(ratio, 3),
         "rlrunbook_warmup_s": round(ours.timings.steps[0], 3), "trl_warmup_s": round(theirs.steps[0], 3),
         **{f"rlrunbook_{k}_s": round(v, 3) for k, v in ours.timings.phase_medians(WARMUP).items()},
@@ -95,7 +106,7 @@ def test_rl_step_against_trl(benchmark, tmp_path):
     }
     benchmark.extra_info.update(info)
     print(json.dumps(info, indent=1))
-    key = _baseline_key(device)
+    key = _baseline_key(device, shape)
     baselines = json.loads(BASELINES.read_text()) if BASELINES.exists() else {}
     if os.environ.get("RLRUNBOOK_UPDATE_BENCH_BASELINE") == "1":
         baselines[key] = {"ratio": round(ratio, 3), "machine": platform.processor() or platform.machine(),

@@ -76,3 +76,33 @@ def _hub_cache_config(repo_id: str) -> Path | None:
     except Exception:  # noqa: BLE001 - an invalid repo id is simply not in the cache
         return None
     return Path(found) if isinstance(found, str) else None
+
+
+def save_random_model(config, out_dir: Path, *, dtype=None, device: str = "cpu", seed: int = 0) -> Path:
+    """Write a model folder of ``config``'s architecture with random weights and a tokenizer covering its vocabulary.
+
+    For measuring speed at a real shape without a download: the weights are ``from_config``'s initialisation
+    (``seed``), made on ``device`` in ``dtype``; the tokenizer is :func:`rlrunbook.models.tiny.synthetic_tokenizer`
+    of ``config.vocab_size`` tokens (every sampled id decodes to text), whose special ids the config and a neutral
+    generation config take. ``config`` is not modified. Returns ``out_dir``.
+    """
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlrunbook.models.tiny import neutral_generation_config, synthetic_tokenizer
+
+    tokenizer = synthetic_tokenizer(config.vocab_size)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = copy.deepcopy(config)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = pad_id, eos_id, pad_id
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    model.generation_config = neutral_generation_config(pad_id, eos_id, pad_id)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    return out_dir

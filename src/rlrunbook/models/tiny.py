@@ -19,6 +19,7 @@ Choices that are not the transformers defaults, and why:
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -136,6 +137,36 @@ def _to_transformers_tokenizer(tokenizer: Tokenizer):
         clean_up_tokenization_spaces=False,
         model_max_length=2048,
     )
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """A byte-level BPE ``Qwen2Tokenizer`` of exactly ``vocab_size`` tokens, for a real shape with random weights.
+
+    Ids 0-2 are ``tiny``'s special tokens (ChatML, ``<|im_end|>`` as EOS), then the 256 byte symbols, then synthetic
+    merges: every pair of byte symbols, then byte triples, in a fixed order, until the vocabulary is full. So every
+    id a random model of that vocabulary samples decodes to text (2-3 bytes), and any string encodes. Normalizer
+    and pre-tokenizer are Qwen2's (as ``tiny``'s), so a qwen2 folder reloads it unchanged. Refuses a vocabulary
+    too small for the specials and the bytes, or larger than triples reach (~16.8M).
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if not len(SPECIAL_TOKENS) + len(alphabet) <= vocab_size <= len(SPECIAL_TOKENS) + len(alphabet) + 256**2 + 256**3:
+        raise ValueError(f"vocab_size {vocab_size} outside what specials, bytes, pairs and triples make")
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    merges = []
+    pairs = ((a, b) for a in alphabet for b in alphabet)
+    triples = ((a + b, c) for a in alphabet for b in alphabet for c in alphabet)
+    for left, right in itertools.chain(pairs, triples):
+        if len(vocab) >= vocab_size:
+            break
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    return _to_transformers_tokenizer(tokenizer)
 
 
 def tiny_config(vocab_size: int, pad_id: int, eos_id: int):
