@@ -71,8 +71,10 @@ def plan_rows(paths: Sequence[Sequence[int]], first_to_compute: Sequence[int], m
     ``paths[i]`` is the node path of sequence ``i`` (from :meth:`TokenTrie.insert`). A node already
     computed by an earlier row (a prefix two sequences share) is not computed again: a later path
     only computes what is left of it. ``max_queries > 0`` splits a row into rows of at most that
-    many queries (each reading its path up to its own last query), which bounds padding when
-    rows of very different lengths are batched together.
+    many queries (each reading its path up to its own last query), cut where a position is a multiple
+    of ``max_queries``: the full rows of every path then cover the same position blocks, so rows of
+    different sequences at one block have the same shape and batch without padding
+    (:mod:`rlrunbook.engines.row_batches`).
     """
     claimed: set[int] = set()
     rows: list[Row] = []
@@ -84,10 +86,11 @@ def plan_rows(paths: Sequence[Sequence[int]], first_to_compute: Sequence[int], m
         if todo != list(range(start, len(path))):
             raise ValueError("the nodes left to compute on a path must be one contiguous suffix")
         claimed.update(path[start:])
-        step = max_queries if max_queries > 0 else len(path) - start
-        for lo in range(start, len(path), step):
-            hi = min(lo + step, len(path))
+        lo = start
+        while lo < len(path):
+            hi = min(lo // max_queries * max_queries + max_queries, len(path)) if max_queries > 0 else len(path)
             rows.append(Row(queries=list(path[lo:hi]), keys=list(path[:hi])))
+            lo = hi
     return rows
 
 

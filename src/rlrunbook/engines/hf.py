@@ -43,7 +43,7 @@ from rlrunbook.engines.token_draw import draw_tokens
 from rlrunbook.errors import GenerationLeakError
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
 
-_PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row: bounds padding between long and short rows
+_PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row (rows cut at its multiples batch by shape)
 _WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
 PREFILL_TOKENS = 16384  # most prompt tokens one prefill pass computes (its activations grow with them)
 CAPACITY_FLOOR = 256  # the smallest decode cache capacity (positions); larger ones are 2^k or 1.5 x 2^k

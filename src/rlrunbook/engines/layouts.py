@@ -19,12 +19,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.attention import attend, recompute_pays, score_elements
+from rlrunbook.engines.row_batches import HEADS_PER_BATCH, group_rows
 from rlrunbook.kernels import fused
 from rlrunbook.prefix_tree import Row
-
-# Rows are batched (sorted by key length, so little is padding) while rows x queries x keys stays within the
-# attention core's chunk budget over this many heads; the core splits a batch's queries into chunks itself.
-_HEADS_PER_BATCH = 8
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -99,9 +96,9 @@ class TreeLayout:
         def key_ref(node: int) -> int:
             return node - 1 if store is not None else flat_of[node]
 
-        bound = score_elements(torch.device(device)) // _HEADS_PER_BATCH
+        bound = score_elements(torch.device(device)) // HEADS_PER_BATCH
         self.batches = [self._batch(group, flat_of, key_ref, positions_of, device)
-                        for group in _group_rows(rows, bound)]
+                        for group in group_rows(rows, bound)]  # padding-capped (engines/row_batches.py)
         self.longest_row = max((len(row.keys) for row in rows), default=0)
         # Batches give their queries' outputs in batch order; ``order`` puts them back in flat order
         # (every flat token is a query of exactly one row).
@@ -147,24 +144,6 @@ def _attend_batch(batch: _Batch, q: torch.Tensor, keys: torch.Tensor, values: to
     out = attend(take_rows(q, batch.query_index), take_rows(keys, batch.key_index), take_rows(values, batch.key_index),
                  batch.query_positions, batch.key_positions, batch.key_valid, scale, core, recompute=False)
     return take_rows(out.flatten(0, 1), batch.query_rows)
-
-
-def _group_rows(rows: Sequence[Row], bound: int) -> list[list[Row]]:
-    """Rows sorted by key length and cut into batches of at most ``bound`` padded rows x queries x keys
-    (a single row beyond it is a batch of its own)."""
-    ordered = sorted(rows, key=lambda r: (len(r.keys), len(r.queries)))
-    groups: list[list[Row]] = []
-    current: list[Row] = []
-    for row in ordered:
-        candidate = current + [row]
-        size = len(candidate) * max(len(r.queries) for r in candidate) * max(len(r.keys) for r in candidate)
-        if current and size > bound:
-            groups.append(current)
-            candidate = [row]
-        current = candidate
-    if current:
-        groups.append(current)
-    return groups
 
 
 class RowCache:

@@ -26,10 +26,10 @@ from torch.utils.checkpoint import checkpoint
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
 from rlrunbook.engines.layouts import TreeLayout, take_rows
+from rlrunbook.engines.row_batches import ROW_QUERIES
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
 from rlrunbook.regularizers import token_entropy
 
-_QUERY_BLOCK = 128  # queries per attention row (bounds padding between long prompts and short answers)
 _HEAD_CHUNK_ELEMENTS = 1 << 24  # logits per output-layer chunk: 16M fp32 = 64 MB (and as much for the grad)
 
 
@@ -63,7 +63,7 @@ class SharedPrefixScorer:
         ``recompute_layers``: activation checkpointing per decoder layer (see :meth:`Decoder.hidden`)."""
         device = next(self.decoder.model.parameters()).device
         trie = TokenTrie()
-        plan = plan_forward(trie, sequences, max_queries=_QUERY_BLOCK)
+        plan = plan_forward(trie, sequences, max_queries=ROW_QUERIES)
         flat_of = plan.flat_of()
         ids = torch.tensor([trie.tokens[n] for n in plan.nodes], device=device)
         positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)

@@ -38,6 +38,20 @@ def test_every_prefix_is_computed_once_and_rows_read_their_path(sequences, block
         assert block == 0 or len(row.queries) <= block
 
 
+@settings(max_examples=200, deadline=None)
+@given(sequences=sequences_strategy, block=st.integers(1, 4))
+def test_rows_are_cut_at_multiples_of_the_block(sequences, block):
+    """Every row ends at a position block's end or at its path's end, so the full rows of any two paths at one
+    block have the same shape (and batch without padding: rlrunbook.engines.row_batches)."""
+    trie = TokenTrie()
+    plan = plan_forward(trie, sequences, max_queries=block)
+    ends = {path[-1] for path in plan.paths}
+    for row in plan.rows:
+        last = trie.positions[row.queries[-1]]
+        assert (last + 1) % block == 0 or row.queries[-1] in ends
+        assert trie.positions[row.queries[0]] // block == last // block, "a row stays within one block"
+
+
 @settings(max_examples=100, deadline=None)
 @given(first=sequences_strategy, second=sequences_strategy)
 def test_a_second_call_computes_only_what_is_new(first, second):

@@ -1,6 +1,6 @@
 """A sequence's logprobs depend on its own tokens and the weights only: the default numerics by construction.
 
-The trainer's pass (shared prefixes, rows of different lengths padded into batches) over a model of SmolLM2-135M's
+The trainer's pass (shared prefixes, attention rows of different lengths batched, padded or not) over a model of SmolLM2-135M's
 widths (hidden 576, MLP 1536, 9 query and 3 key/value heads, LoRA on every projection) gives every sequence the same
 logprobs, bit for bit, whatever else its batch holds, in what order, split how, at any thread count, and from one
 process to the next. Each check guards a part of the mechanism (rlrunbook.kernels) and fails without it:
@@ -13,7 +13,9 @@ process to the next. Each check guards a part of the mechanism (rlrunbook.kernel
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,7 +30,9 @@ from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlrunbook.engines import layouts, shared_prefix
 from rlrunbook.engines.decoder import Decoder
+from rlrunbook.engines.row_batches import PADDING_TOLERANCE, ROW_QUERIES, group_rows
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 
 CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 9,
@@ -80,14 +84,20 @@ def alone(scorer):
 @settings(max_examples=12)
 @given(data=st.data())
 def test_any_batch_composition_gives_every_sequence_its_own_logprobs(scorer, alone, data):
-    """One batch, shuffled sub-batches, one by one, with the shorter rows padded: the same bits (hypothesis draws the
-    order and the cut points)."""
+    """One batch, shuffled sub-batches, one by one; attention rows cut at any block size and batched without
+    padding (the default grouping) or padded (by the element bound alone): the same bits (hypothesis draws the
+    order, the cut points, the block and the grouping)."""
     order = data.draw(st.permutations(range(len(SEQUENCES))))
     cuts = sorted(data.draw(st.sets(st.integers(1, len(SEQUENCES) - 1), max_size=5)))
-    for start, end in zip([0, *cuts], [*cuts, len(SEQUENCES)], strict=True):
-        batch = [SEQUENCES[i] for i in order[start:end]]
-        for index, got in zip(order[start:end], logprobs(scorer, batch), strict=True):
-            assert got == alone[index], f"sequence {index} in a batch of {len(batch)}"
+    block = data.draw(st.sampled_from([ROW_QUERIES, 4, 3]))
+    tolerance = data.draw(st.sampled_from([PADDING_TOLERANCE, math.inf]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shared_prefix, "ROW_QUERIES", block)
+        patch.setattr(layouts, "group_rows", functools.partial(group_rows, tolerance=tolerance))
+        for start, end in zip([0, *cuts], [*cuts, len(SEQUENCES)], strict=True):
+            batch = [SEQUENCES[i] for i in order[start:end]]
+            for index, got in zip(order[start:end], logprobs(scorer, batch), strict=True):
+                assert got == alone[index], f"sequence {index} in a batch of {len(batch)}"
 
 
 def test_the_thread_count_and_the_cpu_libraries_change_no_bit(scorer, alone):
