@@ -29,6 +29,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
+from rlrunbook.testing.gpu import not_proven_part
+
 PART_ORDER = ("tier", "parity", "bench", "debate", "scale")  # the order merge lists parts in; others follow by name
 MARKER = re.compile(r"^<!-- gpu-check part=(?P<part>[\w-]+) ran=(?P<ran>[0-9TZ:-]+) -->$", re.MULTILINE)
 
@@ -75,18 +77,45 @@ def _figure(props: dict, key: str) -> str:
     return f"{float(props[key]):.3g}" if key in props else ""
 
 
+def _case_outcome(case: ET.Element) -> tuple[str, str]:
+    """(outcome, message) of a JUnit test case: passed, failed, error, not proven (a skip of an optional part of
+    the gpu tier, rlrunbook.testing.gpu.OPTIONAL_PARTS) or skipped."""
+    for tag in ("failure", "error", "skipped"):
+        found = case.find(tag)
+        if found is not None:
+            message = (found.get("message") or found.text or "").strip().splitlines()
+            message = message[0] if message else ""
+            if tag == "skipped":
+                part = not_proven_part(message)
+                return (f"not proven ({part})", message) if part else ("skipped", message)
+            return {"failure": "failed", "error": "error"}[tag], message
+    return "passed", ""
+
+
+def _counts(outcomes: list[str]) -> str:
+    """``30 passed, 1 failed, 8 not proven``: each outcome's count, in a fixed order, the not-proven parts together."""
+    kinds = ["passed", "failed", "error", "not proven", "skipped"]
+    counted = {kind: sum(o.split(" (")[0] == kind for o in outcomes) for kind in kinds}
+    return ", ".join(f"{counted[kind]} {kind}" for kind in kinds if counted[kind]) or "no tests"
+
+
 def _tier(work: Path) -> list[str]:
     path = work / "gpu-tier.xml"
     if not path.exists():
         return ["gpu tier: no JUnit XML (the tier did not run or did not finish)"]
     rows = ["| test | outcome | max abs | mean abs | tokens |", "|---|---|---|---|---|"]
+    outcomes = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else (
-            "skipped" if case.find("skipped") is not None else "passed")
+        outcome, _ = _case_outcome(case)
+        outcomes.append(outcome)
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         rows.append(f"| {case.get('name')} | {outcome} | {_figure(props, 'max_abs_diff')} | "
                     f"{_figure(props, 'mean_abs_diff')} | {props.get('num_tokens', '')} |")
-    return rows
+    parts = sorted({o[len("not proven ("):-1] for o in outcomes if o.startswith("not proven")})
+    lines = [f"gpu tier: {_counts(outcomes)}"]
+    if parts:
+        lines.append(f"not proven (optional parts missing on this machine): {', '.join(parts)}")
+    return [*lines, "", *rows]
 
 
 def _checks(work: Path) -> list[str]:
