@@ -16,8 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from rlrunbook.testing.gpu import (NOT_PROVEN, OPTIONAL_PARTS, REQUIRE_ENV, not_proven_part, not_proven_reason,
-                                   required_skip_failure)
+from rlrunbook.testing.gpu import (
+    NOT_PROVEN,
+    OPTIONAL_PARTS,
+    REQUIRE_ENV,
+    not_proven_part,
+    not_proven_reason,
+    required_skip_failure,
+)
 
 SCRATCH_TESTS = '''
 import pytest
