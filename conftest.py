@@ -52,7 +52,10 @@ from hypothesis import settings
 
 from rlrunbook.testing import trl as trl_requirement
 from rlrunbook.testing import vllm as vllm_requirement
-from rlrunbook.testing.gpu import REQUIRE_ENV, gpu_required, missing_gpu_reason
+from rlrunbook.testing.gpu import REQUIRE_ENV, gpu_required, missing_gpu_reason, not_proven_reason
+
+# Under RLRUNBOOK_REQUIRE_GPU=1 a gpu test's skip is a failure unless it names an optional part of the tier.
+pytest_plugins = ("rlrunbook.testing.gpu_plugin",)
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", derandomize=False, deadline=None,
@@ -99,21 +102,9 @@ def pytest_runtest_teardown(item: pytest.Item):
         _data_roots.put_back(item.stash[_DATA_ROOT_BEFORE])
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    _data_setup(item)
-    if item.get_closest_marker("vllm") is not None:
-        missing = vllm_requirement.missing_vllm_reason()
-        if missing is not None:
-            if vllm_requirement.vllm_required():
-                pytest.fail(f"{vllm_requirement.REQUIRE_ENV}=1 but no vLLM server can be had: {missing}", pytrace=False)
-            pytest.skip(f"needs a vLLM server ({missing}); set {vllm_requirement.REQUIRE_ENV}=1 to make this a failure")
-    if item.get_closest_marker("trl") is not None:
-        outcome = trl_requirement.trl_outcome(trl_requirement.missing_trl_reason(), trl_requirement.trl_required())
-        if outcome is not None:
-            action, reason = outcome
-            if action == "fail":
-                pytest.fail(reason, pytrace=False)
-            pytest.skip(reason)
+def _gpu_setup(item: pytest.Item) -> None:
+    """Skip a `gpu` test without a usable GPU, or fail it under RLRUNBOOK_REQUIRE_GPU=1 (checked first: a gpu test's
+    other requirements, an optional vLLM server among them, mean nothing on a machine without a GPU)."""
     if item.get_closest_marker("gpu") is None:
         return
     reason = missing_gpu_reason()
@@ -122,6 +113,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if gpu_required():
         pytest.fail(f"{REQUIRE_ENV}=1 but no usable GPU: {reason}", pytrace=False)
     pytest.skip(f"needs a CUDA GPU ({reason}); set {REQUIRE_ENV}=1 to make this a failure")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _gpu_setup(item)
+    _data_setup(item)
+    if item.get_closest_marker("vllm") is not None:
+        missing = vllm_requirement.missing_vllm_reason()
+        if missing is not None:
+            if vllm_requirement.vllm_required():
+                pytest.fail(f"{vllm_requirement.REQUIRE_ENV}=1 but no vLLM server can be had: {missing}", pytrace=False)
+            if item.get_closest_marker("gpu") is not None:  # the gpu tier's vLLM cases: an optional part
+                pytest.skip(not_proven_reason("vllm", f"{missing}; set {vllm_requirement.REQUIRE_ENV}=1 to make this a failure"))
+            pytest.skip(f"needs a vLLM server ({missing}); set {vllm_requirement.REQUIRE_ENV}=1 to make this a failure")
+    if item.get_closest_marker("trl") is not None:
+        outcome = trl_requirement.trl_outcome(trl_requirement.missing_trl_reason(), trl_requirement.trl_required())
+        if outcome is not None:
+            action, reason = outcome
+            if action == "fail":
+                pytest.fail(reason, pytrace=False)
+            pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

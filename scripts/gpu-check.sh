@@ -10,7 +10,8 @@
 #
 # A part writes exactly two files to ${OUT:-gpu-check-out}/: NAME.md (its section of docs/gpu-validation.md,
 # written by scripts/gpu_report.py) and NAME.tar.gz (its artifacts: JUnit XML, check-logprobs outputs, benchmark
-# JSON, run directories, each step's log; at most 15 MiB, step records dropped first where it would be larger).
+# JSON and JUnit XML, run directories, each step's log, the card's memory in use read by nvidia-smi every second;
+# at most 15 MiB, step records dropped first where it would be larger).
 # Every step runs under the part's time budget (GPU_CHECK_BUDGET_S; default: its planned minutes and one more, at
 # least 450 s and at most 540 s, inside the machine's 10 minutes per command), so a slow step
 # is stopped and reported as timed out instead of losing the whole command. --dry-run lists each step instead of
@@ -116,8 +117,9 @@ part_parity() {
 }
 
 part_bench() {
+  # the JUnit XML holds every benchmark's outcome: the JSON only those that were measured
   step benchmarks gated "$py" -m pytest -m benchmark tests/benchmarks -p no:cacheprovider -q -rs \
-    --benchmark-enable --benchmark-json="$work/bench-gpu.json"
+    --benchmark-enable --benchmark-json="$work/bench-gpu.json" --junitxml="$work/bench.xml"
 }
 
 part_debate() {
@@ -172,7 +174,15 @@ run_part() {
   SECONDS=0
   export PYTHONUNBUFFERED=1
   echo "# part $part (planned $planned min, budget ${BUDGET_S} s)$([ "$dry_run" = 1 ] && echo ', dry run')"
+  # the card's memory in use, every second while the part runs (every process on it: nvidia-smi sees the card)
+  local poller=""
+  if [ "$dry_run" != 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 1000 \
+      >"$work/card-memory.csv" 2>/dev/null &
+    poller=$!
+  fi
   "part_$part"
+  if [ -n "$poller" ]; then kill "$poller" 2>/dev/null; wait "$poller" 2>/dev/null; fi
   local elapsed=$SECONDS note
   note=$(archive "$out/$part.tar.gz")
   "$py" scripts/gpu_report.py section "$part" "$work" --status "$status" --planned "$planned" \

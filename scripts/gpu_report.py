@@ -30,6 +30,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
+from rlrunbook.testing.gpu import not_proven_part
+
 PART_ORDER = ("tier", "parity", "bench", "debate", "scale", "invariance", "speed")  # the order merge lists parts in; others follow by name
 MARKER = re.compile(r"^<!-- gpu-check part=(?P<part>[\w-]+) ran=(?P<ran>[0-9TZ:-]+) -->$", re.MULTILINE)
 
@@ -76,18 +78,45 @@ def _figure(props: dict, key: str) -> str:
     return f"{float(props[key]):.3g}" if key in props else ""
 
 
+def _case_outcome(case: ET.Element) -> tuple[str, str]:
+    """(outcome, message) of a JUnit test case: passed, failed, error, not proven (a skip of an optional part of
+    the gpu tier, rlrunbook.testing.gpu.OPTIONAL_PARTS) or skipped."""
+    for tag in ("failure", "error", "skipped"):
+        found = case.find(tag)
+        if found is not None:
+            message = (found.get("message") or found.text or "").strip().splitlines()
+            message = message[0] if message else ""
+            if tag == "skipped":
+                part = not_proven_part(message)
+                return (f"not proven ({part})", message) if part else ("skipped", message)
+            return {"failure": "failed", "error": "error"}[tag], message
+    return "passed", ""
+
+
+def _counts(outcomes: list[str]) -> str:
+    """``30 passed, 1 failed, 8 not proven``: each outcome's count, in a fixed order, the not-proven parts together."""
+    kinds = ["passed", "failed", "error", "not proven", "skipped"]
+    counted = {kind: sum(o.split(" (")[0] == kind for o in outcomes) for kind in kinds}
+    return ", ".join(f"{counted[kind]} {kind}" for kind in kinds if counted[kind]) or "no tests"
+
+
 def _tier(work: Path) -> list[str]:
     path = work / "gpu-tier.xml"
     if not path.exists():
         return ["gpu tier: no JUnit XML (the tier did not run or did not finish)"]
     rows = ["| test | outcome | max abs | mean abs | tokens |", "|---|---|---|---|---|"]
+    outcomes = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else (
-            "skipped" if case.find("skipped") is not None else "passed")
+        outcome, _ = _case_outcome(case)
+        outcomes.append(outcome)
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         rows.append(f"| {case.get('name')} | {outcome} | {_figure(props, 'max_abs_diff')} | "
                     f"{_figure(props, 'mean_abs_diff')} | {props.get('num_tokens', '')} |")
-    return rows
+    parts = sorted({o[len("not proven ("):-1] for o in outcomes if o.startswith("not proven")})
+    lines = [f"gpu tier: {_counts(outcomes)}"]
+    if parts:
+        lines.append(f"not proven (optional parts missing on this machine): {', '.join(parts)}")
+    return [*lines, "", *rows]
 
 
 def _checks(work: Path) -> list[str]:
@@ -105,33 +134,68 @@ def _checks(work: Path) -> list[str]:
 
 
 def _bench(work: Path) -> list[str]:
-    path = work / "bench-gpu.json"
-    if not path.exists():
-        return ["benchmarks: no JSON (they did not run or did not finish)"]
-    rows = ["| benchmark | median | extra |", "|---|---|---|"]
-    for bench in json.loads(path.read_text())["benchmarks"]:
+    """Every benchmark the run collected, failed and errored ones included (from the JUnit XML), with the figures
+    of those pytest-benchmark measured (the JSON)."""
+    path, xml = work / "bench-gpu.json", work / "bench.xml"
+    if not path.exists() and not xml.exists():
+        return ["benchmarks: no JSON and no JUnit XML (they did not run or did not finish)"]
+    measured = {b["name"]: b for b in json.loads(path.read_text())["benchmarks"]} if path.exists() else {}
+    outcomes = {case.get("name"): _case_outcome(case) for case in ET.parse(xml).getroot().iter("testcase")} \
+        if xml.exists() else {}
+    rows = ["| benchmark | outcome | median | extra |", "|---|---|---|---|"]
+    for name in [*outcomes, *(n for n in measured if n not in outcomes)]:
+        outcome, message = outcomes.get(name, ("outcome not recorded", ""))
+        shown = outcome if outcome == "passed" or not message else f"{outcome.upper()}: {message}"
+        bench = measured.get(name)
+        median = f"{bench['stats']['median']:.4g} s" if bench else "-"
         extra = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                          for k, v in bench.get("extra_info", {}).items())
-        rows.append(f"| {bench['name']} | {bench['stats']['median']:.4g} s | {extra} |")
-    return rows
+                          for k, v in (bench or {}).get("extra_info", {}).items())
+        rows.append(f"| {name} | {shown.replace('|', '/')} | {median} | {extra} |")
+    counts = f"benchmarks: {_counts([outcomes[n][0] for n in outcomes])}" if outcomes else (
+        "benchmarks: outcomes not recorded (no JUnit XML); only those measured are listed")
+    return [counts, "", *rows]
+
+
+def _step_status(work: Path, name: str) -> str | None:
+    """The exit status ``steps.tsv`` recorded for step ``name`` (``0``, ``2``, ``124``, ``skipped``, ...)."""
+    path = work / "steps.tsv"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        fields = line.split("\t")
+        if fields[0] == name:
+            return fields[1]
+    return None
+
+
+def _debate_ending(work: Path) -> tuple[str, str]:
+    """(how the mini debate's process ended: its exit status and last ``error:`` line, what its rubric said: the
+    count of ``FAIL`` lines among the checks it printed, or that it printed none)."""
+    status = _step_status(work, "mini-debate")
+    log = work / "mini-debate.log"
+    tail = log.read_text(errors="replace") if log.exists() else ""
+    rubric = re.findall(r"^(PASS|FAIL) \S+:", tail, re.MULTILINE)
+    errors = re.findall(r"^error: .*$", tail, re.MULTILINE)
+    ended = ("exit status not recorded" if status is None else "exit 0" if status == "0" else
+             f"{_OUTCOMES.get(status, 'exit ' + status)}" + (f" ({errors[-1]})" if errors else ""))
+    verdict = (f"rubric failures {rubric.count('FAIL')} of {len(rubric)} checks" if rubric
+               else "rubric not run (the run ended before it)")
+    return ended, verdict
 
 
 def _debate(work: Path) -> list[str]:
+    ended, verdict = _debate_ending(work)
     logs = sorted((work / "logs").glob("*/train_log.jsonl")) if (work / "logs").exists() else []
+    steps = [json.loads(line) for line in logs[-1].read_text().splitlines() if line.strip()] if logs else []
     if not logs:
-        return ["mini debate: no run directory"]
-    steps = [json.loads(line) for line in logs[-1].read_text().splitlines() if line.strip()]
+        return [f"mini debate: no run directory; {ended}, {verdict}"]
     if not steps:
-        return ["mini debate: the run logged no step"]
+        return [f"mini debate: the run logged no step; {ended}, {verdict}"]
     mismatch = [s.get("mismatch/abs_logprob_diff", float("nan")) for s in steps]
-    log = work / "mini-debate.log"
-    tail = log.read_text(errors="replace") if log.exists() else ""
     counted = [s for s in steps if "engine/graph_captures" in s] or [{}]
-    line = (f"mini debate RS->GRPO (-n 64 --num-groups 4 -s 10): {len(steps)} steps, median "
+    line = (f"mini debate RS->GRPO (-n 64 --num-groups 4 -s 10): {ended}; {len(steps)} steps, median "
             f"{statistics.median(s['time/step_s'] for s in steps):.2f} s/step (sample "
             f"{statistics.median(s['time/sample_s'] for s in steps):.2f} s), mismatch/abs_logprob_diff max "
             f"{max(mismatch):.3g}, graph captures {counted[-1].get('engine/graph_captures', '-')}, cache rebuilds "
-            f"{counted[-1].get('engine/cache_rebuilds', '-')}, rubric failures {tail.count('FAIL ')}")
+            f"{counted[-1].get('engine/cache_rebuilds', '-')}, {verdict}")
     return [line]
 
 
@@ -145,7 +209,8 @@ def _scale(work: Path) -> list[str]:
     def peak(measured: str, planned: str) -> str:
         if r.get(measured) is None:
             return f"planned {r[planned] / gib:.1f} GiB, not measured"
-        return f"{r[measured] / gib:.1f} GiB measured, {r[planned] / gib:.1f} GiB planned"
+        above = ": ABOVE THE PLAN" if r[measured] > r[planned] else ""
+        return f"{r[measured] / gib:.1f} GiB measured, {r[planned] / gib:.1f} GiB planned{above}"
 
     where = f"{r.get('gpu') or r['device']} ({r['dtype']})"
     lines = [f"decode {r['decode_ms_per_step']:.2f} ms/step at 64 x 256 on {where} (target <= 3 ms)"
@@ -241,6 +306,51 @@ RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _c
                                                      "speed": _speed}
 
 
+def _card_memory(work: Path) -> tuple[int, int, int] | None:
+    """(most MiB in use, the card's MiB, readings) from ``card-memory.csv``, the ``nvidia-smi`` readings gpu-check.sh
+    takes every second while a part runs (``used, total`` per line, MiB); ``None`` without any."""
+    path = work / "card-memory.csv"
+    readings = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and all(f.isdigit() for f in fields):
+            readings.append((int(fields[0]), int(fields[1])))
+    if not readings:
+        return None
+    return max(used for used, _ in readings), readings[-1][1], len(readings)
+
+
+def _steps_found(work: Path) -> str:
+    path = work / "steps.tsv"
+    lines = path.read_text().splitlines() if path.exists() else []
+    outcomes = [_OUTCOMES.get(line.split("\t")[1], "exit " + line.split("\t")[1]) for line in lines if line.strip()]
+    return ", ".join(f"{outcomes.count(o)} {o}" for o in dict.fromkeys(outcomes)) or "no steps recorded"
+
+
+def _found(part: str, work: Path) -> str:
+    """What the part found, in a few words, from its own files: the summary table's cell."""
+    found = f"steps: {_steps_found(work)}"
+    if part in ("tier", "bench"):
+        found += "; " + (_tier if part == "tier" else _bench)(work)[0]
+    elif part == "parity":
+        verdicts = [row.rsplit("|", 2)[-2].strip() for row in _checks(work)[2:]]
+        found += f"; check-logprobs: {verdicts.count('ok')} ok, {verdicts.count('FAIL')} FAIL"
+    elif part == "debate":
+        found += "; mini debate: " + ", ".join(_debate_ending(work))
+    elif part == "scale" and (work / "scale.json").exists():
+        r = json.loads((work / "scale.json").read_text())
+        if r.get("plan_failures"):
+            found += "; peak above the plan: " + ", ".join(f.split(" peak")[0] for f in r["plan_failures"])
+        elif r.get("plan_judged"):
+            found += f"; the plan held ({', '.join(r['plan_judged'])})"
+        else:
+            found += "; the plan not judged"
+    return found
+
+
+SUMMARY = re.compile(r"^<!-- gpu-check summary (?P<json>\{.*\}) -->$", re.MULTILINE)
+
+
 def section(part: str, work: Path, status: int, planned: float, seconds: float, dry_run: bool,
             now: datetime.datetime | None = None, alongside: str = "",
             environ: dict[str, str] | None = None) -> str:
@@ -248,15 +358,24 @@ def section(part: str, work: Path, status: int, planned: float, seconds: float, 
 
     ``alongside``: the parts that ran on the same card at the same time (comma-separated; ``gpu-check.sh
     --together``). The ``TINKER_LOCAL_*`` variables of ``environ`` (default: this process's) are listed: they
-    change what a part measures (``TINKER_LOCAL_NUMERICS=exact``, say).
+    change what a part measures (``TINKER_LOCAL_NUMERICS=exact``, say). A summary line (an HTML comment under the
+    marker: the verdict, what the part found, the card's memory) is what ``merge`` builds the run's table from.
     """
     now = now or datetime.datetime.now(datetime.timezone.utc)
     verdict = "dry run, nothing measured" if dry_run else (
         "all gated checks passed" if status == 0 else "SOME GATED CHECKS FAILED")
+    card = None if dry_run else _card_memory(work)
+    summary = {"part": part, "verdict": verdict, "found": "nothing run" if dry_run else _found(part, work),
+               "card_mib": list(card[:2]) if card else None}
     lines = [f"<!-- gpu-check part={part} ran={now:%Y-%m-%dT%H:%MZ} -->",
+             f"<!-- gpu-check summary {json.dumps(summary)} -->",
              f"### Part `{part}`, {now:%Y-%m-%d %H:%M} UTC: {verdict}", "",
              f"- {seconds / 60:.1f} of {planned:g} planned minutes"]
     lines += [f"- host: {socket.gethostname()} (dry run: no GPU used)"] if dry_run else _machine()
+    if not dry_run:
+        lines.append(f"- card memory in use (nvidia-smi, every process on the card): at most {card[0]:,} of "
+                     f"{card[1]:,} MiB over {card[2]} readings" if card else
+                     "- card memory in use: not recorded (no nvidia-smi readings)")
     if alongside:
         lines.append(f"- ran alongside {alongside.replace(',', ', ')} on the same card: its times are upper bounds")
     settings = sorted((k, v) for k, v in (os.environ if environ is None else environ).items()
@@ -268,6 +387,21 @@ def section(part: str, work: Path, status: int, planned: float, seconds: float, 
     if renderer is not None and not dry_run:
         lines += [*renderer(work), ""]
     return "\n".join(lines)
+
+
+def summary_table(sections: list[tuple[str, str, str]]) -> list[str]:
+    """The run's table, one row per section, from the summary lines the sections carry (never typed)."""
+    rows = ["| part | ran (UTC) | verdict | what it found | card memory in use (nvidia-smi, every process) |",
+            "|---|---|---|---|---|"]
+    for part, ran, text in sections:
+        found = SUMMARY.search(text)
+        if found is None:
+            rows.append(f"| {part} | {ran} | (no summary line) | | |")
+            continue
+        s = json.loads(found["json"])
+        card = f"at most {s['card_mib'][0]:,} of {s['card_mib'][1]:,} MiB" if s.get("card_mib") else "not recorded"
+        rows.append(f"| {part} | {ran} | {s['verdict']} | {s['found'].replace('|', '/')} | {card} |")
+    return rows
 
 
 def _sections(folder: Path) -> list[tuple[str, str, str]]:
@@ -300,7 +434,8 @@ def merge(doc: Path, folders: list[Path]) -> list[str]:
     for day in dict.fromkeys(s[1][:10] for s in new):
         parts = [s for s in new if s[1][:10] == day]
         heading = f"## Run of {day} (`scripts/gpu-check.sh --part`: {', '.join(s[0] for s in parts)})"
-        blocks.append(heading + "\n\n" + "\n".join(s[2] for s in parts))
+        table = "\n".join(summary_table(parts))
+        blocks.append(heading + "\n\n" + table + "\n\n" + "\n".join(s[2] for s in parts))
     doc.write_text(record.rstrip("\n") + "\n\n" + "\n".join(blocks))
     return [s[0] for s in new]
 

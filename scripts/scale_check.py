@@ -13,12 +13,17 @@ Reported: seconds per phase and of the whole step (``step_s``: sampling through 
 not measured here) against the plan's sampling and training peaks, decode ms per step, trained tokens per second
 and the MFU of the LoRA forward/backward (:func:`lora_training_flops`, against 989 TFLOP/s: an H100's dense bf16).
 ``--model`` another model of the preset's kind (``tiny`` for a quick check; the plan is then for it).
+
+The gate: a measured peak above the plan's is a plan that would not have kept the memory it promised; the script
+then exits 1 naming both numbers (after writing ``scale.json``, which records the verdict as ``plan_failures``).
+Where no peak is measured (on CPU) there is nothing to gate, and the JSON says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -84,7 +89,38 @@ def decode_ms_per_step(model, config, *, rows: int, prompt_tokens: int, new_toke
     return statistics.median(timed)
 
 
-def main(argv: list[str] | None = None) -> None:
+PHASES = (("sampling", "sampling_peak_bytes", "planned_sampling_peak"),
+          ("training", "training_peak_bytes", "planned_training_peak"))
+
+
+def plan_failures(report: dict) -> list[str]:
+    """One line per phase whose measured peak (bytes) is above the plan's, naming both; phases not measured (CPU, or
+    not reached before the time budget) are not judged."""
+    gib = 1 << 30
+    failures = []
+    for phase, measured, planned in PHASES:
+        if report.get(measured) is not None and report[measured] > report[planned]:
+            failures.append(f"{phase} peak {report[measured] / gib:.2f} GiB measured is above the plan's "
+                            f"{report[planned] / gib:.2f} GiB ({report[measured]} > {report[planned]} bytes): the "
+                            "memory plan is too low (rlrunbook/rl/setup/memory_plan.py)")
+    return failures
+
+
+def judge(report: dict, out: Path) -> int:
+    """Record the plan's verdict in ``scale.json`` and print it; the exit status: 1 when a peak is above its plan."""
+    failures = plan_failures(report)
+    measured = [phase for phase, key, _ in PHASES if report.get(key) is not None]
+    report["plan_failures"] = failures
+    report["plan_judged"] = measured
+    (out / "scale.json").write_text(json.dumps(report, indent=1))
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    if not measured:
+        print("plan not judged: no peak measured on this device", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
@@ -97,9 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-rows", type=int, default=64, help="0: no decode benchmark")
     parser.add_argument("--decode-window", type=int, default=256)
     parser.add_argument("--device-memory", default=None, help="plan for this size (default: the device's)")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace, out: Path) -> dict:
+    """Plan, then run the step and the decode benchmark, writing ``out/scale.json`` after each phase; the report."""
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     report: dict = {"device": args.device, "dtype": str(dtype).removeprefix("torch."),
                     "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
@@ -191,9 +229,17 @@ def main(argv: list[str] | None = None) -> None:
     product_params = sizes.float64_copy // 8  # the frozen matrix-product weights (lm_head included)
     report["mfu"] = lora_training_flops(product_params, tokens) / report["forward_backward_s"] / H100_BF16_FLOPS
     save()
+    return report
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = measure(args, out)
     print(json.dumps(report, indent=1))
+    return judge(report, out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

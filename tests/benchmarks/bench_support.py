@@ -9,11 +9,15 @@ docs/performance.md run the benchmarks under
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
+BASELINES = Path(__file__).parent / "baselines.json"
 DEVICE_ENV = "RLRUNBOOK_BENCH_DEVICE"
 MODELS_ENV = "RLRUNBOOK_BENCH_MODELS"
 DEFAULT_MODELS = "tiny,smollm2-135m"
@@ -74,3 +78,22 @@ def describe(device: str, dtype: torch.dtype) -> dict[str, object]:
     for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"):
         info[name] = os.environ.get(name, "")
     return info
+
+
+def baselines() -> dict[str, dict[str, object]]:
+    """The stored baselines (``baselines.json``): ``{key: {figure, machine, torch, ...}}``."""
+    return json.loads(BASELINES.read_text()) if BASELINES.exists() else {}
+
+
+def updating_baselines() -> bool:
+    """Whether this run stores its figures as the new baselines (``RLRUNBOOK_UPDATE_BENCH_BASELINE=1``)."""
+    return os.environ.get("RLRUNBOOK_UPDATE_BENCH_BASELINE") == "1"
+
+
+def store_baseline(key: str, figures: dict[str, object], device: str) -> None:
+    """Store ``figures`` under ``key`` with the machine they were measured on (the GPU's name on CUDA)."""
+    machine = torch.cuda.get_device_name() if device.startswith("cuda") else (
+        platform.processor() or platform.machine())
+    stored = baselines()
+    stored[key] = {**figures, "machine": machine, "torch": torch.__version__}
+    BASELINES.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")

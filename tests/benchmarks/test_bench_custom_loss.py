@@ -4,7 +4,8 @@
 custom loss is the weighted negative log-likelihood, i.e. ``cross_entropy`` written as a callable: on the local
 backend it is one forward and one backward pass, like the built-in, so the two should take the same time. The
 two calls alternate, ``PAIRS`` times after a warm-up of each, and ``extra_info`` carries both medians and
-``custom_over_cross_entropy`` (median of the per-pair ratios); the benchmark's own timing is the custom call.
+``custom_over_cross_entropy`` (median of the per-pair ratios); the benchmark's own timing is the custom call. The
+gate (rlrunbook.testing.bench_gates.custom_loss_failures): that ratio is at most 1.15, on every device.
 """
 
 from __future__ import annotations
@@ -13,11 +14,20 @@ import statistics
 import time
 
 import pytest
-from bench_support import COMPLETION_TOKENS, PROMPT_TOKENS, ROWS, bench_device, bench_models, describe, synchronize
-from bench_support import token_windows
+from bench_support import (
+    COMPLETION_TOKENS,
+    PROMPT_TOKENS,
+    ROWS,
+    bench_device,
+    bench_models,
+    describe,
+    synchronize,
+    token_windows,
+)
 from tinker import types
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings
+from rlrunbook.testing.bench_gates import custom_loss_failures
 from rlrunbook.tokens import build_datum_arrays
 
 pytestmark = pytest.mark.benchmark(group="custom_loss")
@@ -66,3 +76,5 @@ def test_bench_custom_loss_against_cross_entropy(benchmark, setup):
         custom_median_s=statistics.median(c for _, c in pairs),
         custom_over_cross_entropy=statistics.median(c / b for b, c in pairs))
     benchmark.pedantic(lambda: custom().result(), rounds=3, iterations=1, warmup_rounds=0)
+    failures = custom_loss_failures(benchmark.extra_info["custom_over_cross_entropy"])
+    assert not failures, "\n".join(failures)

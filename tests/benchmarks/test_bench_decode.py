@@ -7,6 +7,9 @@ measured side by side. ``warmup_s`` is the first call of a shape (CUDA graph cap
 The memory-bandwidth floor of a step is the bytes of the weights / the device's bandwidth (0.09 ms
 for SmolLM2-135M in bf16 on an H100).
 
+The gate (rlrunbook.testing.bench_gates.decode_failures): the engine's step is faster than ``generate``'s on every
+device; on CUDA it also meets the target of its shape (2 ms per step at 16 x 64, 3 ms at 64 x 256).
+
 Shapes: ``RLRUNBOOK_DECODE_SHAPES`` (rows x new tokens x prompt tokens, comma-separated); default
 16x64x32 on CPU, and 16x64x32,64x256x300 on CUDA. Model: ``RLRUNBOOK_BENCH_MODELS``' first (smollm2-135m).
 """
@@ -25,6 +28,7 @@ from rlrunbook.engines.base import GenerationRequest
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.generate import GenerateEngine
 from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.testing.bench_gates import decode_failures
 
 pytestmark = pytest.mark.benchmark(group="decode")
 
@@ -77,3 +81,5 @@ def test_decode_ms_per_step(benchmark, shape):
         "hf_warmup_s": round(results["hf"][1], 2), "generate_warmup_s": round(results["generate"][1], 2),
         **describe(device, dtype)})
     print(benchmark.extra_info)
+    failures = decode_failures(device, rows, tokens, hf_ms, generate_ms)
+    assert not failures, "\n".join(failures)

@@ -4,7 +4,9 @@ Single-turn GRPO: qa ``test`` set, 16 rollouts in 2 groups of 8, 32 tokens each.
 One debate step: qa ``test``, 8 rollouts in 2 groups (2 debates each), 3 rounds of 24 tokens,
 mock judge, rejection training; each round is one batched sampling call (asserted).
 ``extra_info`` holds seconds per step (median), sampled tokens/s and trained tokens/s from the
-step's own log row, and the machine. Models from ``RLRUNBOOK_BENCH_MODELS`` (default here:
+step's own log row, and the machine. The gate (rlrunbook.testing.bench_gates.regression_failures): seconds per
+step within 2.5x of the figure stored for the device, model and shape in ``baselines.json`` (a device without one
+fails, saying how to store it; ``RLRUNBOOK_UPDATE_BENCH_BASELINE=1`` stores this run's). Models from ``RLRUNBOOK_BENCH_MODELS`` (default here:
 smollm2-135m only, the shape the README quotes).
 """
 
@@ -14,7 +16,14 @@ import dataclasses
 import os
 
 import pytest
-from bench_support import bench_device, describe, median_seconds
+from bench_support import (
+    baselines,
+    bench_device,
+    describe,
+    median_seconds,
+    store_baseline,
+    updating_baselines,
+)
 
 from rlrunbook.backend import LocalServiceClient, LocalSettings
 from rlrunbook.rl.setup.config import TrainConfig
@@ -22,6 +31,7 @@ from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.training.plan import plan_run
 from rlrunbook.rl.training.step import one_step
 from rlrunbook.run import RunWriter, new_run_dir
+from rlrunbook.testing.bench_gates import RL_STEP_REGRESSION, device_kind, regression_failures
 
 pytestmark = pytest.mark.benchmark(group="rl_step")
 
@@ -63,9 +73,18 @@ def test_rl_step(benchmark, tmp_path, model, shape):
     last = rows[-1]
     benchmark.extra_info.update(describe(device, torch.float32 if device == "cpu" else torch.bfloat16))
     median = median_seconds(benchmark)
-    if median is not None:
+    if median is not None:  # pytest-benchmark disabled: no statistics, no gate (the step's assertions still run)
         benchmark.extra_info["seconds_per_step"] = round(median, 3)
     benchmark.extra_info["sampled_tokens_per_s"] = round(sorted(r["throughput/sampled_tokens_per_s"] for r in rows)[len(rows) // 2], 1)
     benchmark.extra_info["trained_tokens_per_s"] = round(sorted(r["throughput/trained_tokens_per_s"] for r in rows)[len(rows) // 2], 1)
     benchmark.extra_info["trained_tokens"] = last["num_trained_tokens"]
     service.close()
+    if median is None:
+        return
+    key = f"rl_step/{device_kind(device)}/{model}/{shape}"
+    if updating_baselines():
+        store_baseline(key, {"seconds_per_step": round(median, 3)}, device)
+        return
+    failures = regression_failures("RL step", key, median, baselines().get(key), "seconds_per_step",
+                                   RL_STEP_REGRESSION, " s")
+    assert not failures, "\n".join(failures)

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 MAX_TOKENS = 32
 SAMPLES = 2  # 8 prompts x 2 samples = 16 rows in one generate call
 SEED = 0
+EOS_SEARCH_SAMPLES, EOS_SEARCH_TOKENS = 8, 64  # 8 prompts x 8 samples x 64 tokens where EOS is looked for
 
 
 def _sample(host, stop: tuple[tuple[int, ...], ...]) -> list[Completion]:
@@ -59,12 +60,20 @@ def host_and_free_run(model_name, cuda_hosts):
 
 
 def test_empty_stop_runs_to_max_tokens(host_and_free_run, record_property):
-    """``stop=[]`` disables every stop, EOS included: all rows run to max_tokens with reason "length"."""
+    """``stop=[]`` disables every stop, EOS included: all rows run to max_tokens with reason "length", and rows that
+    drew EOS went on past it. The 16-row free run may draw no EOS on a random-weight model (tiny: none of 16 x 32 on
+    CPU), so EOS is looked for in 64 rows x 64 tokens of the same prompts (tiny on CPU: 8 rows)."""
     host, free = host_and_free_run
     assert resolve_stop([], host.eos_token_ids) == ()
     assert all(c.stop_reason == "length" and len(c.tokens) == MAX_TOKENS for c in free)
-    eos_inside = sum(any(t in host.eos_token_ids for t in c.tokens[:-1]) for c in free)
-    record_property("rows_with_eos_inside", eos_inside)  # > 0 shows EOS really was ignored
+    request = GenerationRequest(max_tokens=EOS_SEARCH_TOKENS, filters=SamplingFilters(1.0), stop=(), seed=SEED)
+    wide = [c for samples in host.engine.sample(chat_prompts(host.tokenizer, 8), EOS_SEARCH_SAMPLES, request)
+            for c in samples]
+    assert all(c.stop_reason == "length" and len(c.tokens) == EOS_SEARCH_TOKENS for c in wide)
+    eos_inside = sum(any(t in host.eos_token_ids for t in c.tokens[:-1]) for c in free + wide)
+    record_property("rows_with_eos_inside", eos_inside)
+    assert eos_inside > 0, (f"no row drew EOS {host.eos_token_ids} before its last token in {len(free + wide)} rows: "
+                            "nothing shows that EOS was ignored; sample more rows")
 
 
 def test_single_token_stop(host_and_free_run, record_property):

@@ -3,7 +3,9 @@
 What ``backend.load_in_4bit`` (the gpu-8b-lora-4bit preset) does on CUDA, on the models under test: the in-process
 engine refuses the model naming the samplers that run it; with ``sampler=generate`` a LoRA step samples, scores
 through transformers' forward over padded datums, moves the adapter, and leaves the packed base weights as they
-were. Skipped, with the reason, where bitsandbytes is not installed (the staged GPU image has none).
+were. 4-bit is an optional part of the tier (rlrunbook.testing.gpu.OPTIONAL_PARTS): where bitsandbytes is not
+installed (the staged GPU image has none) these tests skip as "not proven", also under RLRUNBOOK_REQUIRE_GPU=1, and
+the report counts them so.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from rlrunbook.backend import LocalServiceClient, LocalSettings
 from rlrunbook.backend.chunk_scores import PaddedScoring
 from rlrunbook.engines.decoder import Decoder, quantised_weights
 from rlrunbook.errors import ConfigError
+from rlrunbook.testing.gpu import missing_module
+from rlrunbook.testing.gpu_plugin import skip_optional_part
 from rlrunbook.tokens import build_datum_arrays
 
 pytestmark = pytest.mark.gpu
@@ -26,8 +30,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _bitsandbytes():
-    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install bitsandbytes to run "
-                                               "the 4-bit base-weight checks")
+    skip_optional_part("bitsandbytes", missing_module("bitsandbytes", "pip install bitsandbytes"))
 
 
 def test_the_in_process_engine_refuses_a_4bit_model(model_name):

@@ -1,0 +1,80 @@
+"""The benchmarks' gates: each benchmark asserts its target or its regression gate on the device it runs on.
+
+Pure functions of the measured figures (and, for a regression, the stored baseline): each returns the list of
+failures, one line each naming the figure, the limit and where the limit comes from; an empty list passes. A gate
+that has nothing to compare with (no baseline stored for this device) fails too, saying how to store one, so a
+benchmark never passes by having no gate.
+
+- decode (``test_bench_decode.py``): the in-process engine's step beats transformers' ``generate`` on every device
+  (the claim the benchmark measures side by side); on CUDA also the targets of docs/performance.md (2 ms per step
+  at 16 rows x 64 tokens, 3 ms at 64 x 256).
+- peer (``test_bench_peer.py``): on CUDA the target, rlrunbook's step <= 0.25x TRL's; on every device the ratio
+  within 15% of the one stored for the device and model, where one is stored (required where no target is).
+- RL step (``test_bench_rl_step.py``): seconds per step within 2.5x of the stored figure for the device, model and
+  shape (absolute times swing up to 2x between runs on shared cores: the gate catches what noise cannot make).
+- custom loss (``test_bench_custom_loss.py``): a custom loss that computes ``cross_entropy`` takes at most 1.15x
+  its time (the docs' claim: the same time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+DECODE_TARGETS_MS: dict[tuple[int, int], float] = {(16, 64): 2.0, (64, 256): 3.0}  # on CUDA, (rows, new tokens)
+PEER_TARGETS: dict[str, float] = {"cuda": 0.25}  # rlrunbook / TRL step time, per device kind
+PEER_REGRESSION = 1.15
+RL_STEP_REGRESSION = 2.5
+CUSTOM_LOSS_MAX_RATIO = 1.15
+UPDATE_ENV = "RLRUNBOOK_UPDATE_BENCH_BASELINE"
+
+
+def device_kind(device: str) -> str:
+    """``cuda:1`` -> ``cuda``: baselines and targets are per kind of device."""
+    return device.split(":")[0]
+
+
+def decode_failures(device: str, rows: int, new_tokens: int, engine_ms: float, generate_ms: float) -> list[str]:
+    """The decode step's gate: faster than ``generate`` everywhere; on CUDA within the shape's target, if it has one."""
+    failures = []
+    if engine_ms >= generate_ms:
+        failures.append(f"decode {engine_ms:.3g} ms/step at {rows} x {new_tokens} is not faster than transformers' "
+                        f"generate ({generate_ms:.3g} ms/step) on {device}")
+    target = DECODE_TARGETS_MS.get((rows, new_tokens)) if device_kind(device) == "cuda" else None
+    if target is not None and engine_ms > target:
+        failures.append(f"decode {engine_ms:.3g} ms/step at {rows} x {new_tokens} on {device} misses the target of "
+                        f"{target:g} ms/step (docs/performance.md)")
+    return failures
+
+
+def regression_failures(what: str, key: str, measured: float, stored: Mapping[str, object] | None, field: str,
+                        factor: float, unit: str = "") -> list[str]:
+    """``measured`` against ``stored[field] * factor``; without a stored figure, the failure says how to store one."""
+    if stored is None:
+        return [f"{what}: no baseline stored for {key} in tests/benchmarks/baselines.json, so nothing gates this "
+                f"device (measured {measured:.3g}{unit}); run once with {UPDATE_ENV}=1 on this machine to store it"]
+    limit = float(stored[field]) * factor
+    if measured > limit:
+        return [f"{what} {measured:.3g}{unit} is more than {factor:g}x the stored {float(stored[field]):.3g}{unit} "
+                f"({key}, {stored.get('machine', 'machine not recorded')}): a regression, or store a new baseline "
+                f"with {UPDATE_ENV}=1 and say why"]
+    return []
+
+
+def peer_failures(device: str, key: str, ratio: float, stored: Mapping[str, object] | None) -> list[str]:
+    """The peer benchmark's gate on ``device``: its target where it has one, the stored ratio's regression gate
+    where one is stored, and at least one of the two."""
+    target = PEER_TARGETS.get(device_kind(device))
+    failures = []
+    if target is not None and ratio > target:
+        failures.append(f"rlrunbook/TRL step ratio {ratio:.3f} on {device} misses the target of {target:g}")
+    if stored is not None or target is None:
+        failures += regression_failures("rlrunbook/TRL step ratio", key, ratio, stored, "ratio", PEER_REGRESSION)
+    return failures
+
+
+def custom_loss_failures(ratio: float) -> list[str]:
+    """A custom loss that computes ``cross_entropy`` takes at most ``CUSTOM_LOSS_MAX_RATIO`` times its time."""
+    if ratio > CUSTOM_LOSS_MAX_RATIO:
+        return [f"forward_backward_custom took {ratio:.3f}x the time of cross_entropy on the same batch (the claim: "
+                f"the same time; the gate: <= {CUSTOM_LOSS_MAX_RATIO:g}x)"]
+    return []
