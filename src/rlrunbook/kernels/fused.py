@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlrunbook.kernels import cpu, ops
 from rlrunbook.kernels.build import load_library
 from rlrunbook.kernels.cpu import _check, _code, _profiled, _ptr, _threads
 
@@ -27,8 +28,9 @@ SMALL_K = 64  # as rlrunbook.kernels.ops
 
 def applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a pass over hidden states of ``dtype`` on ``device`` may use these kernels: no gradient recorded,
-    float32 or bfloat16 on CPU."""
-    return not torch.is_grad_enabled() and device.type == "cpu" and dtype in DTYPES
+    float32 or bfloat16 on CPU, where :mod:`rlrunbook.kernels.ops` computes with the C kernels."""
+    return (not torch.is_grad_enabled() and device.type == "cpu" and dtype in DTYPES
+            and ops._backend(device) is cpu)
 
 
 def _same_dtype(*tensors: torch.Tensor) -> int:
