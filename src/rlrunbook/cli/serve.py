@@ -22,6 +22,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, storage=Path(args.storage) if args.storage else None,
                            api_keys=keys_from(args.api_key, os.environ.get(API_KEY_ENV)), device=args.device,
                            max_body_bytes=args.max_body_mib * 2**20, session_timeout_s=args.session_timeout,
+                           forget_after_s=args.forget_after,
                            max_sessions=args.max_sessions, max_models=args.max_models)
     return serve(options)
 
@@ -46,6 +47,9 @@ def add_command(commands) -> None:
     serve.add_argument("--session-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="a session whose client sent no heartbeat for this long expires and its models' "
                             "memory is freed (300; the SDK sends one every 10 s); saved checkpoints stay")
+    serve.add_argument("--forget-after", type=float, default=3600.0, metavar="SECONDS",
+                       help="an ended (expired or closed) session and its models, samplers and request ids are "
+                            "forgotten this long after it ended (3600); until then their ids answer why it ended")
     # The defaults are ServeOptions' (a test holds them equal; importing the service here would load torch).
     serve.add_argument("--max-sessions", type=int, default=64, metavar="N",
                        help="active sessions (ServiceClients) one API key may hold at once (64); more are refused "

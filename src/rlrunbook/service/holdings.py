@@ -31,11 +31,17 @@ class TenantLimits:
     models: int = 16
 
 
-class Holdings:
-    """Sessions, models and samplers by id for every tenant; ``session_timeout_s`` is what an expiry names."""
+DEFAULT_FORGET_AFTER_S = 3600.0  # an ended session's ids answer why it ended for an hour, then are unknown
 
-    def __init__(self, session_timeout_s: float, limits: TenantLimits = TenantLimits()):
+
+class Holdings:
+    """Sessions, models and samplers by id for every tenant; ``session_timeout_s`` is what an expiry names;
+    an ended session and what it held are forgotten ``forget_after_s`` after it ended."""
+
+    def __init__(self, session_timeout_s: float, limits: TenantLimits = TenantLimits(),
+                 forget_after_s: float = DEFAULT_FORGET_AFTER_S):
         self.session_timeout_s = session_timeout_s
+        self.forget_after_s = forget_after_s
         self.limits = limits
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}

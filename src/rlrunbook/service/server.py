@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.service.holdings import TenantLimits
+from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, TenantLimits
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S
 
 API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"  # one key, or several separated by commas (one tenant each)
@@ -48,6 +48,8 @@ class ServeOptions:
         device: the torch device of the local backend (None: ``TINKER_LOCAL_DEVICE``, else cuda if available).
         max_body_bytes: the largest request body accepted (413 above it).
         session_timeout_s: a session without a heartbeat for this long expires and its models are released.
+        forget_after_s: an ended session, its models, samplers and request ids are forgotten (memory and store)
+            this long after it ended; until then their ids answer why it ended, after it as unknown ones.
         max_sessions, max_models: what one tenant (key) may hold at once; more is refused with 429.
     """
 
@@ -58,6 +60,7 @@ class ServeOptions:
     device: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_MIB * 2**20
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
+    forget_after_s: float = DEFAULT_FORGET_AFTER_S
     max_sessions: int = TenantLimits.sessions
     max_models: int = TenantLimits.models
 
@@ -95,6 +98,8 @@ def check_options(options: ServeOptions) -> None:
     if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
         raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
                           "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
+    if not 0 <= options.forget_after_s <= 365 * 24 * 3600:
+        raise ConfigError(f"--forget-after {options.forget_after_s:g} must be from 0 seconds to a year.")
 
 
 def build_app(service, options: ServeOptions):
@@ -109,7 +114,7 @@ def build_app(service, options: ServeOptions):
     app = Starlette(routes=routes())
     store = ServeStore(service.settings.resolved_storage_dir())
     app.state.serve = ServeState(service, store, options.session_timeout_s,
-                                 TenantLimits(options.max_sessions, options.max_models))
+                                 TenantLimits(options.max_sessions, options.max_models), options.forget_after_s)
     app.state.max_body_bytes = options.max_body_bytes
     return Admission(app, options.api_keys, options.max_body_bytes)
 
@@ -158,15 +163,16 @@ def keep_freed_memory() -> str | None:
 
 
 async def expire_sessions(state, period_s: float) -> None:
-    """Every ``period_s``: end the sessions whose heartbeats stopped (their models' memory is freed)."""
+    """Every ``period_s``: end the sessions whose heartbeats stopped (their models' memory freed by one
+    collection per sweep) and forget those ended longer than the grace period."""
     while True:
         await asyncio.sleep(period_s)
         try:
-            ended = await asyncio.to_thread(state.expire_idle)
+            swept = await asyncio.to_thread(state.sweep)
         except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
             logger.exception("expiring idle sessions failed")
             continue
-        for session_id in ended:
+        for session_id in swept.expired:
             print(f"rlrunbook serve: session {session_id} expired (no heartbeat for {state.session_timeout_s:g} s); "
                   "its models were released", file=sys.stderr, flush=True)
 

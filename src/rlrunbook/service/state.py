@@ -21,13 +21,13 @@ from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
 from rlrunbook.service.futures import FutureRegistry
-from rlrunbook.service.holdings import Holdings, TenantLimits
+from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, Holdings, TenantLimits
 from rlrunbook.service.models import Models
 from rlrunbook.service.ownership import Ownership
 from rlrunbook.service.records import dump
 from rlrunbook.service.recovery import restore
 from rlrunbook.service.samplers import Samplers
-from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions
+from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions, Swept
 from rlrunbook.service.store import ServeStore
 from rlrunbook.service.wire import ForwardBackwardCall
 
@@ -36,13 +36,14 @@ class ServeState:
     """The server's sessions, models and samplers over one local ServiceClient (see the module docstring)."""
 
     def __init__(self, service: LocalServiceClient, store: ServeStore,
-                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits()):
+                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits(),
+                 forget_after_s: float = DEFAULT_FORGET_AFTER_S):
         self.service = service
         self.store = store
         self.futures = FutureRegistry(store)
         self.rest = LocalRestClient(service._store)
-        self.holdings = Holdings(session_timeout_s, limits)
-        self.sessions = Sessions(self.holdings, service, store)
+        self.holdings = Holdings(session_timeout_s, limits, forget_after_s)
+        self.sessions = Sessions(self.holdings, service, store, self.futures)
         self.samplers = Samplers(self.holdings, service, store, self.futures)
         self.models = Models(self.holdings, service, store, self.futures, self.rest, self.samplers)
         self.restored = restore(self.holdings, store)
@@ -73,6 +74,11 @@ class ServeState:
     def expire_idle(self, now: float | None = None) -> list[str]:
         """End every active session whose last heartbeat is older than the timeout; the ids ended."""
         return self.sessions.expire_idle(now)
+
+    def sweep(self, now: float | None = None) -> Swept:
+        """End the idle sessions (one collection for all of them) and forget those ended longer than the grace
+        period (:meth:`Sessions.sweep`); ``now`` is ``time.monotonic()``'s clock."""
+        return self.sessions.sweep(now)
 
     # -- training models ----------------------------------------------------------------------------------
     def create_model(self, request: types.CreateModelRequest, tenant: str) -> dict:
