@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import pydantic
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tinker import types
@@ -104,6 +104,9 @@ def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
             return await handler(request, request.app.state.serve)
         except BodyTooLargeError as error:
             return JSONResponse({"detail": str(error)}, status_code=413)
+        except ClientDisconnect:  # the client left, or its body ran out of time: nobody reads this answer
+            return JSONResponse({"detail": "the client disconnected before its request body arrived."},
+                                status_code=400)
         except TenantLimitError as error:
             return JSONResponse({"detail": str(error)}, status_code=429)
         except SessionEndedError as error:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.service.deadlines import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, TenantLimits
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S
 
@@ -51,6 +52,8 @@ class ServeOptions:
         forget_after_s: an ended session, its models, samplers and request ids are forgotten (memory and store)
             this long after it ended; until then their ids answer why it ended, after it as unknown ones.
         max_sessions, max_models: what one tenant (key) may hold at once; more is refused with 429.
+        header_timeout_s, body_timeout_s: a request's headers, then its whole body, must arrive within these
+            (408 and the connection closed otherwise; :mod:`rlrunbook.service.deadlines`).
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +66,8 @@ class ServeOptions:
     forget_after_s: float = DEFAULT_FORGET_AFTER_S
     max_sessions: int = TenantLimits.sessions
     max_models: int = TenantLimits.models
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
 def is_loopback(host: str) -> bool:
@@ -98,6 +103,9 @@ def check_options(options: ServeOptions) -> None:
     if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
         raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
                           "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
+    for option, value in (("--header-timeout", options.header_timeout_s), ("--body-timeout", options.body_timeout_s)):
+        if not 0.1 <= value <= 3600:
+            raise ConfigError(f"{option} {value:g} must be from 0.1 to 3,600 seconds.")
     if not 0 <= options.forget_after_s <= 365 * 24 * 3600:
         raise ConfigError(f"--forget-after {options.forget_after_s:g} must be from 0 seconds to a year.")
 
@@ -223,6 +231,16 @@ def serve(options: ServeOptions) -> int:
         return _serve(options, stack)
 
 
+def uvicorn_config(app, options: ServeOptions):
+    """How uvicorn serves ``app``: quietly, its h11 protocol with the options' header and body deadlines."""
+    import uvicorn
+
+    from rlrunbook.service.deadlines import deadline_protocol
+
+    return uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                          http=deadline_protocol(options.header_timeout_s, options.body_timeout_s))
+
+
 def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
     import uvicorn
 
@@ -243,8 +261,7 @@ def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
         print(f"rlrunbook serve: restarted on this storage: {restored['sessions']} session(s) and "
               f"{restored['models']} training model(s) known; {restored['pending_failed']} request(s) that were "
               "pending now answer that the server restarted", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, options))
     url = base_url(options.host, sock.getsockname()[1])
 
     async def run() -> None:
