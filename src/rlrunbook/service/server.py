@@ -26,6 +26,7 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_MIB = 64
 LOCK_FILE = "serve.lock"
 SERVE_BATCH_WINDOW_MS = 20
+CHECKPOINT_SWEEP_S = 60.0  # how often expired checkpoints are looked for (a TTL is at least an hour)
 
 logger = logging.getLogger("rlrunbook.serve")
 
@@ -170,19 +171,33 @@ def keep_freed_memory() -> str | None:
     return "freed memory kept for reuse (glibc: no mmap for large blocks, no trimming)" if done else None
 
 
-async def expire_sessions(state, period_s: float) -> None:
+async def expire_sessions(state, period_s: float, checkpoint_period_s: float = CHECKPOINT_SWEEP_S) -> None:
     """Every ``period_s``: end the sessions whose heartbeats stopped (their models' memory freed by one
-    collection per sweep) and forget those ended longer than the grace period."""
+    collection per sweep) and forget those ended longer than the grace period; every ``checkpoint_period_s``:
+    remove the checkpoints whose TTL has passed."""
+    loop = asyncio.get_running_loop()
+    next_checkpoints = loop.time()
     while True:
         await asyncio.sleep(period_s)
         try:
             swept = await asyncio.to_thread(state.sweep)
         except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
             logger.exception("expiring idle sessions failed")
+        else:
+            for session_id in swept.expired:
+                print(f"rlrunbook serve: session {session_id} expired (no heartbeat for "
+                      f"{state.session_timeout_s:g} s); its models were released", file=sys.stderr, flush=True)
+        if loop.time() < next_checkpoints:
             continue
-        for session_id in swept.expired:
-            print(f"rlrunbook serve: session {session_id} expired (no heartbeat for {state.session_timeout_s:g} s); "
-                  "its models were released", file=sys.stderr, flush=True)
+        next_checkpoints = loop.time() + checkpoint_period_s
+        try:
+            removed = await asyncio.to_thread(state.remove_expired_checkpoints)
+        except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
+            logger.exception("removing expired checkpoints failed")
+            continue
+        for path in removed:
+            print(f"rlrunbook serve: checkpoint {path} expired (its TTL passed) and was removed", file=sys.stderr,
+                  flush=True)
 
 
 def local_service(options: ServeOptions):

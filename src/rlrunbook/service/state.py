@@ -16,6 +16,7 @@ body of the response; a queued call's body carries the request id the SDK then p
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 from tinker import types
 
@@ -151,8 +152,26 @@ class ServeState:
         return dump(self.rest.get_weights_info_by_tinker_path(path).result())
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
-        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed."""
-        self.rest.delete_checkpoint(self.ownership.run_id(run_id, tenant), checkpoint_id).result()
+        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed, and
+        no model names it as its last saved state any more."""
+        run = self.ownership.run_id(run_id, tenant)
+        self.rest.delete_checkpoint(run, checkpoint_id).result()
+        self._gone([f"tinker://{run}/{checkpoint_id}"])
+
+    def remove_expired_checkpoints(self, now: datetime | None = None) -> list[str]:
+        """Remove every checkpoint of the storage whose TTL (set at save or by ``PUT .../ttl``) has passed at
+        ``now`` (UTC; default the current time): its folder, adapter and optimizer state included, so listings
+        and loads no longer find it, and a model's record of it as its last saved state. The paths removed."""
+        removed = [path.path for path in self.service._store.remove_expired(now)]
+        self._gone(removed)
+        return removed
+
+    def _gone(self, paths: list[str]) -> None:
+        """Checkpoints ``paths`` no longer exist: a model that last saved one of them has no saved state now."""
+        gone = set(paths)
+        for model in [m for m in list(self.holdings.models.values()) if m.last_saved in gone]:
+            model.last_saved = None
+            self.store.model_update(model.model_id, last_saved=None)
 
     def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None, tenant: str) -> None:
         path = f"tinker://{self.ownership.run_id(run_id, tenant)}/{checkpoint_id}"
