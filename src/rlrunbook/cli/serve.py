@@ -24,7 +24,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_body_bytes=args.max_body_mib * 2**20, session_timeout_s=args.session_timeout,
                            forget_after_s=args.forget_after, header_timeout_s=args.header_timeout,
                            body_timeout_s=args.body_timeout,
-                           max_sessions=args.max_sessions, max_models=args.max_models)
+                           max_sessions=args.max_sessions, max_models=args.max_models,
+                           max_stored_bytes=args.max_stored_bytes)
     return serve(options)
 
 
@@ -64,5 +65,18 @@ def add_command(commands) -> None:
     serve.add_argument("--max-models", type=int, default=16, metavar="N",
                        help="training models one API key may hold at once (16); a model is released when its "
                             "session ends, its checkpoints stay")
+    serve.add_argument("--max-stored-bytes", type=_size, default="50GiB", metavar="SIZE",
+                       help="bytes the checkpoints of one API key's runs may hold on disk (50GiB; 512MiB, 2TB or a "
+                            "number of bytes); a save past it is refused with 429 until checkpoints are deleted")
     serve.set_defaults(func=cmd_serve)
+
+
+def _size(text: str) -> int:
+    """``--max-stored-bytes``: a size such as 50GiB, as bytes (argparse's error names the option otherwise)."""
+    from rlrunbook.rl.setup.memory_plan import parse_size
+
+    try:
+        return parse_size(text, "--max-stored-bytes")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 

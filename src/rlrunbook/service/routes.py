@@ -29,7 +29,7 @@ from tinker import types
 
 from rlrunbook.errors import InputError, ModelNotFoundError, RlrunbookError
 from rlrunbook.service.futures import CallFailedError
-from rlrunbook.service.holdings import TenantLimitError
+from rlrunbook.service.holdings import StorageLimitError, TenantLimitError
 from rlrunbook.service.records import ModelRestartedError, SessionEndedError, UnknownIdError, dump
 from rlrunbook.service.state import ServeState
 from rlrunbook.service.wire import decode_forward_backward
@@ -107,6 +107,8 @@ def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
         except ClientDisconnect:  # the client left, or its body ran out of time: nobody reads this answer
             return JSONResponse({"detail": "the client disconnected before its request body arrived."},
                                 status_code=400)
+        except StorageLimitError as error:  # waiting does not make room: the SDK raises it at once
+            return JSONResponse({"detail": str(error)}, status_code=429, headers={"x-should-retry": "false"})
         except TenantLimitError as error:
             return JSONResponse({"detail": str(error)}, status_code=429)
         except SessionEndedError as error:

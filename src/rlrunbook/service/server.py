@@ -53,6 +53,7 @@ class ServeOptions:
         forget_after_s: an ended session, its models, samplers and request ids are forgotten (memory and store)
             this long after it ended; until then their ids answer why it ended, after it as unknown ones.
         max_sessions, max_models: what one tenant (key) may hold at once; more is refused with 429.
+        max_stored_bytes: the bytes one tenant's checkpoints may hold on disk; a save past it is refused with 429.
         header_timeout_s, body_timeout_s: a request's headers, then its whole body, must arrive within these
             (408 and the connection closed otherwise; :mod:`rlrunbook.service.deadlines`).
     """
@@ -67,6 +68,7 @@ class ServeOptions:
     forget_after_s: float = DEFAULT_FORGET_AFTER_S
     max_sessions: int = TenantLimits.sessions
     max_models: int = TenantLimits.models
+    max_stored_bytes: int = TenantLimits.stored_bytes
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
@@ -104,6 +106,9 @@ def check_options(options: ServeOptions) -> None:
     if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
         raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
                           "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
+    if options.max_stored_bytes < 1:
+        raise ConfigError(f"--max-stored-bytes {options.max_stored_bytes} must be at least 1 byte (write it like "
+                          "50GiB).")
     for option, value in (("--header-timeout", options.header_timeout_s), ("--body-timeout", options.body_timeout_s)):
         if not 0.1 <= value <= 3600:
             raise ConfigError(f"{option} {value:g} must be from 0.1 to 3,600 seconds.")
@@ -123,7 +128,8 @@ def build_app(service, options: ServeOptions):
     app = Starlette(routes=routes())
     store = ServeStore(service.settings.resolved_storage_dir())
     app.state.serve = ServeState(service, store, options.session_timeout_s,
-                                 TenantLimits(options.max_sessions, options.max_models), options.forget_after_s)
+                                 TenantLimits(options.max_sessions, options.max_models, options.max_stored_bytes),
+                                 options.forget_after_s)
     app.state.max_body_bytes = options.max_body_bytes
     return Admission(app, options.api_keys, options.max_body_bytes)
 

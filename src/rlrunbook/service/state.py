@@ -22,7 +22,8 @@ from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
 from rlrunbook.service.futures import FutureRegistry
-from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, Holdings, TenantLimits
+from rlrunbook.backend.storage import folder_size
+from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, Holdings, StorageLimitError, TenantLimits
 from rlrunbook.service.models import Models
 from rlrunbook.service.ownership import Ownership
 from rlrunbook.service.records import dump
@@ -95,10 +96,33 @@ class ServeState:
         return self.models.optim_step(request, tenant)
 
     def save_weights(self, request: types.SaveWeightsRequest, tenant: str) -> dict:
-        return self.models.save_weights(request, tenant)
+        return self.models.save_weights(request, tenant, lambda kind: self._admit_save(request.model_id, kind, tenant))
 
     def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest, tenant: str) -> dict:
-        return self.models.save_weights_for_sampler(request, tenant)
+        return self.models.save_weights_for_sampler(
+            request, tenant, lambda kind: self._admit_save(request.model_id, kind, tenant))
+
+    def stored_bytes(self, tenant: str) -> int:
+        """The bytes on disk of every checkpoint of ``tenant``'s runs (what ``--max-stored-bytes`` bounds)."""
+        store = self.service._store
+        runs = {row["run_id"] for row in self.store.runs() if row["tenant"] == tenant}
+        return sum(folder_size(folder) for run in runs for _, folder in store.checkpoints(run))
+
+    def _admit_save(self, model_id: str, kind: str, tenant: str) -> None:
+        """``StorageLimitError`` (429) when ``tenant``'s checkpoints plus this save would exceed the limit; the
+        save is expected to write as much as the model's run's last checkpoint of ``kind`` (nothing known before
+        its first)."""
+        limit = self.holdings.limits.stored_bytes
+        used = self.stored_bytes(tenant)
+        runs = [row["run_id"] for row in self.store.runs() if row["model_id"] == model_id and row["tenant"] == tenant]
+        same_kind = [folder for _, folder in self.service._store.checkpoints(runs[-1])
+                     if folder.parent.name == kind] if runs else []
+        expected = folder_size(same_kind[-1]) if same_kind else 0
+        if used + expected > limit:
+            raise StorageLimitError(
+                f"this key's checkpoints hold {used:,} bytes; this save (about {expected:,} more) would pass the "
+                f"server's limit per key (--max-stored-bytes {limit:,}). Delete checkpoints you no longer need "
+                "(RestClient.delete_checkpoint_from_tinker_path), or ask the operator to raise the limit.")
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
         """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`); a
