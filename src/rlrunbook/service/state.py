@@ -21,8 +21,8 @@ from datetime import datetime
 from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
-from rlrunbook.service.futures import FutureRegistry
 from rlrunbook.backend.storage import folder_size
+from rlrunbook.service.futures import FutureRegistry
 from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, Holdings, StorageLimitError, TenantLimits
 from rlrunbook.service.models import Models
 from rlrunbook.service.ownership import Ownership
