@@ -16,8 +16,9 @@ a save that returned is on disk.
 Adapters are peft folders (``adapter_config.json``, ``adapter_model.safetensors``); optimizer
 state is a ``torch.save`` of tensors and plain numbers, read back with ``weights_only=True``.
 Nothing here unpickles arbitrary objects. A TTL is recorded in the checkpoint's
-``rlrunbook_checkpoint.json`` and listed as the checkpoint's ``expires_at``; local checkpoints
-are never deleted when it passes (delete them with the RestClient).
+``rlrunbook_checkpoint.json`` and listed as the checkpoint's ``expires_at``; in process nothing deletes a
+checkpoint when it passes (delete them with the RestClient), while ``rlrunbook serve`` removes expired ones
+(:meth:`CheckpointStore.remove_expired`).
 """
 
 from __future__ import annotations
@@ -216,6 +217,29 @@ class CheckpointStore:
 
     def delete(self, path: TinkerPath) -> None:
         shutil.rmtree(self.existing_folder(path, encrypted_ok=True))
+
+    def remove_expired(self, now: datetime | None = None) -> list[TinkerPath]:
+        """Remove every checkpoint whose recorded expiry (:func:`set_expiry`) is at or before ``now`` (UTC; default
+        the current time): its folder (adapter, optimizer state, expiry record) is first renamed hidden, so it
+        is no longer listed or loaded, then deleted. The paths removed."""
+        now = now or datetime.now(timezone.utc)
+        removed = []
+        for model_id in self.run_ids():
+            for path, folder in self.checkpoints(model_id):
+                try:
+                    expires = expires_at(folder)
+                except (OSError, ValueError, KeyError, TypeError):  # an unreadable record is not an expiry
+                    continue
+                if expires is None or expires > now:
+                    continue
+                doomed = folder.with_name(f".{folder.name}.expired-{secrets.token_hex(4)}")
+                try:
+                    folder.rename(doomed)
+                except OSError:  # removed or replaced meanwhile
+                    continue
+                shutil.rmtree(doomed, ignore_errors=True)
+                removed.append(path)
+        return removed
 
     def copy(self, source: TinkerPath, model_id: str) -> TinkerPath:
         """A byte copy of ``source`` as the same kind and name under run ``model_id``, without its expiry."""

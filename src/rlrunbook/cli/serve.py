@@ -22,7 +22,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, storage=Path(args.storage) if args.storage else None,
                            api_keys=keys_from(args.api_key, os.environ.get(API_KEY_ENV)), device=args.device,
                            max_body_bytes=args.max_body_mib * 2**20, session_timeout_s=args.session_timeout,
-                           max_sessions=args.max_sessions, max_models=args.max_models)
+                           forget_after_s=args.forget_after, header_timeout_s=args.header_timeout,
+                           body_timeout_s=args.body_timeout,
+                           max_sessions=args.max_sessions, max_models=args.max_models,
+                           max_stored_bytes=args.max_stored_bytes)
     return serve(options)
 
 
@@ -46,6 +49,15 @@ def add_command(commands) -> None:
     serve.add_argument("--session-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="a session whose client sent no heartbeat for this long expires and its models' "
                             "memory is freed (300; the SDK sends one every 10 s); saved checkpoints stay")
+    serve.add_argument("--forget-after", type=float, default=3600.0, metavar="SECONDS",
+                       help="an ended (expired or closed) session and its models, samplers and request ids are "
+                            "forgotten this long after it ended (3600); until then their ids answer why it ended")
+    serve.add_argument("--header-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a request's line and headers must arrive within this long of the connection opening "
+                            "(or of the request's first byte) (30); else 408 and the connection is closed")
+    serve.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a request's whole body must arrive within this long of its headers (60); else 408 and "
+                            "the connection is closed")
     # The defaults are ServeOptions' (a test holds them equal; importing the service here would load torch).
     serve.add_argument("--max-sessions", type=int, default=64, metavar="N",
                        help="active sessions (ServiceClients) one API key may hold at once (64); more are refused "
@@ -53,5 +65,18 @@ def add_command(commands) -> None:
     serve.add_argument("--max-models", type=int, default=16, metavar="N",
                        help="training models one API key may hold at once (16); a model is released when its "
                             "session ends, its checkpoints stay")
+    serve.add_argument("--max-stored-bytes", type=_size, default="50GiB", metavar="SIZE",
+                       help="bytes the checkpoints of one API key's runs may hold on disk (50GiB; 512MiB, 2TB or a "
+                            "number of bytes); a save past it is refused with 429 until checkpoints are deleted")
     serve.set_defaults(func=cmd_serve)
+
+
+def _size(text: str) -> int:
+    """``--max-stored-bytes``: a size such as 50GiB, as bytes (argparse's error names the option otherwise)."""
+    from rlrunbook.rl.setup.memory_plan import parse_size
+
+    try:
+        return parse_size(text, "--max-stored-bytes")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -13,7 +13,8 @@ Modules, bottom up: :mod:`~rlrunbook.service.wire` (the SDK's protobuf bodies, b
 (sampling sessions, sample), :mod:`~rlrunbook.service.models` (training models and their calls in ``seq_id``
 order), :mod:`~rlrunbook.service.recovery` (what a restart finds), :mod:`~rlrunbook.service.state` (the one
 object the routes call), :mod:`~rlrunbook.service.admission` (API key, body size),
-:mod:`~rlrunbook.service.routes` (HTTP to state), :mod:`~rlrunbook.service.server` (options, bind, run).
+:mod:`~rlrunbook.service.routes` (HTTP to state), :mod:`~rlrunbook.service.deadlines` (header and body read
+deadlines of each connection), :mod:`~rlrunbook.service.server` (options, bind, run).
 
 Why Starlette under uvicorn: the SDK's protocol is a few dozen plain routes with JSON or protobuf bodies and
 long-polled futures, so an ASGI toolkit fits it without a framework's schema layer: Starlette gives routing,

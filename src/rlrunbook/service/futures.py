@@ -151,6 +151,13 @@ class FutureRegistry:
                     if entry.delivered_at is not None and entry.delivered_at < horizon]:
             del self._entries[rid]
 
+    def forget(self, owners: set[str]) -> None:
+        """Drop the request ids of ``owners`` (models and samplers of a forgotten session) from memory; their
+        rows go with the session's (:meth:`ServeStore.forget_session`), so they answer as unknown (404)."""
+        with self._lock:
+            for rid in [rid for rid, entry in self._entries.items() if entry.owner in owners]:
+                del self._entries[rid]
+
     def pending(self) -> dict[str | None, int]:
         """How many calls of each owner (a model or sampler id) have not finished yet."""
         counts: dict[str | None, int] = {}

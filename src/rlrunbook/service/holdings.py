@@ -22,20 +22,33 @@ class TenantLimitError(RlrunbookError, RuntimeError):
     """A tenant holds as many sessions or models as the server allows (HTTP 429, which the SDK retries later)."""
 
 
+class StorageLimitError(TenantLimitError):
+    """A save that would take a tenant's checkpoints past ``--max-stored-bytes`` (HTTP 429, not retried: only
+    deleting checkpoints makes room)."""
+
+
 @dataclass(frozen=True)
 class TenantLimits:
     """What one tenant may hold at once: active sessions and training models not yet released (the serve options
-    ``--max-sessions`` and ``--max-models``). A session ends with its client's ``close`` or its expiry."""
+    ``--max-sessions`` and ``--max-models``; a session ends with its client's ``close`` or its expiry), and the
+    bytes of the checkpoints of its runs on disk (``--max-stored-bytes``)."""
 
     sessions: int = 64
     models: int = 16
+    stored_bytes: int = 50 * 2**30
+
+
+DEFAULT_FORGET_AFTER_S = 3600.0  # an ended session's ids answer why it ended for an hour, then are unknown
 
 
 class Holdings:
-    """Sessions, models and samplers by id for every tenant; ``session_timeout_s`` is what an expiry names."""
+    """Sessions, models and samplers by id for every tenant; ``session_timeout_s`` is what an expiry names;
+    an ended session and what it held are forgotten ``forget_after_s`` after it ended."""
 
-    def __init__(self, session_timeout_s: float, limits: TenantLimits = TenantLimits()):
+    def __init__(self, session_timeout_s: float, limits: TenantLimits = TenantLimits(),
+                 forget_after_s: float = DEFAULT_FORGET_AFTER_S):
         self.session_timeout_s = session_timeout_s
+        self.forget_after_s = forget_after_s
         self.limits = limits
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}

@@ -21,7 +21,7 @@ from tinker import types
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
 from rlrunbook.errors import InputError
 from rlrunbook.service.futures import FutureRegistry, SeqOrder
-from rlrunbook.service.holdings import Holdings
+from rlrunbook.service.holdings import Holdings, TenantLimitError
 from rlrunbook.service.records import (
     Model,
     ModelRestartedError,
@@ -103,11 +103,14 @@ class Models:
         return dump(client.get_info().model_copy(update={"model_id": request.model_id}))
 
     def _sequenced(self, model_id: str, seq_id: int | None, tenant: str, call: Callable[[Any], Any],
-                   encode: Callable[[Any], Any], *, restores: bool = False) -> dict:
+                   encode: Callable[[Any], Any], *, restores: bool = False,
+                   admit: Callable[[], None] | None = None) -> dict:
         """Queue ``call(local training client)`` as this model's call ``seq_id``; the body names its request id.
 
         On a model a restart left without weights only a call that ``restores`` them runs (``call(None)``);
-        the others fail naming the last saved state."""
+        the others fail naming the last saved state. ``admit`` may refuse the call before it is queued with a
+        :class:`TenantLimitError` (HTTP 429), which is raised; its ``seq_id`` is taken all the same, so the
+        client's later calls do not wait for it."""
         model = self.holdings.model(model_id, tenant)
         if seq_id is None:
             raise InputError(f"a call of model {model_id} without seq_id; the SDK numbers every call of a "
@@ -116,6 +119,17 @@ class Models:
             known = self.store.call_future(model_id, "call", seq_id)
             if known is not None:
                 return {"request_id": known, "model_id": model_id}
+
+            if admit is not None:
+                try:
+                    admit()
+                except TenantLimitError as error:
+                    refusal = error
+                    model.order.submit(seq_id, lambda: _raise(refusal))  # nobody polls it: it only takes the seq_id
+                    if seq_id > model.last_seq:
+                        model.last_seq = seq_id
+                        self.store.model_update(model_id, last_seq=seq_id)
+                    raise
 
             def run():
                 if model.status == "restarted" and not restores:
@@ -140,7 +154,10 @@ class Models:
         return self._sequenced(request.model_id, request.seq_id, tenant,
                                lambda client: client.optim_step(request.optim_params), dump)
 
-    def save_weights(self, request: types.SaveWeightsRequest, tenant: str) -> dict:
+    def save_weights(self, request: types.SaveWeightsRequest, tenant: str,
+                     admit: Callable[[str], None] = lambda kind: None) -> dict:
+        """``save_state``: the model's adapter and optimizer state under ``weights/<path>``, in its turn;
+        ``admit("weights")`` may refuse it first (see :meth:`_sequenced`)."""
         model = self.holdings.model(request.model_id, tenant)
 
         def call(client):
@@ -152,9 +169,12 @@ class Models:
             self.store.model_update(model.model_id, last_saved=saved.path)
             return saved
 
-        return self._sequenced(request.model_id, request.seq_id, tenant, call, dump)
+        return self._sequenced(request.model_id, request.seq_id, tenant, call, dump, admit=lambda: admit("weights"))
 
-    def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest, tenant: str) -> dict:
+    def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest, tenant: str,
+                                 admit: Callable[[str], None] = lambda kind: None) -> dict:
+        """Named: the adapter under ``sampler_weights/<path>`` (``admit("sampler_weights")`` may refuse it first);
+        nameless: a sampling session of the weights in memory (nothing written)."""
         model = self.holdings.model(request.model_id, tenant)
 
         def call(client):
@@ -170,7 +190,9 @@ class Models:
                                       snapshot=True))
             return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
 
-        return self._sequenced(request.model_id, request.seq_id, tenant, call, dump)
+        writes = request.path is not None
+        return self._sequenced(request.model_id, request.seq_id, tenant, call, dump,
+                               admit=(lambda: admit("sampler_weights")) if writes else None)
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str,
                      check_path: Callable[[str], None] = lambda path: None) -> dict:
@@ -219,3 +241,7 @@ class Models:
         model.client, model.status = made, "live"
         self.store.model_update(model.model_id, run_id=client.model_id, status="live")
         return client
+
+
+def _raise(error: BaseException):
+    raise error

@@ -1,10 +1,11 @@
 """Who may read a run's checkpoints: its tenant.
 
-A run made through this server belongs to the tenant whose key created its model (the store's ``models``
-table). Another tenant's run answers as an unknown one, by run id and by ``tinker://`` path alike, and is left
+A run made through this server belongs to the tenant whose key created its model (the store's ``runs``
+table, which keeps it after the model's session is forgotten). Another tenant's run answers as an unknown one, by run id and by ``tinker://`` path alike, and is left
 out of listings; a run the store does not know (one written into the storage by another process, such as a
 training run in process) is the operator's and visible to every tenant. Without keys there is one tenant.
-An SDK model id (``<session>:train:<n>``) names its run wherever a run id is taken.
+An SDK model id (``<session>:train:<n>``) names its run (the latest, if a restart made it again) wherever a
+run id is taken.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class Ownership:
         self.store = store
 
     def _rows(self) -> list[dict]:
-        return self.store.models()
+        return self.store.runs()
 
     def owner(self, run_id: str) -> str | None:
         """The tenant whose model made run ``run_id``; None for a run this server did not make."""
@@ -32,9 +33,9 @@ class Ownership:
     def run_id(self, run_or_model_id: str, tenant: str) -> str:
         """The storage's run id for ``run_or_model_id``: itself, or the run of this tenant's SDK model id;
         ``ModelNotFoundError`` (404) for a run of another tenant, as for one that does not exist."""
-        row = next((row for row in self._rows() if row["model_id"] == run_or_model_id), None)
-        if row is not None and row["tenant"] == tenant and row["run_id"]:
-            return row["run_id"]
+        made = [row for row in self._rows() if row["model_id"] == run_or_model_id and row["tenant"] == tenant]
+        if made:
+            return made[-1]["run_id"]
         self.check_run(run_or_model_id, tenant)
         return run_or_model_id
 
@@ -44,7 +45,7 @@ class Ownership:
 
     def visible_to(self, tenant: str) -> Callable[[str], bool]:
         """:meth:`visible` for many runs: the store is read once, for a listing."""
-        owners = {row["run_id"]: row["tenant"] for row in self._rows() if row["run_id"]}
+        owners = {row["run_id"]: row["tenant"] for row in self._rows()}
         return lambda run_id: owners.get(run_id, tenant) == tenant
 
     def check_run(self, run_id: str, tenant: str) -> None:

@@ -45,6 +45,7 @@ class Session:
     created: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
     status: str = "active"  # | "finished" | "expired"
+    ended: float | None = None  # time.monotonic() when it ended (or when a restart found it ended)
 
 
 @dataclass

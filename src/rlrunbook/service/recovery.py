@@ -1,13 +1,16 @@
 """Restart recovery: what an earlier server on the same storage acknowledged, filed again from the store.
 
 Sessions, models and samplers come back as their records say; a session gets a full timeout to send its next
-heartbeat. A model that was live comes back ``restarted``: its weights died with the earlier server, so its
+heartbeat, and one that had ended is forgotten a full grace period after the restart (when it ended is not
+recorded). A model that was live comes back ``restarted``: its weights died with the earlier server, so its
 calls are refused (naming its last saved state) until ``load_state``; its next ``seq_id`` follows the last
 one accepted. A sampler's client is made again on its first use (one of weights held in memory only is
 refused). A request that was still pending fails, answering that the server restarted.
 """
 
 from __future__ import annotations
+
+import time
 
 from rlrunbook.service.futures import SeqOrder
 from rlrunbook.service.holdings import Holdings
@@ -24,10 +27,12 @@ def restore(holdings: Holdings, store: ServeStore) -> dict[str, int]:
     of sessions, models and futures failed."""
     pending = store.fail_pending(RESTARTED)
     store.sweep()
+    now = time.monotonic()
     for row in store.sessions():
         status = row["status"]
         holdings.sessions[row["session_id"]] = Session(row["session_id"], row["tenant"], row["user_metadata"],
-                                                       created=row["created"], status=status)
+                                                       created=row["created"], status=status,
+                                                       ended=None if status == "active" else now)
     for row in store.models():
         status = "restarted" if row["status"] == "live" else row["status"]
         if status != row["status"]:

@@ -22,14 +22,14 @@ from collections.abc import Awaitable, Callable
 
 import pydantic
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tinker import types
 
 from rlrunbook.errors import InputError, ModelNotFoundError, RlrunbookError
 from rlrunbook.service.futures import CallFailedError
-from rlrunbook.service.holdings import TenantLimitError
+from rlrunbook.service.holdings import StorageLimitError, TenantLimitError
 from rlrunbook.service.records import ModelRestartedError, SessionEndedError, UnknownIdError, dump
 from rlrunbook.service.state import ServeState
 from rlrunbook.service.wire import decode_forward_backward
@@ -104,6 +104,11 @@ def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
             return await handler(request, request.app.state.serve)
         except BodyTooLargeError as error:
             return JSONResponse({"detail": str(error)}, status_code=413)
+        except ClientDisconnect:  # the client left, or its body ran out of time: nobody reads this answer
+            return JSONResponse({"detail": "the client disconnected before its request body arrived."},
+                                status_code=400)
+        except StorageLimitError as error:  # waiting does not make room: the SDK raises it at once
+            return JSONResponse({"detail": str(error)}, status_code=429, headers={"x-should-retry": "false"})
         except TenantLimitError as error:
             return JSONResponse({"detail": str(error)}, status_code=429)
         except SessionEndedError as error:

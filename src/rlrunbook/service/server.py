@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlrunbook.errors import ConfigError
-from rlrunbook.service.holdings import TenantLimits
+from rlrunbook.service.deadlines import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, TenantLimits
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S
 
 API_KEY_ENV = "RLRUNBOOK_SERVE_API_KEY"  # one key, or several separated by commas (one tenant each)
@@ -25,6 +26,7 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_MIB = 64
 LOCK_FILE = "serve.lock"
 SERVE_BATCH_WINDOW_MS = 20
+CHECKPOINT_SWEEP_S = 60.0  # how often expired checkpoints are looked for (a TTL is at least an hour)
 
 logger = logging.getLogger("rlrunbook.serve")
 
@@ -48,7 +50,12 @@ class ServeOptions:
         device: the torch device of the local backend (None: ``TINKER_LOCAL_DEVICE``, else cuda if available).
         max_body_bytes: the largest request body accepted (413 above it).
         session_timeout_s: a session without a heartbeat for this long expires and its models are released.
+        forget_after_s: an ended session, its models, samplers and request ids are forgotten (memory and store)
+            this long after it ended; until then their ids answer why it ended, after it as unknown ones.
         max_sessions, max_models: what one tenant (key) may hold at once; more is refused with 429.
+        max_stored_bytes: the bytes one tenant's checkpoints may hold on disk; a save past it is refused with 429.
+        header_timeout_s, body_timeout_s: a request's headers, then its whole body, must arrive within these
+            (408 and the connection closed otherwise; :mod:`rlrunbook.service.deadlines`).
     """
 
     host: str = "127.0.0.1"
@@ -58,8 +65,12 @@ class ServeOptions:
     device: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_MIB * 2**20
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
+    forget_after_s: float = DEFAULT_FORGET_AFTER_S
     max_sessions: int = TenantLimits.sessions
     max_models: int = TenantLimits.models
+    max_stored_bytes: int = TenantLimits.stored_bytes
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
 def is_loopback(host: str) -> bool:
@@ -95,6 +106,14 @@ def check_options(options: ServeOptions) -> None:
     if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
         raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
                           "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
+    if options.max_stored_bytes < 1:
+        raise ConfigError(f"--max-stored-bytes {options.max_stored_bytes} must be at least 1 byte (write it like "
+                          "50GiB).")
+    for option, value in (("--header-timeout", options.header_timeout_s), ("--body-timeout", options.body_timeout_s)):
+        if not 0.1 <= value <= 3600:
+            raise ConfigError(f"{option} {value:g} must be from 0.1 to 3,600 seconds.")
+    if not 0 <= options.forget_after_s <= 365 * 24 * 3600:
+        raise ConfigError(f"--forget-after {options.forget_after_s:g} must be from 0 seconds to a year.")
 
 
 def build_app(service, options: ServeOptions):
@@ -109,7 +128,8 @@ def build_app(service, options: ServeOptions):
     app = Starlette(routes=routes())
     store = ServeStore(service.settings.resolved_storage_dir())
     app.state.serve = ServeState(service, store, options.session_timeout_s,
-                                 TenantLimits(options.max_sessions, options.max_models))
+                                 TenantLimits(options.max_sessions, options.max_models, options.max_stored_bytes),
+                                 options.forget_after_s)
     app.state.max_body_bytes = options.max_body_bytes
     return Admission(app, options.api_keys, options.max_body_bytes)
 
@@ -157,18 +177,33 @@ def keep_freed_memory() -> str | None:
     return "freed memory kept for reuse (glibc: no mmap for large blocks, no trimming)" if done else None
 
 
-async def expire_sessions(state, period_s: float) -> None:
-    """Every ``period_s``: end the sessions whose heartbeats stopped (their models' memory is freed)."""
+async def expire_sessions(state, period_s: float, checkpoint_period_s: float = CHECKPOINT_SWEEP_S) -> None:
+    """Every ``period_s``: end the sessions whose heartbeats stopped (their models' memory freed by one
+    collection per sweep) and forget those ended longer than the grace period; every ``checkpoint_period_s``:
+    remove the checkpoints whose TTL has passed."""
+    loop = asyncio.get_running_loop()
+    next_checkpoints = loop.time()
     while True:
         await asyncio.sleep(period_s)
         try:
-            ended = await asyncio.to_thread(state.expire_idle)
+            swept = await asyncio.to_thread(state.sweep)
         except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
             logger.exception("expiring idle sessions failed")
+        else:
+            for session_id in swept.expired:
+                print(f"rlrunbook serve: session {session_id} expired (no heartbeat for "
+                      f"{state.session_timeout_s:g} s); its models were released", file=sys.stderr, flush=True)
+        if loop.time() < next_checkpoints:
             continue
-        for session_id in ended:
-            print(f"rlrunbook serve: session {session_id} expired (no heartbeat for {state.session_timeout_s:g} s); "
-                  "its models were released", file=sys.stderr, flush=True)
+        next_checkpoints = loop.time() + checkpoint_period_s
+        try:
+            removed = await asyncio.to_thread(state.remove_expired_checkpoints)
+        except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
+            logger.exception("removing expired checkpoints failed")
+            continue
+        for path in removed:
+            print(f"rlrunbook serve: checkpoint {path} expired (its TTL passed) and was removed", file=sys.stderr,
+                  flush=True)
 
 
 def local_service(options: ServeOptions):
@@ -217,6 +252,16 @@ def serve(options: ServeOptions) -> int:
         return _serve(options, stack)
 
 
+def uvicorn_config(app, options: ServeOptions):
+    """How uvicorn serves ``app``: quietly, its h11 protocol with the options' header and body deadlines."""
+    import uvicorn
+
+    from rlrunbook.service.deadlines import deadline_protocol
+
+    return uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                          http=deadline_protocol(options.header_timeout_s, options.body_timeout_s))
+
+
 def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
     import uvicorn
 
@@ -237,8 +282,7 @@ def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
         print(f"rlrunbook serve: restarted on this storage: {restored['sessions']} session(s) and "
               f"{restored['models']} training model(s) known; {restored['pending_failed']} request(s) that were "
               "pending now answer that the server restarted", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, options))
     url = base_url(options.host, sock.getsockname()[1])
 
     async def run() -> None:

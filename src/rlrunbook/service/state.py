@@ -16,18 +16,20 @@ body of the response; a queued call's body carries the request id the SDK then p
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
+from rlrunbook.backend.storage import folder_size
 from rlrunbook.service.futures import FutureRegistry
-from rlrunbook.service.holdings import Holdings, TenantLimits
+from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, Holdings, StorageLimitError, TenantLimits
 from rlrunbook.service.models import Models
 from rlrunbook.service.ownership import Ownership
 from rlrunbook.service.records import dump
 from rlrunbook.service.recovery import restore
 from rlrunbook.service.samplers import Samplers
-from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions
+from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions, Swept
 from rlrunbook.service.store import ServeStore
 from rlrunbook.service.wire import ForwardBackwardCall
 
@@ -36,13 +38,14 @@ class ServeState:
     """The server's sessions, models and samplers over one local ServiceClient (see the module docstring)."""
 
     def __init__(self, service: LocalServiceClient, store: ServeStore,
-                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits()):
+                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits(),
+                 forget_after_s: float = DEFAULT_FORGET_AFTER_S):
         self.service = service
         self.store = store
         self.futures = FutureRegistry(store)
         self.rest = LocalRestClient(service._store)
-        self.holdings = Holdings(session_timeout_s, limits)
-        self.sessions = Sessions(self.holdings, service, store)
+        self.holdings = Holdings(session_timeout_s, limits, forget_after_s)
+        self.sessions = Sessions(self.holdings, service, store, self.futures)
         self.samplers = Samplers(self.holdings, service, store, self.futures)
         self.models = Models(self.holdings, service, store, self.futures, self.rest, self.samplers)
         self.restored = restore(self.holdings, store)
@@ -74,6 +77,11 @@ class ServeState:
         """End every active session whose last heartbeat is older than the timeout; the ids ended."""
         return self.sessions.expire_idle(now)
 
+    def sweep(self, now: float | None = None) -> Swept:
+        """End the idle sessions (one collection for all of them) and forget those ended longer than the grace
+        period (:meth:`Sessions.sweep`); ``now`` is ``time.monotonic()``'s clock."""
+        return self.sessions.sweep(now)
+
     # -- training models ----------------------------------------------------------------------------------
     def create_model(self, request: types.CreateModelRequest, tenant: str) -> dict:
         return self.models.create_model(request, tenant)
@@ -88,10 +96,33 @@ class ServeState:
         return self.models.optim_step(request, tenant)
 
     def save_weights(self, request: types.SaveWeightsRequest, tenant: str) -> dict:
-        return self.models.save_weights(request, tenant)
+        return self.models.save_weights(request, tenant, lambda kind: self._admit_save(request.model_id, kind, tenant))
 
     def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest, tenant: str) -> dict:
-        return self.models.save_weights_for_sampler(request, tenant)
+        return self.models.save_weights_for_sampler(
+            request, tenant, lambda kind: self._admit_save(request.model_id, kind, tenant))
+
+    def stored_bytes(self, tenant: str) -> int:
+        """The bytes on disk of every checkpoint of ``tenant``'s runs (what ``--max-stored-bytes`` bounds)."""
+        store = self.service._store
+        runs = {row["run_id"] for row in self.store.runs() if row["tenant"] == tenant}
+        return sum(folder_size(folder) for run in runs for _, folder in store.checkpoints(run))
+
+    def _admit_save(self, model_id: str, kind: str, tenant: str) -> None:
+        """``StorageLimitError`` (429) when ``tenant``'s checkpoints plus this save would exceed the limit; the
+        save is expected to write as much as the model's run's last checkpoint of ``kind`` (nothing known before
+        its first)."""
+        limit = self.holdings.limits.stored_bytes
+        used = self.stored_bytes(tenant)
+        runs = [row["run_id"] for row in self.store.runs() if row["model_id"] == model_id and row["tenant"] == tenant]
+        same_kind = [folder for _, folder in self.service._store.checkpoints(runs[-1])
+                     if folder.parent.name == kind] if runs else []
+        expected = folder_size(same_kind[-1]) if same_kind else 0
+        if used + expected > limit:
+            raise StorageLimitError(
+                f"this key's checkpoints hold {used:,} bytes; this save (about {expected:,} more) would pass the "
+                f"server's limit per key (--max-stored-bytes {limit:,}). Delete checkpoints you no longer need "
+                "(RestClient.delete_checkpoint_from_tinker_path), or ask the operator to raise the limit.")
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
         """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`); a
@@ -145,8 +176,26 @@ class ServeState:
         return dump(self.rest.get_weights_info_by_tinker_path(path).result())
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
-        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed."""
-        self.rest.delete_checkpoint(self.ownership.run_id(run_id, tenant), checkpoint_id).result()
+        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed, and
+        no model names it as its last saved state any more."""
+        run = self.ownership.run_id(run_id, tenant)
+        self.rest.delete_checkpoint(run, checkpoint_id).result()
+        self._gone([f"tinker://{run}/{checkpoint_id}"])
+
+    def remove_expired_checkpoints(self, now: datetime | None = None) -> list[str]:
+        """Remove every checkpoint of the storage whose TTL (set at save or by ``PUT .../ttl``) has passed at
+        ``now`` (UTC; default the current time): its folder, adapter and optimizer state included, so listings
+        and loads no longer find it, and a model's record of it as its last saved state. The paths removed."""
+        removed = [path.path for path in self.service._store.remove_expired(now)]
+        self._gone(removed)
+        return removed
+
+    def _gone(self, paths: list[str]) -> None:
+        """Checkpoints ``paths`` no longer exist: a model that last saved one of them has no saved state now."""
+        gone = set(paths)
+        for model in [m for m in list(self.holdings.models.values()) if m.last_saved in gone]:
+            model.last_saved = None
+            self.store.model_update(model.model_id, last_saved=None)
 
     def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None, tenant: str) -> None:
         path = f"tinker://{self.ownership.run_id(run_id, tenant)}/{checkpoint_id}"

@@ -48,6 +48,8 @@ CREATE TABLE IF NOT EXISTS futures (
   status TEXT NOT NULL, body BLOB, media TEXT, error TEXT, category TEXT, created REAL NOT NULL,
   finished REAL, delivered REAL);
 CREATE INDEX IF NOT EXISTS futures_by_call ON futures (owner, kind, seq_id);
+CREATE TABLE IF NOT EXISTS runs (
+  run_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, model_id TEXT NOT NULL, created REAL NOT NULL);
 """
 
 
@@ -93,6 +95,9 @@ class ServeStore:
             elif int(found[0]) != SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} has schema {found[0]}, this rlrunbook reads {SCHEMA_VERSION}; "
                                    "serve from another --storage folder.")
+            # A store written before the runs table: its models' runs become rows of it (idempotent).
+            self._db.execute("INSERT OR IGNORE INTO runs SELECT run_id, tenant, model_id, created FROM models "
+                             "WHERE run_id IS NOT NULL")
 
     def close(self) -> None:
         with self._lock:
@@ -135,12 +140,47 @@ class ServeStore:
                  "run_id": r[5], "last_saved": r[6], "status": r[7], "last_seq": r[8]} for r in rows]
 
     def model_update(self, model_id: str, **fields: Any) -> None:
-        """Set ``run_id``, ``last_saved``, ``status``, ``last_seq`` or ``lora`` of a model."""
+        """Set ``run_id``, ``last_saved``, ``status``, ``last_seq`` or ``lora`` of a model; a ``run_id`` is also
+        recorded in the runs table, under the model's tenant, for as long as the storage holds the run."""
         assert fields and set(fields) <= {"run_id", "last_saved", "status", "last_seq", "lora"}, fields
         if "lora" in fields:
             fields["lora"] = json.dumps(fields["lora"])
         columns = ", ".join(f"{name}=?" for name in fields)
-        self._write(f"UPDATE models SET {columns} WHERE model_id=?", (*fields.values(), model_id))
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(f"UPDATE models SET {columns} WHERE model_id=?", (*fields.values(), model_id))
+                if fields.get("run_id"):
+                    self._db.execute("INSERT OR IGNORE INTO runs SELECT run_id, tenant, model_id, ? FROM models "
+                                     "WHERE model_id=?", (time.time(), model_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    # -- runs -----------------------------------------------------------------------------------
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run a model of this server made, with the tenant that owns it and the SDK model id that made
+        it, oldest first. Kept when the model's session is forgotten: ownership outlives sessions."""
+        rows = self._read("SELECT run_id, tenant, model_id FROM runs ORDER BY created, rowid")
+        return [{"run_id": r[0], "tenant": r[1], "model_id": r[2]} for r in rows]
+
+    # -- forgetting -----------------------------------------------------------------------------
+    def forget_session(self, session_id: str, model_ids: list[str], sampler_ids: list[str]) -> None:
+        """Delete, in one transaction, the rows of an ended session: it, its models and samplers, and the
+        request ids they were given (the runs its models made stay, see :meth:`runs`)."""
+        owners = [*model_ids, *sampler_ids]
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM sessions WHERE session_id=?", (session_id,))
+                self._db.executemany("DELETE FROM models WHERE model_id=?", [(m,) for m in model_ids])
+                self._db.executemany("DELETE FROM samplers WHERE sampler_id=?", [(s,) for s in sampler_ids])
+                self._db.executemany("DELETE FROM futures WHERE owner=?", [(o,) for o in owners])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     # -- samplers -------------------------------------------------------------------------------
     def add_sampler(self, sampler_id: str, session_id: str, tenant: str, base_model: str | None,

@@ -91,15 +91,16 @@ class MemoryPlan:
         return 1 if not self.micro_batch_tokens else -(-self.batch_tokens // self.micro_batch_tokens)
 
 
-def parse_size(text: str) -> int:
-    """``80GiB``, ``80GB``, ``24 GiB``, ``512MiB`` or a number of bytes, as bytes (GB read as GiB, as GPUs are sold)."""
+def parse_size(text: str, what: str = "device memory") -> int:
+    """``80GiB``, ``80GB``, ``24 GiB``, ``512MiB`` or a number of bytes, as bytes (GB read as GiB, as GPUs are sold);
+    ``ConfigError`` naming ``what`` for anything else."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?)?\s*", text, re.IGNORECASE)
     if match is None:
-        raise ConfigError(f"device memory {text!r} is not a size: write it like 80GiB, 24GB or 512MiB.")
+        raise ConfigError(f"{what} {text!r} is not a size: write it like 80GiB, 24GB or 512MiB.")
     number, unit = float(match.group(1)), (match.group(2) or "").upper().rstrip("B").rstrip("I")
     size = int(number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
     if size <= 0:
-        raise ConfigError(f"device memory {text!r} must be more than 0 bytes: write it like 80GiB.")
+        raise ConfigError(f"{what} {text!r} must be more than 0 bytes: write it like 80GiB.")
     return size
 
 
