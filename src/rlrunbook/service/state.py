@@ -27,7 +27,9 @@ from rlrunbook.service.ownership import Ownership
 from rlrunbook.service.records import dump
 from rlrunbook.service.recovery import restore
 from rlrunbook.service.samplers import Samplers
+from rlrunbook.service.session_lookup import get_session, list_sessions
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions
+from rlrunbook.service.sharing import Sharing
 from rlrunbook.service.store import ServeStore
 from rlrunbook.service.wire import ForwardBackwardCall
 
@@ -46,7 +48,8 @@ class ServeState:
         self.samplers = Samplers(self.holdings, service, store, self.futures)
         self.models = Models(self.holdings, service, store, self.futures, self.rest, self.samplers)
         self.restored = restore(self.holdings, store)
-        self.ownership = Ownership(store)
+        self.sharing = Sharing(store, service._store)
+        self.ownership = Ownership(store, self.sharing)
 
     @property
     def session_timeout_s(self) -> float:
@@ -74,6 +77,14 @@ class ServeState:
         """End every active session whose last heartbeat is older than the timeout; the ids ended."""
         return self.sessions.expire_idle(now)
 
+    def list_sessions(self, limit: int, offset: int, tenant: str) -> dict:
+        """The caller's sessions, newest first (:mod:`rlrunbook.service.session_lookup`)."""
+        return list_sessions(self.holdings, limit, offset, tenant)
+
+    def get_session(self, session_id: str, tenant: str) -> dict:
+        """The caller's session: its models' and samplers' ids and its user metadata."""
+        return get_session(self.holdings, session_id, tenant)
+
     # -- training models ----------------------------------------------------------------------------------
     def create_model(self, request: types.CreateModelRequest, tenant: str) -> dict:
         return self.models.create_model(request, tenant)
@@ -92,6 +103,9 @@ class ServeState:
 
     def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest, tenant: str) -> dict:
         return self.models.save_weights_for_sampler(request, tenant)
+
+    def save_weights_external(self, request: types.SaveWeightsExternalRequest, tenant: str) -> dict:
+        return self.models.save_weights_external(request, tenant)
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
         """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`); a
@@ -132,21 +146,49 @@ class ServeState:
         return dump(self.rest.get_training_run(self.ownership.run_id(run_id, tenant)).result())
 
     def run_checkpoints(self, run_id: str, tenant: str) -> dict:
-        return dump(self.rest.list_checkpoints(self.ownership.run_id(run_id, tenant)).result())
+        return self._marked(dump(self.rest.list_checkpoints(self.ownership.run_id(run_id, tenant)).result()))
 
     def training_runs(self, limit: int, offset: int, tenant: str) -> dict:
         return dump(self.rest.list_training_runs(limit, offset, visible=self.ownership.visible_to(tenant)).result())
 
     def user_checkpoints(self, limit: int, offset: int, tenant: str) -> dict:
-        return dump(self.rest.list_user_checkpoints(limit, offset, visible=self.ownership.visible_to(tenant)).result())
+        return self._marked(dump(self.rest.list_user_checkpoints(limit, offset,
+                                                                 visible=self.ownership.visible_to(tenant)).result()))
+
+    def _marked(self, listing: dict) -> dict:
+        """``listing``'s checkpoints with ``public`` set where they are published."""
+        published = self.sharing.published_paths()
+        for checkpoint in listing["checkpoints"]:
+            checkpoint["public"] = checkpoint["tinker_path"] in published
+        return listing
 
     def weights_info(self, path: str, tenant: str) -> dict:
         self.ownership.check_path(path, tenant)
         return dump(self.rest.get_weights_info_by_tinker_path(path).result())
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
-        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed."""
-        self.rest.delete_checkpoint(self.ownership.run_id(run_id, tenant), checkpoint_id).result()
+        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed (and
+        its publication: one saved again under its name starts private)."""
+        run = self.ownership.run_id(run_id, tenant)
+        self.rest.delete_checkpoint(run, checkpoint_id).result()
+        self.sharing.forget(f"tinker://{run}/{checkpoint_id}")
+
+    # -- sharing: published checkpoints and copies (see rlrunbook.service.sharing) ---------------------------
+    def publish(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
+        """Make a checkpoint of the caller's run readable by every tenant (by its path)."""
+        run = self.ownership.run_id(run_id, tenant)
+        self.sharing.publish(run, checkpoint_id, tenant, self.ownership.owner(run))
+
+    def unpublish(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
+        """Make a published checkpoint of the caller's run its own again."""
+        run = self.ownership.run_id(run_id, tenant)
+        self.sharing.unpublish(run, checkpoint_id, tenant, self.ownership.owner(run))
+
+    def copy_weights(self, request: types.CopyWeightsRequest, tenant: str, idempotency_key: str | None) -> dict:
+        """A copy of a checkpoint the caller may read (its own, the operator's, or a published one), as a new
+        run of the caller's; the body of ``CopyWeightsResponse``."""
+        self.ownership.check_path(request.source_path, tenant)
+        return self.sharing.copy(request, tenant, idempotency_key)
 
     def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None, tenant: str) -> None:
         path = f"tinker://{self.ownership.run_id(run_id, tenant)}/{checkpoint_id}"
