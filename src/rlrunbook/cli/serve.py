@@ -22,7 +22,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, storage=Path(args.storage) if args.storage else None,
                            api_keys=keys_from(args.api_key, os.environ.get(API_KEY_ENV)), device=args.device,
                            max_body_bytes=args.max_body_mib * 2**20, session_timeout_s=args.session_timeout,
-                           max_sessions=args.max_sessions, max_models=args.max_models)
+                           max_sessions=args.max_sessions, max_models=args.max_models,
+                           base_models=tuple(args.base_models) if args.base_models is not None else None)
     return serve(options)
 
 
@@ -53,5 +54,10 @@ def add_command(commands) -> None:
     serve.add_argument("--max-models", type=int, default=16, metavar="N",
                        help="training models one API key may hold at once (16); a model is released when its "
                             "session ends, its checkpoints stay")
+    serve.add_argument("--base-models", nargs="+", action="extend", metavar="FOLDER_OR_NAME",
+                       help="the base models clients may load: folders whose model folders may be named by path, "
+                            "and names the model registry resolves (built-ins, hub ids); repeatable. Default: the "
+                            "built-ins, the folders of the model cache and the models already in the Hugging Face "
+                            "cache. Any other base model is refused with 400")
     serve.set_defaults(func=cmd_serve)
 

@@ -49,6 +49,8 @@ class ServeOptions:
         max_body_bytes: the largest request body accepted (413 above it).
         session_timeout_s: a session without a heartbeat for this long expires and its models are released.
         max_sessions, max_models: what one tenant (key) may hold at once; more is refused with 429.
+        base_models: the base models clients may load (folders and registry names; None: the built-ins, the
+            model cache's folders and the Hugging Face cache's models; see :mod:`rlrunbook.service.base_models`).
     """
 
     host: str = "127.0.0.1"
@@ -60,6 +62,7 @@ class ServeOptions:
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
     max_sessions: int = TenantLimits.sessions
     max_models: int = TenantLimits.models
+    base_models: tuple[str, ...] | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -92,6 +95,9 @@ def check_options(options: ServeOptions) -> None:
     for option, value in (("--max-sessions", options.max_sessions), ("--max-models", options.max_models)):
         if not 1 <= value <= 100_000:
             raise ConfigError(f"{option} {value} must be from 1 to 100,000 (per API key).")
+    if options.base_models is not None and not any(value.strip() for value in options.base_models):
+        raise ConfigError("--base-models names no folder or model; give at least one (or leave the option out for "
+                          "the built-ins and the cached models).")
     if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
         raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
                           "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
@@ -102,6 +108,7 @@ def build_app(service, options: ServeOptions):
     from starlette.applications import Starlette
 
     from rlrunbook.service.admission import Admission
+    from rlrunbook.service.base_models import BaseModels
     from rlrunbook.service.routes import routes
     from rlrunbook.service.state import ServeState
     from rlrunbook.service.store import ServeStore
@@ -109,7 +116,8 @@ def build_app(service, options: ServeOptions):
     app = Starlette(routes=routes())
     store = ServeStore(service.settings.resolved_storage_dir())
     app.state.serve = ServeState(service, store, options.session_timeout_s,
-                                 TenantLimits(options.max_sessions, options.max_models))
+                                 TenantLimits(options.max_sessions, options.max_models),
+                                 base_models=BaseModels.from_option(options.base_models))
     app.state.max_body_bytes = options.max_body_bytes
     return Admission(app, options.api_keys, options.max_body_bytes)
 

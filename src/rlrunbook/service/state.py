@@ -20,6 +20,7 @@ import time
 from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
+from rlrunbook.service.base_models import BaseModels
 from rlrunbook.service.futures import FutureRegistry
 from rlrunbook.service.holdings import Holdings, TenantLimits
 from rlrunbook.service.models import Models
@@ -38,7 +39,8 @@ class ServeState:
     """The server's sessions, models and samplers over one local ServiceClient (see the module docstring)."""
 
     def __init__(self, service: LocalServiceClient, store: ServeStore,
-                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits()):
+                 session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits(),
+                 base_models: BaseModels | None = None):
         self.service = service
         self.store = store
         self.futures = FutureRegistry(store)
@@ -49,6 +51,7 @@ class ServeState:
         self.models = Models(self.holdings, service, store, self.futures, self.rest, self.samplers)
         self.restored = restore(self.holdings, store)
         self.sharing = Sharing(store, service._store)
+        self.base_models = base_models if base_models is not None else BaseModels.from_option(None)
         self.ownership = Ownership(store, self.sharing)
 
     @property
@@ -87,6 +90,7 @@ class ServeState:
 
     # -- training models ----------------------------------------------------------------------------------
     def create_model(self, request: types.CreateModelRequest, tenant: str) -> dict:
+        self.base_models.check(request.base_model)  # only the base models this server offers
         return self.models.create_model(request, tenant)
 
     def get_info(self, request: types.GetInfoRequest, tenant: str) -> dict:
@@ -109,12 +113,15 @@ class ServeState:
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
         """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`); a
-        checkpoint of another tenant's run is unknown."""
+        checkpoint of another tenant's run is unknown; a base model named besides it must be one offered."""
+        self.base_models.check(request.base_model)
         return self.models.load_weights(request, tenant, lambda path: self.ownership.check_path(path, tenant))
 
     # -- sampling -----------------------------------------------------------------------------------------
     def create_sampling_session(self, request: types.CreateSamplingSessionRequest, tenant: str) -> dict:
         self.ownership.check_path(request.model_path, tenant)  # another tenant's weights are unknown
+        if request.model_path is None:
+            self.base_models.check(request.base_model)
         return self.samplers.create_sampling_session(request, tenant)
 
     def sampler_info(self, sampler_id: str, tenant: str) -> dict:
