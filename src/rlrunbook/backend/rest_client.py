@@ -57,13 +57,19 @@ def _awaiting(name: str):
     return twin
 
 
-def copy_checkpoint(store: CheckpointStore, path: str, ttl_seconds: int | None) -> str:
+def new_run_id() -> str:
+    """A fresh run id of the local backend's form (``local-<12 hex digits>``)."""
+    return f"local-{uuid.uuid4().hex[:12]}"
+
+
+def copy_checkpoint(store: CheckpointStore, path: str, ttl_seconds: int | None, model_id: str | None = None) -> str:
     """Copy the checkpoint at ``path`` into a new training run of a new session (the SDK's ``copy_weights``):
-    the same kind and name, a byte copy, the source's expiry not inherited. Returns the copy's tinker path."""
+    the same kind and name, a byte copy, the source's expiry not inherited. Returns the copy's tinker path.
+    ``model_id`` names the new run (default: a fresh :func:`new_run_id`), so a caller can record it first."""
     check_ttl(ttl_seconds)
     source = parse_tinker_path(path)
     store.existing_folder(source, encrypted_ok=True)
-    record = dataclasses.replace(store.read_run(source.model_id), model_id=f"local-{uuid.uuid4().hex[:12]}",
+    record = dataclasses.replace(store.read_run(source.model_id), model_id=model_id or new_run_id(),
                                  session_id=sessions.new_session_id(), created=time.time())
     store.write_run(record)
     target = store.copy(source, record.model_id)

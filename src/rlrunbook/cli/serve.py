@@ -25,7 +25,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            forget_after_s=args.forget_after, header_timeout_s=args.header_timeout,
                            body_timeout_s=args.body_timeout,
                            max_sessions=args.max_sessions, max_models=args.max_models,
-                           max_stored_bytes=args.max_stored_bytes)
+                           max_stored_bytes=args.max_stored_bytes,
+                           base_models=tuple(args.base_models) if args.base_models is not None else None)
     return serve(options)
 
 
@@ -68,6 +69,11 @@ def add_command(commands) -> None:
     serve.add_argument("--max-stored-bytes", type=_size, default="50GiB", metavar="SIZE",
                        help="bytes the checkpoints of one API key's runs may hold on disk (50GiB; 512MiB, 2TB or a "
                             "number of bytes); a save past it is refused with 429 until checkpoints are deleted")
+    serve.add_argument("--base-models", nargs="+", action="extend", metavar="FOLDER_OR_NAME",
+                       help="the base models clients may load: folders whose model folders may be named by path, "
+                            "and names the model registry resolves (built-ins, hub ids); repeatable. Default: the "
+                            "built-ins, the folders of the model cache and the models already in the Hugging Face "
+                            "cache. Any other base model is refused with 400")
     serve.set_defaults(func=cmd_serve)
 
 

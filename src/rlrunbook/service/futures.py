@@ -125,7 +125,7 @@ class FutureRegistry:
             if done.cancelled():
                 raise RuntimeError("the call was cancelled: the server is stopping")
             body = encode(done.result())
-        except BaseException as error:  # noqa: BLE001 - the call's failure (or its encoding's) is its outcome
+        except BaseException as error:
             category = failure_category(error)
             message = without_folders(f"{type(error).__name__}: {error}", self.store.path.parent)
             if category == "server":
@@ -142,7 +142,7 @@ class FutureRegistry:
     def _try_store(write: Callable[..., Any], *args: Any) -> None:
         try:
             write(*args)
-        except Exception:  # noqa: BLE001 - a full disk must not lose the answer in memory; it is logged
+        except Exception:
             logger.exception("could not record request %s in the server's store", args[0])
 
     def _sweep(self) -> None:

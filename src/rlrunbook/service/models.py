@@ -194,6 +194,17 @@ class Models:
         return self._sequenced(request.model_id, request.seq_id, tenant, call, dump,
                                admit=(lambda: admit("sampler_weights")) if writes else None)
 
+    def save_weights_external(self, request: types.SaveWeightsExternalRequest, tenant: str) -> dict:
+        """``save_weights_external(name)``: the adapter as a peft folder under
+        ``tinker://<run>/external_weights/<name>`` (age-encrypted to the recipients given), in its turn; the
+        result is ``SaveWeightsExternalResponseInternal`` naming that path."""
+        def call(client):
+            saved = client.save_weights_external(request.path, request.ttl_seconds,
+                                                  request.age_encryption_recipients).result()
+            return types.SaveWeightsExternalResponseInternal(path=saved.path)
+
+        return self._sequenced(request.model_id, request.seq_id, tenant, call, dump)
+
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str,
                      check_path: Callable[[str], None] = lambda path: None) -> dict:
         """``load_state(_with_optimizer)`` of a model (``model_id``, ``seq_id``; after a restart it makes the

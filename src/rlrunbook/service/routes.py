@@ -5,7 +5,8 @@ an unknown id is 404; a queued call answers its request id at once and ``/retrie
 (up to :data:`LONG_POLL_S`, then ``try_again``, which the SDK polls again at once), answering protobuf for
 ``ForwardBackwardOutput`` and ``SampleResponse``, JSON for the rest, and a failure as 200
 ``{"error": ..., "category": "user"|"server"}``, which the SDK raises as ``RequestFailedError``. A route
-this server does not serve is 404 naming the method and path (the SDK's ``NotFoundError``). Every handler
+this server does not serve is 404 naming the method and path (the SDK's ``NotFoundError``); one of the SDK's
+routes that cannot apply to it (``retrieve_futures``, external weights' download URLs) is 400 naming why. Every handler
 acts for the caller's tenant (``request.state.tenant``, set by :mod:`rlrunbook.service.admission`); an id of
 another tenant is 404, as an unknown one. A heartbeat of an ended session is 410, which stops the SDK's
 heartbeat loop.
@@ -119,7 +120,7 @@ def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
             return JSONResponse({"detail": str(error)}, status_code=404)
         except (RlrunbookError, ValueError, TypeError) as error:
             return JSONResponse({"detail": f"{type(error).__name__}: {error}"}, status_code=400)
-        except Exception as error:  # noqa: BLE001 - a bug: logged here, answered with its message, not a traceback
+        except Exception as error:
             logger.exception("%s %s failed", request.method, request.url.path)
             return JSONResponse({"detail": f"internal error in rlrunbook serve: {type(error).__name__}: {error}"},
                                 status_code=500, headers={"x-should-retry": "false"})
@@ -246,6 +247,44 @@ async def checkpoint_ttl(request: Request, serve: ServeState) -> Response:
     return JSONResponse(None)
 
 
+async def copy_weights(request: Request, serve: ServeState) -> Response:
+    body = await read_json(request, types.CopyWeightsRequest)
+    key = request.headers.get("x-idempotency-key")  # one per copy, the same on the SDK's retries
+    return JSONResponse(await run_in_threadpool(serve.copy_weights, body, request.state.tenant, key))
+
+
+def _publication(method: str):
+    """``POST`` (publish) or ``DELETE`` (unpublish) ``.../checkpoints/{kind}/{name}/publish``."""
+    async def handler(request: Request, serve: ServeState) -> Response:
+        await read_body(request)
+        params = request.path_params
+        await run_in_threadpool(getattr(serve, method), params["run_id"], f"{params['kind']}/{params['name']}",
+                                request.state.tenant)
+        return JSONResponse(None)
+
+    handler.__name__ = method
+    return handler
+
+
+# Routes of the SDK that cannot apply to this server, each answered 400 (the SDK's BadRequestError) with why.
+RETRIEVE_FUTURES_REFUSED = (
+    "rlrunbook serve does not serve /retrieve_futures: its /client/config answers sample_use_retrieve_futures="
+    "false, so the SDK polls each sample with /retrieve_future; a client that ignores the config must do the same.")
+EXTERNAL_URLS_REFUSED = (
+    "rlrunbook serve hands out no download URLs for external weights: the files stay in the server's storage. "
+    "Read them on the server's machine (LocalRestClient(...).get_external_weights_urls(path) with "
+    "TINKER_LOCAL_STORAGE set to the server's --storage), or load the checkpoint through the server.")
+
+
+def _refused(reason: str):
+    async def handler(request: Request, serve: ServeState) -> Response:
+        await read_body(request)
+        return JSONResponse({"detail": reason}, status_code=400, headers={"x-should-retry": "false"})
+
+    handler.__name__ = "refused"
+    return handler
+
+
 async def not_served(request: Request, serve: ServeState) -> Response:
     return JSONResponse({"detail": f"rlrunbook serve does not implement {request.method} {request.url.path}; "
                                    "docs/serve.md lists what it serves."}, status_code=404)
@@ -269,6 +308,8 @@ def routes() -> list[Route]:
         ("/create_sampling_session", direct(types.CreateSamplingSessionRequest, "create_sampling_session")),
         ("/asample", direct(types.SampleRequest, "sample")),
         ("/retrieve_future", retrieve_future), ("/weights_info", weights_info),
+        ("/save_weights_external", direct(types.SaveWeightsExternalRequest, "save_weights_external")),
+        ("/copy_weights", copy_weights), ("/retrieve_futures", _refused(RETRIEVE_FUTURES_REFUSED)),
     ]
     get = [
         ("/healthz", healthz), ("/get_server_capabilities", capabilities),
@@ -277,11 +318,17 @@ def routes() -> list[Route]:
         ("/training_runs/{run_id}", _tenant_call("training_run", "run_id")),
         ("/training_runs/{run_id}/checkpoints", _tenant_call("run_checkpoints", "run_id")),
         ("/checkpoints", _listing("user_checkpoints", 100)),
+        ("/sessions", _listing("list_sessions", 20)),
+        ("/sessions/{session_id}", _tenant_call("get_session", "session_id")),
     ]
     checkpoint = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
     table = [Route(api + path, answer(handler), methods=["POST"]) for path, handler in post]
     table += [Route(api + path, answer(handler), methods=["GET"]) for path, handler in get]
     table += [Route(api + checkpoint, answer(delete_checkpoint), methods=["DELETE"]),
-              Route(api + checkpoint + "/ttl", answer(checkpoint_ttl), methods=["PUT"])]
+              Route(api + checkpoint + "/ttl", answer(checkpoint_ttl), methods=["PUT"]),
+              Route(api + checkpoint + "/publish", answer(_publication("publish")), methods=["POST"]),
+              Route(api + checkpoint + "/publish", answer(_publication("unpublish")), methods=["DELETE"]),
+              Route(api + checkpoint + "/external_weights_urls", answer(_refused(EXTERNAL_URLS_REFUSED)),
+                    methods=["GET"])]
     every = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
     return [*table, Route("/{path:path}", answer(not_served), methods=every)]

@@ -56,6 +56,8 @@ class ServeOptions:
         max_stored_bytes: the bytes one tenant's checkpoints may hold on disk; a save past it is refused with 429.
         header_timeout_s, body_timeout_s: a request's headers, then its whole body, must arrive within these
             (408 and the connection closed otherwise; :mod:`rlrunbook.service.deadlines`).
+        base_models: the base models clients may load (folders and registry names; None: the built-ins, the
+            model cache's folders and the Hugging Face cache's models; see :mod:`rlrunbook.service.base_models`).
     """
 
     host: str = "127.0.0.1"
@@ -71,6 +73,7 @@ class ServeOptions:
     max_stored_bytes: int = TenantLimits.stored_bytes
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    base_models: tuple[str, ...] | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -103,6 +106,9 @@ def check_options(options: ServeOptions) -> None:
     for option, value in (("--max-sessions", options.max_sessions), ("--max-models", options.max_models)):
         if not 1 <= value <= 100_000:
             raise ConfigError(f"{option} {value} must be from 1 to 100,000 (per API key).")
+    if options.base_models is not None and not any(value.strip() for value in options.base_models):
+        raise ConfigError("--base-models names no folder or model; give at least one (or leave the option out for "
+                          "the built-ins and the cached models).")
     if not 1 <= options.session_timeout_s <= 7 * 24 * 3600:
         raise ConfigError(f"--session-timeout {options.session_timeout_s:g} must be from 1 second to a week (the SDK "
                           "sends a heartbeat every 10 s, so 60 or more keeps a slow client's session).")
@@ -121,6 +127,7 @@ def build_app(service, options: ServeOptions):
     from starlette.applications import Starlette
 
     from rlrunbook.service.admission import Admission
+    from rlrunbook.service.base_models import BaseModels
     from rlrunbook.service.routes import routes
     from rlrunbook.service.state import ServeState
     from rlrunbook.service.store import ServeStore
@@ -129,7 +136,7 @@ def build_app(service, options: ServeOptions):
     store = ServeStore(service.settings.resolved_storage_dir())
     app.state.serve = ServeState(service, store, options.session_timeout_s,
                                  TenantLimits(options.max_sessions, options.max_models, options.max_stored_bytes),
-                                 options.forget_after_s)
+                                 options.forget_after_s, base_models=BaseModels.from_option(options.base_models))
     app.state.max_body_bytes = options.max_body_bytes
     return Admission(app, options.api_keys, options.max_body_bytes)
 
@@ -187,7 +194,7 @@ async def expire_sessions(state, period_s: float, checkpoint_period_s: float = C
         await asyncio.sleep(period_s)
         try:
             swept = await asyncio.to_thread(state.sweep)
-        except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
+        except Exception:
             logger.exception("expiring idle sessions failed")
         else:
             for session_id in swept.expired:
@@ -198,7 +205,7 @@ async def expire_sessions(state, period_s: float, checkpoint_period_s: float = C
         next_checkpoints = loop.time() + checkpoint_period_s
         try:
             removed = await asyncio.to_thread(state.remove_expired_checkpoints)
-        except Exception:  # noqa: BLE001 - the sweep must go on; the failure is logged
+        except Exception:
             logger.exception("removing expired checkpoints failed")
             continue
         for path in removed:

@@ -22,6 +22,7 @@ from tinker import types
 
 from rlrunbook.backend import LocalRestClient, LocalServiceClient
 from rlrunbook.backend.storage import folder_size
+from rlrunbook.service.base_models import BaseModels
 from rlrunbook.service.futures import FutureRegistry
 from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, Holdings, StorageLimitError, TenantLimits
 from rlrunbook.service.models import Models
@@ -29,7 +30,9 @@ from rlrunbook.service.ownership import Ownership
 from rlrunbook.service.records import dump
 from rlrunbook.service.recovery import restore
 from rlrunbook.service.samplers import Samplers
+from rlrunbook.service.session_lookup import get_session, list_sessions
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions, Swept
+from rlrunbook.service.sharing import Sharing
 from rlrunbook.service.store import ServeStore
 from rlrunbook.service.wire import ForwardBackwardCall
 
@@ -39,7 +42,8 @@ class ServeState:
 
     def __init__(self, service: LocalServiceClient, store: ServeStore,
                  session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S, limits: TenantLimits = TenantLimits(),
-                 forget_after_s: float = DEFAULT_FORGET_AFTER_S):
+                 forget_after_s: float = DEFAULT_FORGET_AFTER_S,
+                 base_models: BaseModels | None = None):
         self.service = service
         self.store = store
         self.futures = FutureRegistry(store)
@@ -49,7 +53,9 @@ class ServeState:
         self.samplers = Samplers(self.holdings, service, store, self.futures)
         self.models = Models(self.holdings, service, store, self.futures, self.rest, self.samplers)
         self.restored = restore(self.holdings, store)
-        self.ownership = Ownership(store)
+        self.sharing = Sharing(store, service._store)
+        self.base_models = base_models if base_models is not None else BaseModels.from_option(None)
+        self.ownership = Ownership(store, self.sharing)
 
     @property
     def session_timeout_s(self) -> float:
@@ -82,8 +88,17 @@ class ServeState:
         period (:meth:`Sessions.sweep`); ``now`` is ``time.monotonic()``'s clock."""
         return self.sessions.sweep(now)
 
+    def list_sessions(self, limit: int, offset: int, tenant: str) -> dict:
+        """The caller's sessions, newest first (:mod:`rlrunbook.service.session_lookup`)."""
+        return list_sessions(self.holdings, limit, offset, tenant)
+
+    def get_session(self, session_id: str, tenant: str) -> dict:
+        """The caller's session: its models' and samplers' ids and its user metadata."""
+        return get_session(self.holdings, session_id, tenant)
+
     # -- training models ----------------------------------------------------------------------------------
     def create_model(self, request: types.CreateModelRequest, tenant: str) -> dict:
+        self.base_models.check(request.base_model)  # only the base models this server offers
         return self.models.create_model(request, tenant)
 
     def get_info(self, request: types.GetInfoRequest, tenant: str) -> dict:
@@ -124,14 +139,20 @@ class ServeState:
                 f"server's limit per key (--max-stored-bytes {limit:,}). Delete checkpoints you no longer need "
                 "(RestClient.delete_checkpoint_from_tinker_path), or ask the operator to raise the limit.")
 
+    def save_weights_external(self, request: types.SaveWeightsExternalRequest, tenant: str) -> dict:
+        return self.models.save_weights_external(request, tenant)
+
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
         """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`); a
-        checkpoint of another tenant's run is unknown."""
+        checkpoint of another tenant's run is unknown; a base model named besides it must be one offered."""
+        self.base_models.check(request.base_model)
         return self.models.load_weights(request, tenant, lambda path: self.ownership.check_path(path, tenant))
 
     # -- sampling -----------------------------------------------------------------------------------------
     def create_sampling_session(self, request: types.CreateSamplingSessionRequest, tenant: str) -> dict:
         self.ownership.check_path(request.model_path, tenant)  # another tenant's weights are unknown
+        if request.model_path is None:
+            self.base_models.check(request.base_model)
         return self.samplers.create_sampling_session(request, tenant)
 
     def sampler_info(self, sampler_id: str, tenant: str) -> dict:
@@ -163,21 +184,30 @@ class ServeState:
         return dump(self.rest.get_training_run(self.ownership.run_id(run_id, tenant)).result())
 
     def run_checkpoints(self, run_id: str, tenant: str) -> dict:
-        return dump(self.rest.list_checkpoints(self.ownership.run_id(run_id, tenant)).result())
+        return self._marked(dump(self.rest.list_checkpoints(self.ownership.run_id(run_id, tenant)).result()))
 
     def training_runs(self, limit: int, offset: int, tenant: str) -> dict:
         return dump(self.rest.list_training_runs(limit, offset, visible=self.ownership.visible_to(tenant)).result())
 
     def user_checkpoints(self, limit: int, offset: int, tenant: str) -> dict:
-        return dump(self.rest.list_user_checkpoints(limit, offset, visible=self.ownership.visible_to(tenant)).result())
+        return self._marked(dump(self.rest.list_user_checkpoints(limit, offset,
+                                                                 visible=self.ownership.visible_to(tenant)).result()))
+
+    def _marked(self, listing: dict) -> dict:
+        """``listing``'s checkpoints with ``public`` set where they are published."""
+        published = self.sharing.published_paths()
+        for checkpoint in listing["checkpoints"]:
+            checkpoint["public"] = checkpoint["tinker_path"] in published
+        return listing
 
     def weights_info(self, path: str, tenant: str) -> dict:
         self.ownership.check_path(path, tenant)
         return dump(self.rest.get_weights_info_by_tinker_path(path).result())
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
-        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed, and
-        no model names it as its last saved state any more."""
+        """``DELETE .../training_runs/{run}/checkpoints/{kind}/{name}``: the checkpoint's folder removed, no model
+        names it as its last saved state any more, and its publication ends (one saved again under its name starts
+        private)."""
         run = self.ownership.run_id(run_id, tenant)
         self.rest.delete_checkpoint(run, checkpoint_id).result()
         self._gone([f"tinker://{run}/{checkpoint_id}"])
@@ -191,11 +221,31 @@ class ServeState:
         return removed
 
     def _gone(self, paths: list[str]) -> None:
-        """Checkpoints ``paths`` no longer exist: a model that last saved one of them has no saved state now."""
+        """Checkpoints ``paths`` no longer exist: a model that last saved one of them has no saved state now, and
+        none of them is published any more."""
         gone = set(paths)
+        for path in gone:
+            self.sharing.forget(path)
         for model in [m for m in list(self.holdings.models.values()) if m.last_saved in gone]:
             model.last_saved = None
             self.store.model_update(model.model_id, last_saved=None)
+
+    # -- sharing: published checkpoints and copies (see rlrunbook.service.sharing) ---------------------------
+    def publish(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
+        """Make a checkpoint of the caller's run readable by every tenant (by its path)."""
+        run = self.ownership.run_id(run_id, tenant)
+        self.sharing.publish(run, checkpoint_id, tenant, self.ownership.owner(run))
+
+    def unpublish(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
+        """Make a published checkpoint of the caller's run its own again."""
+        run = self.ownership.run_id(run_id, tenant)
+        self.sharing.unpublish(run, checkpoint_id, tenant, self.ownership.owner(run))
+
+    def copy_weights(self, request: types.CopyWeightsRequest, tenant: str, idempotency_key: str | None) -> dict:
+        """A copy of a checkpoint the caller may read (its own, the operator's, or a published one), as a new
+        run of the caller's; the body of ``CopyWeightsResponse``."""
+        self.ownership.check_path(request.source_path, tenant)
+        return self.sharing.copy(request, tenant, idempotency_key)
 
     def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None, tenant: str) -> None:
         path = f"tinker://{self.ownership.run_id(run_id, tenant)}/{checkpoint_id}"

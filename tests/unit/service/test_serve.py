@@ -204,8 +204,9 @@ def test_a_wrong_key_is_refused_and_healthz_is_open(server, monkeypatch):
 
 def test_a_route_not_served_is_not_found_naming_it(server, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    with pytest.raises(tinker.NotFoundError, match="rlrunbook serve does not implement GET /api/v1/sessions"):
-        tinker.RestClient(base_url=server, api_key=KEY).list_sessions().result()
+    unserved = "rlrunbook serve does not implement POST /api/v1/sessions/search"
+    with pytest.raises(tinker.NotFoundError, match=unserved):
+        tinker.RestClient(base_url=server, api_key=KEY).search_sessions(types.SessionSearchRequest()).result()
 
 
 def test_a_failing_call_names_the_cause_and_the_server_goes_on(service, server):
