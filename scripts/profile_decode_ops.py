@@ -56,9 +56,10 @@ def main() -> None:
           f"{' (eager draw)' if args.eager_draw else ''}")
     print(f"top-level ops per decode step: {counts.model_step_per_step:.0f} in the model step "
           f"({counts.model_step_per_step / layers:.1f} per layer of {layers}), "
-          f"{counts.rest_per_step:.1f} outside it (the draw and bookkeeping), "
-          f"{counts.rest_per_step + counts.setup_per_step:.0f} with the call's setup (prefill, cache fill: "
-          f"{sum(counts.setup.values())} ops) spread over the steps")
+          f"{counts.rest_per_step:.0f} outside it (the draw and bookkeeping; "
+          f"{counts.rest_per_step + counts.setup_per_step:.0f} with the call's setup spread over the steps)")
+    print(f"outside the model step: {counts.rest_per_step:.2f} ops per step; the call's setup (prefill, cache fill): "
+          f"{sum(counts.setup.values())} ops, {counts.setup_per_step:.1f} per step")
     print(f"host syncs outside the model step: {counts.host_syncs} in {steps} steps "
           f"({counts.host_reads} reads of drawn tokens); in the model step: {counts.model_step_syncs}")
     print("in the model step, per layer:")

@@ -92,6 +92,12 @@ def test_the_kernel_refuses_what_it_cannot_read():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="on a CUDA machine the gpu tier runs it")
+# The interpreter's numpy warns where triton 3.6 turns one-element loop bounds into Python ints (numpy 2.2), and where
+# a row of -inf logits sums to 0 and subtracts -inf from -inf (its logprob is NaN on both paths, as checked): nothing
+# of the kernel.
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 @given(draws(max_rows=3, max_vocab=2100))
 def test_the_triton_kernel_draws_the_eager_tokens_and_logprobs_bit_for_bit(case):
     pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux)")
