@@ -1,50 +1,29 @@
 """Kernels per decode step: the ops one decode step of the in-process engine runs, counted with torch.profiler,
-split into the model step (what a CUDA graph captures and replays) and the rest (the draw, the filters and the
-bookkeeping, launched one by one every step).
+split into the model step (what a CUDA graph captures and replays), the call's setup (prefill and the decode
+cache's fill, once per call) and the rest (the draw, the filters and the bookkeeping, launched one by one every
+step), with the host syncs of the decode loop.
 
     python scripts/profile_decode_ops.py                          # SmolLM2-135M, bf16, 16 rows x 64 tokens, CPU
     python scripts/profile_decode_ops.py --model tiny --rows 64 --tokens 256
+    python scripts/profile_decode_ops.py --eager-draw             # the draw by the eager reference path
 
-Counted on any device: the same ops run on CPU and on CUDA. Top-level aten ops and the fixed-order kernels of the
-default numerics (``rlrunbook::*``) are counted (an op called by another op is part of it); view-only ops (view,
-slice, unsqueeze, transpose, ...) launch no kernel.
+Counted on any device: the same ops run on CPU and on CUDA. What counts as an op and as a host sync:
+:mod:`rlrunbook.testing.decode_ops`.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
-import collections
-from unittest import mock
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from rlrunbook.backend.lora import wrap_with_lora
 from rlrunbook.engines.base import GenerationRequest, SampleJob
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.engines.hf import SYNC_EVERY, HFSamplingEngine
 from rlrunbook.models.loading import load_causal_lm
 from rlrunbook.models.registry import resolve_model
-
-MODEL_STEP = "decode/model_step"
-
-
-_COUNTED = ("aten::", "rlrunbook::")
-
-
-def _top_level(events) -> list:
-    """The aten ops and fixed-order kernels of ``events`` that no other counted op called."""
-    found = []
-    for event in events:
-        if not event.name.startswith(_COUNTED):
-            continue
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith(_COUNTED):
-            parent = parent.cpu_parent
-        if parent is None:
-            found.append(event)
-    return found
+from rlrunbook.testing.decode_ops import count_decode_ops
 
 
 def main() -> None:
@@ -55,50 +34,40 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--top", type=int, default=20, help="ops listed in each part")
+    parser.add_argument("--eager-draw", action="store_true", help="draw by the eager reference path")
+    parser.add_argument("--sync-every", type=int, default=SYNC_EVERY, help="decode steps between reads of tokens")
     args = parser.parse_args()
 
     model = load_causal_lm(resolve_model(args.model), getattr(torch, args.dtype))
     model = wrap_with_lora(model, rank=16, alpha=32, seed=0)
     config = model.get_base_model().config
     engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=config.vocab_size,
-                              max_context=config.max_position_embeddings)
+                              max_context=config.max_position_embeddings, fused_draw=not args.eager_draw,
+                              sync_every=args.sync_every)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, config.vocab_size, (args.prompt,), generator=generator).tolist()
                for _ in range(args.rows)]
     request = GenerationRequest(max_tokens=args.tokens, filters=SamplingFilters(1.0), stop=(), seed=1)
     jobs = [SampleJob(p, 1, request) for p in prompts]
     engine.sample_jobs(jobs)  # warm-up: caches built
-
-    step = HFSamplingEngine._step
-
-    def marked(self, *a, **k):
-        with record_function(MODEL_STEP):
-            return step(self, *a, **k)
-
-    with mock.patch.object(HFSamplingEngine, "_step", marked), profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.sample_jobs(jobs)
-    events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == MODEL_STEP)
-    starts = [start for start, _ in spans]
-
-    def in_model_step(t: int) -> bool:
-        i = bisect.bisect_right(starts, t) - 1
-        return i >= 0 and spans[i][0] <= t <= spans[i][1]
-
-    inside, outside = collections.Counter(), collections.Counter()
-    for event in _top_level(events):
-        (inside if in_model_step(event.time_range.start) else outside)[event.name] += 1
-    steps, layers = len(spans), config.num_hidden_layers
-    print(f"{args.model} {args.dtype}, {args.rows} rows x {args.tokens} tokens: {steps} decode steps")
-    print(f"top-level ops per decode step: {sum(inside.values()) / steps:.0f} in the model step "
-          f"({sum(inside.values()) / steps / layers:.1f} per layer of {layers}), "
-          f"{sum(outside.values()) / steps:.0f} outside it (prefill included, spread over the steps)")
+    counts = count_decode_ops(engine, jobs)
+    steps, layers = counts.steps, config.num_hidden_layers
+    print(f"{args.model} {args.dtype}, {args.rows} rows x {args.tokens} tokens: {steps} decode steps"
+          f"{' (eager draw)' if args.eager_draw else ''}")
+    print(f"top-level ops per decode step: {counts.model_step_per_step:.0f} in the model step "
+          f"({counts.model_step_per_step / layers:.1f} per layer of {layers}), "
+          f"{counts.rest_per_step:.0f} outside it (the draw and bookkeeping; "
+          f"{counts.rest_per_step + counts.setup_per_step:.0f} with the call's setup spread over the steps)")
+    print(f"outside the model step: {counts.rest_per_step:.2f} ops per step; the call's setup (prefill, cache fill): "
+          f"{sum(counts.setup.values())} ops, {counts.setup_per_step:.1f} per step")
+    print(f"host syncs outside the model step: {counts.host_syncs} in {steps} steps "
+          f"({counts.host_reads} reads of drawn tokens); in the model step: {counts.model_step_syncs}")
     print("in the model step, per layer:")
-    for name, count in inside.most_common(args.top):
+    for name, count in counts.model_step.most_common(args.top):
         print(f"  {count / steps / layers:7.2f}  {name}")
     print("outside it, per step:")
-    for name, count in outside.most_common(args.top):
-        print(f"  {count / steps:7.1f}  {name}")
+    for name, count in counts.rest.most_common(args.top):
+        print(f"  {count / steps:7.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,16 @@ What it does that ``generate`` does not, and why:
   that fits the caches reuses them and their graphs, so a debate's growing rounds and a data set's
   varied prompt lengths rebuild them a few times per run, not at every new length. ``metrics()``
   counts the captures and the rebuilds (``engine/graph_captures``, ``engine/cache_rebuilds``).
-- **Exact draws.** Each token is drawn by :func:`~rlrunbook.engines.token_draw.draw_tokens` (``logits / T``
-  after the requested filters, Gumbel-max with per-row counter-based noise), so a seeded row gets
-  the same tokens whatever rows share its batch. The leak check of the ``generate`` engine holds
-  by construction here (no processor runs but the requested filters) and is asserted per step.
+- **Exact draws.** Each token is drawn as :func:`~rlrunbook.engines.token_draw.draw_tokens` defines it
+  (``logits / T`` after the requested filters, Gumbel-max with per-row counter-based noise), so a seeded
+  row gets the same tokens whatever rows share its batch; under the fixed-order numerics by one kernel
+  per step (:func:`~rlrunbook.kernels.ops.seeded_draw`, the same bits). The leak check of the ``generate``
+  engine holds by construction here (no processor runs but the requested filters) and is asserted on
+  the first step of every block.
+- **Few host syncs.** Tokens stay on the device for ``sync_every`` (8) steps: each step's draw writes the
+  next step's input, and the block's tokens and logprobs are read back once, where stops are found. A row
+  that stopped inside a block runs on to its end and what it drew after its stop is dropped, so the
+  results are those of a step-by-step loop (a row's numbers do not depend on its batch).
 """
 
 from __future__ import annotations
@@ -39,12 +45,13 @@ from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
 from rlrunbook.engines.pinned_adapter import PinnedAdapter
 from rlrunbook.engines.stops import DecodeBatch, StopTracker
-from rlrunbook.engines.token_draw import draw_tokens
+from rlrunbook.engines.token_draw import StepDraws
 from rlrunbook.errors import GenerationLeakError
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
 
 _PREFILL_QUERY_BLOCK = 128  # queries per prefill attention row (rows cut at its multiples batch by shape)
 _WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
+SYNC_EVERY = 8  # decode steps between reads of the drawn tokens (stops are found there)
 PREFILL_TOKENS = 16384  # most prompt tokens one prefill pass computes (its activations grow with them)
 CAPACITY_FLOOR = 256  # the smallest decode cache capacity (positions); larger ones are 2^k or 1.5 x 2^k
 
@@ -116,6 +123,10 @@ class HFSamplingEngine(InProcessEngine):
     ``model`` is read at call time, so a caller that changes adapter weights between calls samples
     from the new weights; ``weights_key`` (see :meth:`sample_jobs`) says when cached prefixes are
     still valid. Unseeded requests get seeds from the engine's own counter (``seed``).
+
+    ``sync_every``: decode steps drawn on the device between reads of their tokens (see :meth:`_sample_rows`);
+    ``fused_draw``: draw each step in one kernel (:func:`~rlrunbook.kernels.ops.seeded_draw`), else by the eager
+    reference :func:`~rlrunbook.engines.token_draw.draw_tokens` (the same bits, many more operations).
     """
 
     name = "hf"
@@ -123,7 +134,8 @@ class HFSamplingEngine(InProcessEngine):
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int,
                  max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
                  decode_batch: DecodeBatch | None = None, numerics: Numerics | str = "invariant",
-                 prefix_cache_tokens: int = 65536, cuda_graphs: bool | None = None):
+                 prefix_cache_tokens: int = 65536, cuda_graphs: bool | None = None, sync_every: int = SYNC_EVERY,
+                 fused_draw: bool = True):
         super().__init__(pad_token_id=pad_token_id, vocab_size=vocab_size, max_context=max_context,
                          max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.decoder = Decoder(model, numerics)
@@ -134,6 +146,11 @@ class HFSamplingEngine(InProcessEngine):
         self._capacity = 0
         self._graphs = None
         self._use_graphs = cuda_graphs
+        if sync_every < 1:
+            raise ValueError(f"sync_every={sync_every}: the drawn tokens must be read back every >= 1 steps")
+        self.sync_every = sync_every  # under the fixed-order numerics; other numerics read every step
+        self.fused_draw = fused_draw  # the draw in one kernel (False: the eager reference, for comparisons)
+        self.host_reads = 0  # device-to-host reads of the decode loop (one per block of sync_every steps)
         self.cache_rebuilds = 0  # times the decode caches were dropped for a larger capacity
         self._dropped_captures = 0  # graphs captured, then dropped with their caches
         # Counters for tests and benchmarks: tokens prefilled, decode steps run and the seconds they took.
@@ -272,10 +289,10 @@ class HFSamplingEngine(InProcessEngine):
         cache.lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], device=device)
         return cache
 
-    def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
-        """One decode step of every cache row; logits ``[len(running), V]`` of the running rows."""
+    def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor, needed: int) -> torch.Tensor:
+        """One decode step of every cache row; logits ``[len(running), V]`` of the running rows. ``needed`` is the
+        longest row's length plus one, which the caller knows (no read of ``cache.lengths``)."""
         started = time.perf_counter()
-        needed = int(cache.lengths.max()) + 1
         cache.window = min(cache.capacity, -(-needed // _WINDOW_STEP) * _WINDOW_STEP)
         if self._graphs_enabled():
             logits = self._graph_runner().step(cache, tokens)[running]
@@ -285,9 +302,19 @@ class HFSamplingEngine(InProcessEngine):
         self.decode_seconds += time.perf_counter() - started  # on CUDA: launch time (the draw syncs later)
         return logits
 
+    def _read_back(self, draws: StepDraws, rows: int, columns: int, flag: torch.Tensor | None):
+        """The only device-to-host read of the decode loop (counted in ``host_reads``)."""
+        self.host_reads += 1
+        return draws.read(rows, columns, flag)
+
     @torch.no_grad()
     def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest,
                      weights_key: Hashable | None) -> list[Completion]:
+        """Decode in blocks of ``sync_every`` steps: within a block every row that was running at its start is
+        drawn and fed on the device (a row that stops inside the block runs on to its end; what it drew past its
+        stop is dropped), and the block's draws are read back once, at its end, where stops are found and the batch
+        shrinks. Rows' results do not depend on the rows beside them (the fixed-order numerics), so they are those
+        of a step-by-step loop."""
         device = self.device
         prompts = [prompt for prompt, _ in rows]
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
@@ -296,43 +323,71 @@ class HFSamplingEngine(InProcessEngine):
         index = {p: i for i, p in enumerate(distinct)}
         logits = first_logits[torch.tensor([index[tuple(p)] for p in prompts], device=device)]  # [R, V]
         cache = self._new_cache(pool, prompts, max(len(p) for p in prompts) + request.max_tokens)
+        lengths = [len(p) for p in prompts] + [0] * (cache.rows - len(prompts))  # cache.lengths, known on the host
         seeds = torch.tensor([seed for _, seed in rows], dtype=torch.int64, device=device)
         tracker = StopTracker(len(rows), request.stop, request.stop_strings, self.decode_batch)
         sampled: list[list[float]] = [[] for _ in rows]
         policy: list[list[float]] = [[] for _ in rows]
-        in_cache = list(range(len(rows)))  # original row of each cache row (None: finished)
+        in_cache: list[int | None] = list(range(len(rows)))  # original row of each cache row (None: finished)
         filters = request.filters
-        for step in range(request.max_tokens):
-            running = [row for row in in_cache if row is not None and tracker.ends[row] is None]
-            self._check_no_leak(logits, filters, step)
-            draw = draw_tokens(logits, filters, seeds[torch.tensor(running, device=device)], step,
-                               self.decoder.log_softmax_at)
-            tokens = draw.token.tolist()
-            for row, lp, plp in zip(running, draw.sampled_logprob.tolist(), draw.policy_logprob.tolist(),
-                                    strict=True):
-                sampled[row].append(lp)
-                policy[row].append(plp)
-            tracker.append(running, tokens)
-            if step == request.max_tokens - 1:
+        every = self.sync_every if self.decoder.fixed else 1  # other numerics follow the batch: shrink it on time
+        draws = StepDraws(len(rows), every, device, self.fused_draw and self.decoder.fixed and
+                          device.type in ("cpu", "cuda"), self.decoder.log_softmax_at)
+        live = list(range(len(rows)))  # cache rows drawn (and fed) in this block
+        step = 0
+        while True:
+            width = min(every, request.max_tokens - step)
+            running = [in_cache[i] for i in live]
+            # One host-to-device copy per block: the cache rows drawn, their seeds' rows, the rows fed, the first feed.
+            fed = [0] * cache.rows
+            for i in live:
+                fed[i] = 1
+            feed_in = [tracker.generated[row][-1] if step else 0 for row in running]
+            packed = torch.tensor(live + running + fed + feed_in, dtype=torch.int64).to(device, non_blocking=True)
+            n = len(live)
+            live_index, row_seeds = packed[:n], seeds[packed[n:2 * n]]
+            fed_mask, feed = packed[2 * n:2 * n + cache.rows], torch.zeros(cache.rows, dtype=torch.int64,
+                                                                           device=device)
+            if step:
+                feed[live_index] = packed[2 * n + cache.rows:]
+            for column in range(width):
+                if step + column:
+                    needed = max(lengths) + 1
+                    logits = self._step(cache, feed, live_index, needed)
+                    cache.lengths.add_(fed_mask)
+                    for i in live:
+                        lengths[i] += 1
+                if column == 0:
+                    leak = self._leak_flag(logits, filters)
+                draws.draw(logits, filters, row_seeds, step + column, column, feed, live_index)
+            tokens, lps, plps, leaked = self._read_back(draws, n, width, leak)
+            if leaked:
+                raise GenerationLeakError(f"decode step {step}: the sampled scores differ from logits / T although "
+                                          "no filter was requested; engines/filters.py changed what it computes.")
+            for column in range(width):  # a row that stopped earlier in the block ran on: what it drew is dropped
+                now = [(k, row) for k, row in enumerate(running) if tracker.ends[row] is None]
+                for k, row in now:
+                    sampled[row].append(lps[k][column])
+                    policy[row].append(plps[k][column])
+                tracker.append([row for _, row in now], [tokens[k][column] for k, _ in now])
+            step += width
+            if step == request.max_tokens:
                 break
-            cache, in_cache = self._retire(pool, cache, in_cache, prompts, tracker)
+            cache, in_cache, lengths = self._retire(pool, cache, in_cache, prompts, tracker, lengths)
             live = [i for i, row in enumerate(in_cache) if row is not None and tracker.ends[row] is None]
             if not live:
                 break
-            live_index = torch.tensor(live, device=device)
-            feed = torch.zeros(cache.rows, dtype=torch.long, device=device)
-            feed[live_index] = torch.tensor([tracker.generated[in_cache[i]][-1] for i in live], device=device)
-            logits = self._step(cache, feed, live_index)
-            cache.lengths[live_index] += 1
-        self._retire(pool, cache, in_cache, prompts, tracker, final=True)
+        self._retire(pool, cache, in_cache, prompts, tracker, lengths, final=True)
         return [Completion(tokens=tracker.generated[r][:tracker.kept(r)], logprobs=sampled[r][:tracker.kept(r)],
                            policy_logprobs=policy[r][:tracker.kept(r)],
                            stop_reason="length" if tracker.ends[r] is None else "stop")
                 for r in range(len(rows))]
 
     def _retire(self, pool: _PrefixPool, cache: RowCache, in_cache: list[int | None], prompts: list[list[int]],
-                tracker: StopTracker, final: bool = False) -> tuple[RowCache, list[int | None]]:
-        """Shrink the batch once the running rows fit half of it (or at the end, ``final``).
+                tracker: StopTracker, lengths: list[int], final: bool = False
+                ) -> tuple[RowCache, list[int | None], list[int]]:
+        """Shrink the batch once the running rows fit half of it (or at the end, ``final``); ``lengths`` are the
+        cache rows' lengths (``cache.lengths`` as the host knows them), returned for the cache returned.
 
         Finished rows stay in place, no longer fed, until then; when they leave, their keys and values
         (the prompt and every generated token but the last, which was never fed back) go to the pool
@@ -341,26 +396,29 @@ class HFSamplingEngine(InProcessEngine):
         occupied = [i for i, row in enumerate(in_cache) if row is not None]
         running = [] if final else [i for i in occupied if tracker.ends[in_cache[i]] is None]
         if running and _bucket(len(running)) >= cache.rows:
-            return cache, in_cache
+            return cache, in_cache, lengths
         leaving = [i for i in occupied if i not in running]
         if leaving and pool.key is not None and self.prefix_cache_tokens > 0:
             pool.absorb(cache, leaving, [prompts[in_cache[i]] + tracker.generated[in_cache[i]][:-1] for i in leaving],
                         self.prefix_cache_tokens)
         if not running:
-            return cache, [None] * cache.rows
+            return cache, [None] * cache.rows, lengths
         smaller = self._cache(_bucket(len(running)), cache.capacity)
         cache.copy_rows_to(smaller, torch.tensor(running, device=cache.lengths.device))
-        return smaller, [in_cache[i] for i in running] + [None] * (smaller.rows - len(running))
+        padding = smaller.rows - len(running)
+        return (smaller, [in_cache[i] for i in running] + [None] * padding,
+                [lengths[i] for i in running] + [0] * padding)
 
-    def _check_no_leak(self, logits: torch.Tensor, filters, step: int) -> None:
-        """Where no filter applies, the sampled scores must be exactly logits / T (nothing else ran)."""
+    @staticmethod
+    def _leak_flag(logits: torch.Tensor, filters) -> torch.Tensor | None:
+        """Where no filter applies, the sampled scores must be exactly logits / T (nothing else ran): a device bool,
+        true if they differ, read back with the block's draws (``None`` where filters apply)."""
         if filters.greedy or filters.filters_tokens:
-            return
-        processed = apply_filters(logits.float(), filters)
-        expected = logits.float() / filters.temperature if filters.temperature != 1.0 else logits.float()
-        if not torch.equal(processed, expected):
-            raise GenerationLeakError(f"decode step {step}: the sampled scores differ from logits / T although no "
-                                      "filter was requested; engines/filters.py changed what it computes.")
+            return None
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        processed = apply_filters(logits, filters)
+        expected = logits / filters.temperature if filters.temperature != 1.0 else logits
+        return (processed != expected).any()
 
     # -- CUDA graphs ------------------------------------------------------------------------------
     def _graphs_enabled(self) -> bool:

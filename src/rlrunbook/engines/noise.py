@@ -38,12 +38,22 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def _splitmix64_int(x: int) -> int:
+    """:func:`splitmix64` of one 64-bit value in Python integers (unsigned in, unsigned out): the same bits."""
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
 def mix_seed(*parts: int) -> int:
-    """Combine integers (a request seed, a prompt index, a sample index) into one 63-bit seed."""
-    state = torch.tensor(0, dtype=torch.int64)
+    """Combine integers (a request seed, a prompt index, a sample index) into one 63-bit seed: ``state = 0``, then
+    ``state = splitmix64(state ^ part)`` per part (64-bit wrapping), its low 63 bits. Computed in Python integers
+    (no tensor op per seed), the same bits as :func:`splitmix64` on int64 tensors."""
+    state = 0
     for part in parts:
-        state = splitmix64(state ^ torch.tensor(_signed(part), dtype=torch.int64))
-    return int(state) & ((1 << 63) - 1)
+        state = _splitmix64_int(state ^ (part & _MASK64))
+    return state & ((1 << 63) - 1)
 
 
 _ROW_BLOCK_ELEMENTS = 1 << 17  # on CPU, noise is made a block of rows at a time: ~1 MB of int64 stays in cache

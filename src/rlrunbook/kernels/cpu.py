@@ -243,3 +243,37 @@ __all__ = [
     "row_sumsq",
     "sigmoid",
 ]
+
+
+# -- the seeded draw (c/draw.c) -----------------------------------------------------------------------
+
+DRAW_MODES = {"logits": 0, "temperature": 1, "filtered": 2, "greedy": 3}
+
+
+@functools.cache
+def _seeded_draw_function():
+    """``seeded_draw`` of the compiled library, its argument types declared (here, beside its wrapper)."""
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    function = load_library().seeded_draw
+    function.restype = i
+    function.argtypes = [p, i64, p, i64, p, i64, i64, i64, i, f, p, p, p, i64, i64, p, p, i]
+    return function
+
+
+@_profiled
+def seeded_draw(logits: torch.Tensor, row_seeds: torch.Tensor, step: int, mode: str, temperature: float,
+                filtered: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor, policy: torch.Tensor,
+                column: int, feed: torch.Tensor | None = None, feed_index: torch.Tensor | None = None) -> None:
+    """One seeded draw per row of float32 ``[R, V]`` ``logits`` (c/draw.c), written in place: ``token`` (int64),
+    ``sampled`` and ``policy`` (float32) are ``[R, W]`` buffers with contiguous rows, of which column ``column``
+    is set; with ``feed``, ``feed[feed_index[r]]`` is set to row ``r``'s token as well. ``mode`` is a key of
+    ``DRAW_MODES``; ``filtered`` holds the scores for ``"filtered"``. The caller checks shapes and dtypes
+    (:func:`rlrunbook.kernels.ops.seeded_draw`)."""
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    status = _seeded_draw_function()(
+        _ptr(logits), logits.stride(0), _ptr(filtered), 0 if filtered is None else filtered.stride(0),
+        _ptr(row_seeds), step, rows, vocab, DRAW_MODES[mode], temperature, _ptr(token), _ptr(sampled),
+        _ptr(policy), token.stride(0), column, _ptr(feed), _ptr(feed_index), _threads())
+    _check(status, "seeded_draw")

@@ -248,3 +248,52 @@ class RopeTable:
                 tables.append(full.to(device=positions.device, dtype=dtype))
             table = self._tables[key] = (tables[0], tables[1])
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+
+def seeded_draw(logits: torch.Tensor, row_seeds: torch.Tensor, step: int, *, temperature: float = 1.0,
+                filtered: torch.Tensor | None = None, greedy: bool = False,
+                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, column: int = 0,
+                feed: torch.Tensor | None = None, feed_index: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The seeded draw of one decode step in one kernel (C on CPU, Triton on CUDA), bit for bit
+    :func:`rlrunbook.engines.token_draw.draw_tokens` with these kernels' :func:`log_softmax_at`.
+
+    ``logits``: float32 ``[R, V]`` (the T = 1 policy); ``row_seeds``: int64 ``[R]``. The sampled scores are the
+    logits (``temperature`` 1), ``logits / temperature``, or ``filtered`` (float32 ``[R, V]``: the caller applied
+    the filters); ``greedy`` takes the argmax of the logits without noise. Returns ``(token, sampled, policy)``
+    ``[R]`` (int64, float32, float32); with ``out`` (three ``[R', W]`` buffers, ``R' >= R``, rows contiguous) they
+    are written to column ``column`` of its first ``R`` rows instead, and nothing is returned (no view is made). With ``feed`` (int64) the kernel also sets
+    ``feed[feed_index[r]]`` to row ``r``'s token. Refuses other dtypes, devices or shapes (``TypeError``,
+    ``ValueError``)."""
+    rows = logits.shape[0]
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+        raise TypeError(f"seeded_draw takes float32 logits with contiguous rows, got {logits.dtype} "
+                        f"with strides {logits.stride()}")
+    if row_seeds.dtype != torch.int64 or row_seeds.shape != (rows,):
+        raise ValueError(f"seeded_draw: row_seeds must be int64 [{rows}], got {row_seeds.dtype} "
+                         f"{tuple(row_seeds.shape)}")
+    if filtered is not None and (filtered.shape != logits.shape or filtered.dtype != torch.float32
+                                 or filtered.stride(-1) != 1):
+        raise ValueError(f"seeded_draw: filtered scores must be float32 {tuple(logits.shape)} with contiguous rows")
+    if (feed is None) != (feed_index is None) or (feed is not None and (
+            feed.dtype != torch.int64 or feed_index.dtype != torch.int64 or feed_index.shape != (rows,)
+            or not feed.is_contiguous() or not feed_index.is_contiguous())):
+        raise ValueError("seeded_draw: feed and feed_index come together, contiguous int64, feed_index [R]")
+    given = out is not None
+    if out is None:
+        out = (torch.empty(rows, 1, dtype=torch.int64, device=logits.device),
+               torch.empty(rows, 1, dtype=torch.float32, device=logits.device),
+               torch.empty(rows, 1, dtype=torch.float32, device=logits.device))
+        column = 0
+    token, sampled, policy = out
+    if (token.dtype, sampled.dtype, policy.dtype) != (torch.int64, torch.float32, torch.float32) or any(
+            t.shape[0] < rows or t.stride(-1) != 1 or t.stride() != token.stride() or not 0 <= column < t.shape[1]
+            for t in out):
+        raise ValueError("seeded_draw: out must be int64, float32, float32 [R, W] buffers of equal strides, "
+                         f"rows contiguous, with column {column} inside them")
+    mode = "greedy" if greedy else "filtered" if filtered is not None else (
+        "temperature" if temperature != 1.0 else "logits")
+    row_seeds = row_seeds if row_seeds.is_contiguous() else row_seeds.contiguous()
+    _backend(logits.device).seeded_draw(logits, row_seeds, step, mode, float(temperature), filtered, token, sampled,
+                                        policy, column, feed, feed_index)
+    return None if given else (token[:, 0], sampled[:, 0], policy[:, 0])

@@ -95,7 +95,8 @@ def test_leak_check_rejects_a_processor_nobody_asked_for(tiny_host, prompts8, mo
 
 
 def test_hf_engine_leak_check_rejects_a_filter_nobody_asked_for(tiny_host, prompts8, monkeypatch):
-    """The hf engine asserts at every step that, without filters, the sampled scores are logits / T."""
+    """The hf engine asserts (on the first step of every block of draws) that, without filters, the sampled scores
+    are logits / T."""
     from rlrunbook.engines import hf
 
     engine = HFSamplingEngine(tiny_host.model, pad_token_id=tiny_host.pad_token_id, vocab_size=719)

@@ -36,3 +36,14 @@ def test_noise_is_standard_gumbel():
     # Gumbel(0, 1): mean = Euler-Mascheroni 0.5772, variance pi^2 / 6 = 1.6449; 262,144 draws, 6 standard errors
     assert abs(sample.mean().item() - 0.5772) < 6 * (1.6449 / sample.numel()) ** 0.5
     assert abs(sample.var().item() - 1.6449) < 0.05
+
+
+def test_mix_seed_in_python_integers_is_splitmix64_on_tensors():
+    def on_tensors(*parts):  # the definition: splitmix64 of int64 tensors, part after part
+        state = torch.tensor(0, dtype=torch.int64)
+        for part in parts:
+            state = noise.splitmix64(state ^ torch.tensor(noise._signed(part), dtype=torch.int64))
+        return int(state) & ((1 << 63) - 1)
+
+    for parts in [(), (0,), (1, 2), (-1,), (2**64 - 1, 5), (2**63, -2**63, 7), (123456789, 0, 3)]:
+        assert noise.mix_seed(*parts) == on_tensors(*parts)
