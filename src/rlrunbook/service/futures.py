@@ -167,6 +167,12 @@ class FutureRegistry:
                     counts[entry.owner] = counts.get(entry.owner, 0) + 1
         return counts
 
+    def owner(self, rid: str) -> str | None:
+        """The model or sampler id whose call ``rid`` is (None: unknown here, or a call of no model)."""
+        with self._lock:
+            entry = self._entries.get(rid)
+        return None if entry is None else entry.owner
+
     async def wait(self, rid: str, tenant: str, timeout_s: float) -> tuple[bool, Any]:
         """``(True, body)`` once the call of ``rid`` is done and recorded (a dict, or protobuf bytes); its failure
         raises :class:`CallFailedError`; ``(False, None)`` after ``timeout_s`` without it. ``KeyError`` for an id

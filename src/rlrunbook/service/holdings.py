@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from rlrunbook.errors import RlrunbookError
@@ -83,6 +85,24 @@ class Holdings:
         session = self.sessions.get(session_id)
         if session is not None and session.status == "active":
             session.last_heartbeat = time.monotonic()
+
+    @contextmanager
+    def polling(self, owner: str | None) -> Iterator[None]:
+        """While a client long-polls a call of ``owner`` (a model or sampler id), its session counts as alive: an
+        idle sweep does not end it, and its heartbeat is renewed when the poll ends."""
+        model, sampler = self.models.get(owner or ""), self.samplers.get(owner or "")
+        session = self.sessions.get(model.session_id if model else sampler.session_id if sampler else "")
+        if session is None:
+            yield
+            return
+        with self.lock:
+            session.polls += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                session.polls -= 1
+            self.touch(session.session_id)
 
     def model(self, model_id: str, tenant: str) -> Model:
         """The caller's training model ``model_id`` unless its session ended; its session's heartbeat renewed."""

@@ -46,6 +46,7 @@ class Session:
     last_heartbeat: float = field(default_factory=time.monotonic)
     status: str = "active"  # | "finished" | "expired"
     ended: float | None = None  # time.monotonic() when it ended (or when a restart found it ended)
+    polls: int = 0  # its client's long polls open now (retrieve_future): it is alive while one waits
 
 
 @dataclass

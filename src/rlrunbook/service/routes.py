@@ -148,7 +148,8 @@ async def retrieve_future(request: Request, serve: ServeState) -> Response:
     body = await read_json(request, types.FutureRetrieveRequest)
     rid = body.request_id
     try:
-        done, result = await serve.futures.wait(rid, request.state.tenant, LONG_POLL_S)
+        with serve.holdings.polling(serve.futures.owner(rid)):  # a client waiting for its call is alive
+            done, result = await serve.futures.wait(rid, request.state.tenant, LONG_POLL_S)
     except KeyError:
         raise UnknownIdError(f"no request {rid!r} on this server (or its result was delivered more than "
                              "10 minutes ago).") from None

@@ -88,7 +88,7 @@ class Sessions:
     def _expire(self, now: float) -> tuple[list[str], int]:
         """:meth:`expire_idle` at ``now``: the ids ended and the collections run (0 or 1)."""
         idle = [s for s in list(self.holdings.sessions.values())
-                if s.status == "active" and now - s.last_heartbeat > self.holdings.session_timeout_s]
+                if s.status == "active" and not s.polls and now - s.last_heartbeat > self.holdings.session_timeout_s]
         released = [self._end(session, "expired", now) for session in idle]
         if not any(released):
             return [session.session_id for session in idle], 0

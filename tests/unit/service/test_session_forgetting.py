@@ -161,3 +161,20 @@ def test_idle_sessions_end_in_one_sweep_with_one_collection_and_are_forgotten_af
     assert run not in json.dumps(listed_b)
     listed_a = client.get(API + "/checkpoints", headers={"X-API-Key": KEY_A}).json()
     assert saved in json.dumps(listed_a)
+
+
+def test_a_client_waiting_on_its_call_is_alive_however_long_the_call(app):
+    """A long poll of ``retrieve_future`` keeps its session from an idle sweep (the SDK's heartbeats come every
+    10 s; a call may run longer than a short --session-timeout), and renews its heartbeat when it ends."""
+    client, serve, _ = app
+    session = _session(client)
+    create = types.CreateModelRequest(session_id=session, model_seq_id=0, base_model="tiny",
+                                      lora_config=types.LoraConfig(rank=4))
+    model_id = _result(client, _post(client, "/create_model", create.model_dump(mode="json")))["model_id"]
+    record = serve.holdings.sessions[session]
+    late = time.monotonic() + 10 * TIMEOUT_S
+    with serve.holdings.polling(model_id):
+        assert serve.sweep(late).expired == []
+        assert record.status == "active"
+    assert record.last_heartbeat >= time.monotonic() - 60  # renewed as the poll ended
+    assert serve.sweep(record.last_heartbeat + 2 * TIMEOUT_S).expired == [session]
