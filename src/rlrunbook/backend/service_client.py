@@ -347,6 +347,12 @@ class LocalServiceClient:
             self._worker.shutdown()
         return completed(None)
 
+    def cancel_queued(self) -> int:
+        """LOCAL EXTENSION, for a server that stops: cancel every call queued and not started (their futures
+        raise ``CancelledError``); the running one and calls submitted later still run. How many."""
+        sampling = self._sampling_worker
+        return self._worker.cancel_pending() + (0 if sampling is None else sampling.cancel_pending())
+
     def stop_now(self, timeout: float | None = None) -> bool:
         """Local extension, for Ctrl-C: cancel the queued calls, let the running one finish (up to ``timeout``
         seconds), stop a vLLM sampler's servers, stop the worker. True when the worker has ended (nothing runs

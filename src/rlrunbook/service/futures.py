@@ -14,6 +14,7 @@ arrive in: the SDK sends the chunks of a large ``forward_backward`` concurrently
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import re
@@ -70,8 +71,9 @@ def chain(source: Future | Any, target: Future) -> None:
     inner = source.future() if hasattr(source, "future") and not isinstance(source, Future) else source
 
     def copy(done: Future) -> None:
-        if done.cancelled():
-            target.set_exception(RuntimeError("the call was cancelled: the server is stopping"))
+        if done.cancelled():  # the server is stopping: the call never ran (see FutureRegistry.stop_recording)
+            if not target.cancel():
+                target.set_exception(RuntimeError("the call was cancelled: the server is stopping"))
             return
         error = done.exception()
         if error is not None:
@@ -97,15 +99,33 @@ class _Entry:
     delivered_at: float | None = None
 
 
+def _never_ran(done: Future) -> bool:
+    """Whether ``done`` ended without its call running: cancelled, or failed because what it waited on was."""
+    return done.cancelled() or isinstance(done.exception(), concurrent.futures.CancelledError)
+
+
+STOPPED_MESSAGE = ("rlrunbook serve stopped before this call ran; once it runs again on this storage, the request "
+                   "answers that the server restarted while it was pending.")
+
+
 @dataclass
 class FutureRegistry:
-    """Request id → outcome. ``add`` files a future; ``wait`` long-polls one, for its tenant only."""
+    """Request id → outcome. ``add`` files a future; ``wait`` long-polls one, for its tenant only.
+
+    Stopping (SIGTERM) takes three steps, in this order: :meth:`end_polls` (in the event loop, as the HTTP server
+    starts shutting down) answers every long poll "try again" at once, so no connection holds the shutdown;
+    :meth:`stop_recording` makes a call cancelled by the stop (it never ran) stay ``pending`` in the store, where
+    a restart reports it; :meth:`close` records the outcomes still queued and ignores any that come later."""
 
     store: ServeStore
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _recorder: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrunbook-serve-record"))
+    _stopping: bool = False
+    _closed: bool = False
+    _left_pending: int = 0
+    _polls_ended: asyncio.Event | None = None
 
     def add(self, future: Future, encode: Callable[[Any], Any], *, tenant: str, owner: str | None = None,
             seq_id: int | None = None, kind: str = "call") -> str:
@@ -117,10 +137,24 @@ class FutureRegistry:
         with self._lock:
             self._sweep()
             self._entries[rid] = _Entry(tenant, owner, recorded)
-        future.add_done_callback(lambda done: self._recorder.submit(self._record, rid, done, encode, recorded))
+        future.add_done_callback(lambda done: self._on_done(rid, done, encode, recorded))
         return rid
 
+    def _on_done(self, rid: str, done: Future, encode: Callable[[Any], Any], recorded: Future) -> None:
+        with self._lock:  # against close(): nothing is handed to a recorder that was shut down
+            if not self._closed:
+                self._recorder.submit(self._record, rid, done, encode, recorded)
+                return
+            # The server has stopped: the store stays as it is (this call "pending"), the answer is lost with it.
+            self._left_pending += 1
+        recorded.set_exception(CallFailedError(STOPPED_MESSAGE, "server"))
+
     def _record(self, rid: str, done: Future, encode: Callable[[Any], Any], recorded: Future) -> None:
+        if self._stopping and _never_ran(done):  # left pending: a restart reports it as such
+            with self._lock:
+                self._left_pending += 1
+            recorded.set_exception(CallFailedError(STOPPED_MESSAGE, "server"))
+            return
         try:
             if done.cancelled():
                 raise RuntimeError("the call was cancelled: the server is stopping")
@@ -183,14 +217,27 @@ class FutureRegistry:
             return True, self._from_store(rid, tenant)
         if entry.tenant != tenant:
             raise KeyError(rid)
+        if self._polls_ended is None:
+            self._polls_ended = asyncio.Event()
+        # Neither waiter is cancelled by a timeout (asyncio.wait), so a poll that ends never cancels the call.
+        outcome = asyncio.wrap_future(entry.recorded)
+        ended = asyncio.ensure_future(self._polls_ended.wait())
         try:
-            body, _ = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.recorded)), timeout_s)
-        except asyncio.TimeoutError:
-            return False, None
+            await asyncio.wait({outcome, ended}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            ended.cancel()
             if entry.recorded.done():
                 self._delivered(rid, entry)
+        if not outcome.done():
+            return False, None
+        body, _ = outcome.result()
         return True, body
+
+    def end_polls(self) -> None:
+        """In the event loop, as the server stops: every long poll, running or to come, answers "not yet" now."""
+        if self._polls_ended is None:
+            self._polls_ended = asyncio.Event()
+        self._polls_ended.set()
 
     def _delivered(self, rid: str, entry: _Entry) -> None:
         if entry.delivered_at is None:
@@ -213,8 +260,17 @@ class FutureRegistry:
                                   "the server; send the call again.", "server")
         return row.body if row.media == "proto" else json.loads(row.body)
 
-    def close(self) -> None:
+    def stop_recording(self) -> None:
+        """From now on a call that is cancelled (the server is stopping) stays ``pending`` in the store."""
+        self._stopping = True
+
+    def close(self) -> int:
+        """Record every outcome already handed over, then no more; how many calls were left pending (unrun)."""
+        with self._lock:
+            self._closed = True
         self._recorder.shutdown(wait=True)
+        with self._lock:
+            return self._left_pending + sum(not entry.recorded.done() for entry in self._entries.values())
 
 
 class SeqOrder:
@@ -298,9 +354,10 @@ class SeqOrder:
         else:
             outer.set_result(result)
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Run nothing more; the call running goes on (``wait``: until it has finished)."""
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._thread.shutdown(wait=wait, cancel_futures=True)

@@ -49,10 +49,14 @@ class Models:
         self._creator = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rlrunbook-serve-create")
 
     def close(self) -> None:
-        """Stop every model's lane (after the calls already queued) and the creator threads."""
-        for model in list(self.holdings.models.values()):
-            model.order.close()
-        self._creator.shutdown(wait=False, cancel_futures=True)
+        """Start no queued call or creation; wait for the ones running (their backend calls run: cancel the
+        backend's queue first, so they wait behind nothing)."""
+        orders = [model.order for model in list(self.holdings.models.values())]
+        for order in orders:
+            order.close()
+        self._creator.shutdown(wait=True, cancel_futures=True)
+        for order in orders:
+            order.close(wait=True)
 
     def _new_model(self, session_id: str, model_seq_id: int, tenant: str, base_model: str, lora: dict,
                    kind: str, create: Callable[[], Any], encode: Callable[[Any], dict]) -> dict:

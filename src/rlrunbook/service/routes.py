@@ -114,8 +114,8 @@ def answer(handler: Callable[[Request, ServeState], Awaitable[Response]]):
             return JSONResponse({"detail": str(error)}, status_code=429)
         except SessionEndedError as error:
             return JSONResponse({"detail": str(error)}, status_code=410)
-        except ModelRestartedError as error:
-            return JSONResponse({"detail": str(error)}, status_code=409)
+        except ModelRestartedError as error:  # 410, not 409: the SDK retries a 409 for five minutes
+            return JSONResponse({"detail": str(error)}, status_code=410)
         except (UnknownIdError, ModelNotFoundError) as error:
             return JSONResponse({"detail": str(error)}, status_code=404)
         except (RlrunbookError, ValueError, TypeError) as error:

@@ -27,6 +27,7 @@ DEFAULT_MAX_BODY_MIB = 64
 LOCK_FILE = "serve.lock"
 SERVE_BATCH_WINDOW_MS = 20
 CHECKPOINT_SWEEP_S = 60.0  # how often expired checkpoints are looked for (a TTL is at least an hour)
+STOP_TIMEOUT_S = 120.0  # how long a stopping server waits for the backend's running call
 
 logger = logging.getLogger("rlrunbook.serve")
 
@@ -270,7 +271,6 @@ def uvicorn_config(app, options: ServeOptions):
 
 
 def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
-    import uvicorn
 
     allocator = keep_freed_memory()
     service = local_service(options)
@@ -289,7 +289,7 @@ def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
         print(f"rlrunbook serve: restarted on this storage: {restored['sessions']} session(s) and "
               f"{restored['models']} training model(s) known; {restored['pending_failed']} request(s) that were "
               "pending now answer that the server restarted", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn_config(app, options))
+    server = http_server(uvicorn_config(app, options), state)
     url = base_url(options.host, sock.getsockname()[1])
 
     async def run() -> None:
@@ -306,7 +306,25 @@ def _serve(options: ServeOptions, stack: contextlib.ExitStack) -> int:
 
     try:
         asyncio.run(run())
-    finally:
-        state.close()
-    print("rlrunbook serve: stopped", file=sys.stderr, flush=True)
+    finally:  # no request comes in any more (a signal ended uvicorn, then is raised again here: see _Server)
+        left = state.close(STOP_TIMEOUT_S)
+        print(f"rlrunbook serve: stopped; running calls finished and recorded, {left} call(s) not started stay "
+              "pending (a restart on this storage answers that they were)", file=sys.stderr, flush=True)
     return 0
+
+
+def http_server(config, state):
+    """uvicorn's server over ``config``, whose shutdown first answers every long poll "not yet" (the SDK polls
+    again), so no open ``retrieve_future`` holds the shutdown until uvicorn cancels it with a traceback.
+
+    On SIGINT/SIGTERM uvicorn stops accepting connections, waits for the requests in flight, and raises the
+    signal again once it is done: :func:`rlrunbook.boundary.signals.install`'s handler then ends the command
+    (exit 130/143) through ``_serve``'s ``finally``, which closes the rest in order (:meth:`ServeState.close`)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            state.futures.end_polls()
+            await super().shutdown(sockets=sockets)
+
+    return Server(config)

@@ -61,12 +61,18 @@ class ServeState:
     def session_timeout_s(self) -> float:
         return self.holdings.session_timeout_s
 
-    def close(self) -> None:
-        """Stop the models' threads and the local backend (after the calls already queued)."""
+    def close(self, timeout_s: float | None = None) -> int:
+        """Stop, once no request comes in any more, in the order that loses nothing acknowledged: calls that have
+        not started are cancelled and stay ``pending`` in the store (a restart reports them); those running
+        finish (the backend's running call: up to ``timeout_s``) and their outcomes are recorded; then the local
+        backend, the recorder and the store close. How many calls were left pending."""
+        self.futures.stop_recording()
+        self.service.cancel_queued()  # what the models' running calls wait for runs next
         self.models.close()
-        self.service.close()
-        self.futures.close()
+        self.service.stop_now(timeout_s)
+        left = self.futures.close()
         self.store.close()
+        return left
 
     # -- sessions -----------------------------------------------------------------------------------------
     def create_session(self, request: types.CreateSessionRequest, tenant: str) -> dict:
