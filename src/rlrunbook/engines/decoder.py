@@ -400,7 +400,7 @@ class Decoder:
             return self._fused.hidden(ids, positions, layout)
         h = body.embed_tokens(ids)  # [N, E]
         if self._rope is not None:  # a table computed once per position: the same values in any batch
-            cos, sin = self._rope.lookup(positions, h.dtype)  # [N, D] each
+            cos, sin = self._rope.lookup(positions, h.dtype, getattr(layout, "position_bound", None))  # [N, D] each
         else:
             cos, sin = body.rotary_emb(h, positions[None])  # [1, N, D] each, in h's dtype
             cos, sin = cos[0], sin[0]

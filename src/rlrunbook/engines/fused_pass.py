@@ -109,7 +109,7 @@ class FusedPass:
         decoder = self.decoder
         body = decoder.lm.model
         h = body.embed_tokens(ids)
-        cos, sin = decoder._rope.lookup(positions, h.dtype)
+        cos, sin = decoder._rope.lookup(positions, h.dtype, getattr(layout, "position_bound", None))
         layers = body.layers
         first = layers[0].input_layernorm
         x = fused.rms_norm(h, first.weight, first.variance_epsilon)

@@ -183,6 +183,11 @@ class RowCache:
     def capacity(self) -> int:
         return self.keys[0].shape[1]
 
+    @property
+    def position_bound(self) -> int:
+        """Every position a step over this cache computes is below this (a row's tokens sit at index = position)."""
+        return self.capacity
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                core: str) -> torch.Tensor:
         keys, values = self.keys[layer], self.values[layer]

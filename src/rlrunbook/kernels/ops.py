@@ -223,9 +223,12 @@ class RopeTable:
         self._cos, self._sin = torch.cat([self._cos, cos]), torch.cat([self._sin, sin])
         self._tables.clear()
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
+               bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[N, D]`` for ``[N]`` positions, as transformers' rotary embedding lays them out
-        (the ``D / 2`` frequencies twice), scaled by ``attention_scaling`` and rounded to ``dtype``.
+        (the ``D / 2`` frequencies twice), scaled by ``attention_scaling`` and rounded to ``dtype``. ``bound``: a
+        number every position is below, known to the caller (a cache's capacity), so the table grows without
+        reading the positions back (a read of the largest one otherwise).
 
         On CUDA they are computed on the spot by PyTorch's ``cos`` and ``sin`` (every element by the same function
         wherever it sits, and no host synchronisation, so a captured CUDA graph can hold it)."""
@@ -236,7 +239,9 @@ class RopeTable:
             angle = positions.float()[:, None] * self.inv_freq.to(positions.device)[None]
             halves = [torch.cat([f, f], dim=-1) for f in (torch.cos(angle), torch.sin(angle))]
             return tuple((h * self.scaling if self.scaling != 1.0 else h).to(dtype) for h in halves)
-        if positions.numel():
+        if bound is not None:
+            self._grow(bound)
+        elif positions.numel():
             self._grow(int(positions.max()) + 1)
         key = (positions.device, dtype)
         table = self._tables.get(key)

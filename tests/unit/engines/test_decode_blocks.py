@@ -70,6 +70,7 @@ def test_a_decode_step_stays_within_its_op_and_sync_budget(tiny_host):
     assert counts.rest_per_step <= MAX_OPS_OUTSIDE_THE_MODEL_STEP, counts.rest.most_common(10)
     assert counts.rest["rlrunbook::seeded_draw"] == TOKENS, "one kernel per draw"
     assert counts.host_syncs <= math.ceil(TOKENS / 8), (counts.host_syncs, counts.host_reads)
+    assert counts.model_step_syncs == 0, "the model step reads nothing back (the rotary table grows by the cache)"
 
     eager = _engine(tiny_host, fused_draw=False)  # the bound tells the fused draw from the eager one
     eager.sample_jobs(jobs)
