@@ -125,7 +125,8 @@ class FutureRegistry:
     _stopping: bool = False
     _closed: bool = False
     _left_pending: int = 0
-    _polls_ended: asyncio.Event | None = None
+    _polls_ended: bool = False
+    _poll_stops: set = field(default_factory=set)  # the events of the long polls waiting now
 
     def add(self, future: Future, encode: Callable[[Any], Any], *, tenant: str, owner: str | None = None,
             seq_id: int | None = None, kind: str = "call") -> str:
@@ -217,15 +218,19 @@ class FutureRegistry:
             return True, self._from_store(rid, tenant)
         if entry.tenant != tenant:
             raise KeyError(rid)
-        if self._polls_ended is None:
-            self._polls_ended = asyncio.Event()
-        # Neither waiter is cancelled by a timeout (asyncio.wait), so a poll that ends never cancels the call.
+        # One event per poll, made in the poll's own event loop (an event is bound to the loop that first waits on
+        # it). Neither waiter is cancelled by a timeout (asyncio.wait), so a poll that ends never cancels the call.
+        stop = asyncio.Event()
+        if self._polls_ended:
+            stop.set()
+        self._poll_stops.add(stop)
         outcome = asyncio.wrap_future(entry.recorded)
-        ended = asyncio.ensure_future(self._polls_ended.wait())
+        ended = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait({outcome, ended}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
+            self._poll_stops.discard(stop)
             if entry.recorded.done():
                 self._delivered(rid, entry)
         if not outcome.done():
@@ -235,9 +240,9 @@ class FutureRegistry:
 
     def end_polls(self) -> None:
         """In the event loop, as the server stops: every long poll, running or to come, answers "not yet" now."""
-        if self._polls_ended is None:
-            self._polls_ended = asyncio.Event()
-        self._polls_ended.set()
+        self._polls_ended = True
+        for stop in list(self._poll_stops):
+            stop.set()
 
     def _delivered(self, rid: str, entry: _Entry) -> None:
         if entry.delivered_at is None:
