@@ -53,6 +53,7 @@ class MemoryPlan:
     # off_policy K > 0: sampling and training run at once, and K + 2 more adapter copies are held (the
     # engine's pinned copy and the snapshots of the batches in flight); 0: one after the other.
     concurrent_snapshots: int = 0
+    chunks: int = 1  # backend.grad_accum_steps: the batch is first cut into this many parts by count
 
     @property
     def usable(self) -> int:
@@ -88,7 +89,10 @@ class MemoryPlan:
 
     @property
     def micro_batches(self) -> int:
-        return 1 if not self.micro_batch_tokens else -(-self.batch_tokens // self.micro_batch_tokens)
+        """How many micro-batches ``forward_backward`` makes of the planned batch: each of the ``chunks`` parts
+        (near-equal by count, here by tokens) split by the token budget."""
+        per_chunk = -(-self.batch_tokens // self.chunks)
+        return self.chunks * (1 if not self.micro_batch_tokens else -(-per_chunk // self.micro_batch_tokens))
 
 
 def parse_size(text: str, what: str = "device memory") -> int:
@@ -184,7 +188,8 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None) -> Memory
         training_state=sizes.training_state, float64_copy=float64, kv_cache=kv_cache, prefix_pool=pool,
         sampling_activations=activations, vllm_share=vllm_share, micro_batch_tokens=None, recompute_layers=False,
         training_activations=0, batch_tokens=batch_tokens, shape=shape_text, notes=notes,
-        concurrent_snapshots=config.off_policy + 2 if config.off_policy > 0 else 0)
+        concurrent_snapshots=config.off_policy + 2 if config.off_policy > 0 else 0,
+        chunks=max(1, min(settings.grad_accum_chunks, config.num_rollouts)))
     available = plan.usable - plan.resident - plan.training_state // 4
     if plan.concurrent_snapshots:  # a micro-batch trains while the sampler holds its activations and snapshots
         available -= plan.sampling_activations + plan.concurrent_snapshots * (plan.training_state // 4)

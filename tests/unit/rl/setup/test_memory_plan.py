@@ -51,7 +51,7 @@ def test_the_rlvr_preset_fits_an_80gb_gpu_and_not_a_24gb_one():
     assert any("device: cuda (80.0 GiB, stated)" in line for line in lines)
     assert any(line.startswith("#   sampling: 256 rows per sampling call") for line in lines)
     (training,) = [line for line in lines if line.startswith("#   training: ")]
-    assert "micro-batch(es) of" in training and "no limit" not in training
+    assert "in 16 micro-batch(es) of" in training and "no limit" not in training  # grad_accum_steps 16
     assert any(line.startswith("#   fits: ") for line in lines)
     small = subprocess.run([_rlrunbook(), "show-config", "--config-file", "h100-rlvr", "--device-memory", "24GiB"],
                            capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
@@ -78,6 +78,17 @@ def _plan(**sizes) -> MemoryPlan:
                   training_activations=40 * GIB, batch_tokens=45000, shape="s")
     values.update(sizes)
     return MemoryPlan(**values)
+
+
+def test_the_micro_batch_count_counts_the_chunks_first():
+    """forward_backward cuts a batch into grad_accum_steps parts by count, then each part by the token budget
+    (backend/micro_batches.py): 45,000 tokens under a budget of 10,000 are 5 micro-batches; in 4 chunks of
+    11,250 tokens, 2 each, 8; in 16 chunks of 2,813, 1 each, 16; no budget: one per chunk."""
+    assert _plan().micro_batches == 5
+    assert _plan(chunks=4).micro_batches == 8
+    assert _plan(chunks=16).micro_batches == 16
+    assert _plan(chunks=3, micro_batch_tokens=None).micro_batches == 3
+    assert _plan(micro_batch_tokens=None).micro_batches == 1
 
 
 def test_peaks_add_up_as_stated():
