@@ -305,23 +305,31 @@ class Decoder:
         finally:
             self._fixed_depth -= 1
 
+    def per_call(self, cache: dict, modules: Sequence[torch.nn.Module], build: Callable[[], object]):
+        """``build()`` for a projection group, kept in ``cache`` for the rest of the current :meth:`weights_fixed`
+        block (one sampling call); outside a block it is built on every use."""
+        key = tuple(map(id, modules))
+        if self._fixed_depth:
+            epoch, value = cache.get(key, (None, None))
+            if epoch == self._epoch:
+                return value
+        value = build()
+        if self._fixed_depth:
+            cache[key] = (self._epoch, value)
+        return value
+
     def _group_plan(self, modules: Sequence[torch.nn.Module]) -> _GroupPlan | None:
         """The stacked weights (and, inside :meth:`weights_fixed`, LoRA factors) of a group; ``None``:
         go module by module."""
-        key = tuple(map(id, modules))
-        if self._fixed_depth:
-            epoch, plan = self._plans.get(key, (None, None))
-            if epoch == self._epoch:
-                return plan
-        bases = [getattr(m, "base_layer", m) for m in modules]
-        plan = None
-        if not self.numerics.float64_matmuls and stackable(bases):
+        def build() -> _GroupPlan | None:
+            bases = [getattr(m, "base_layer", m) for m in modules]
+            if self.numerics.float64_matmuls or not stackable(bases):
+                return None
             weight, bias = stacked_weights(bases)
             factors = group_factors(modules, self.pinned) if self.grouped_adapters and self._fixed_depth else None
-            plan = _GroupPlan(weight, bias, [b.out_features for b in bases], bases, factors)
-        if self._fixed_depth:
-            self._plans[key] = (self._epoch, plan)
-        return plan
+            return _GroupPlan(weight, bias, [b.out_features for b in bases], bases, factors)
+
+        return self.per_call(self._plans, modules, build)
 
     def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A peft LoRA module's output from its base layer's ``result`` on input ``x``."""

@@ -69,21 +69,18 @@ class FusedPass:
     def group(self, modules: Sequence[torch.nn.Module]) -> fused.LoraLinears | None:
         """``modules`` prepared for :func:`rlrunbook.kernels.fused.lora_linears` (``None``: through the chain)."""
         decoder = self.decoder
-        key = tuple(map(id, modules))
-        if decoder._fixed_depth:
-            epoch, group = self._groups.get(key, (None, None))
-            if epoch == decoder._epoch:
-                return group
-        bases = [getattr(m, "base_layer", m) for m in modules]
-        group = None
-        if stackable(bases):
+
+        def build() -> fused.LoraLinears | None:
+            bases = [getattr(m, "base_layer", m) for m in modules]
+            if not stackable(bases):
+                return None
             adapters = [_adapter(m, decoder.pinned) for m in modules]
-            if not any(a is _UNFUSABLE for a in adapters):
-                weight, bias = stacked_weights(bases)
-                group = fused.LoraLinears.prepare(weight, bias, [b.out_features for b in bases], adapters)
-        if decoder._fixed_depth:
-            self._groups[key] = (decoder._epoch, group)
-        return group
+            if any(a is _UNFUSABLE for a in adapters):
+                return None
+            weight, bias = stacked_weights(bases)
+            return fused.LoraLinears.prepare(weight, bias, [b.out_features for b in bases], adapters)
+
+        return decoder.per_call(self._groups, modules, build)
 
     def linears(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
         """The projections' outputs side by side, ``[N, sum of out_features]``."""

@@ -56,13 +56,18 @@ def _listed(client, run: str) -> set[str]:
     return {c["checkpoint_id"] for c in answer.json()["checkpoints"]}
 
 
-def test_checkpoints_whose_ttl_passed_are_removed_from_disk_and_listings(app):
-    client, serve, storage = app
+def _model(client) -> str:
+    """A new session's first training model (tiny, LoRA rank 4): its id."""
     session = _post(client, "/create_session", types.CreateSessionRequest(
         tags=[], user_metadata={}, sdk_version="test").model_dump(mode="json")).json()["session_id"]
-    model = _result(client, _post(client, "/create_model", types.CreateModelRequest(
+    return _result(client, _post(client, "/create_model", types.CreateModelRequest(
         session_id=session, model_seq_id=0, base_model="tiny", lora_config=types.LoraConfig(rank=4))
         .model_dump(mode="json")))["model_id"]
+
+
+def test_checkpoints_whose_ttl_passed_are_removed_from_disk_and_listings(app):
+    client, serve, storage = app
+    model = _model(client)
     local = serve.holdings.models[model].client.result()  # one step first, so a save holds AdamW state too
     datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                         loss_fn_inputs={"target_tokens": types.TensorData(data=[2, 3, 4], dtype="int64"),
@@ -111,11 +116,7 @@ def test_checkpoints_whose_ttl_passed_are_removed_from_disk_and_listings(app):
 
 def test_a_deleted_checkpoint_leaves_disk_and_its_models_record(app):
     client, serve, storage = app
-    session = _post(client, "/create_session", types.CreateSessionRequest(
-        tags=[], user_metadata={}, sdk_version="test").model_dump(mode="json")).json()["session_id"]
-    model = _result(client, _post(client, "/create_model", types.CreateModelRequest(
-        session_id=session, model_seq_id=0, base_model="tiny", lora_config=types.LoraConfig(rank=4))
-        .model_dump(mode="json")))["model_id"]
+    model = _model(client)
     path = _result(client, _post(client, "/save_weights", types.SaveWeightsRequest(
         model_id=model, path="gone", seq_id=1).model_dump(mode="json")))["path"]
     run = path.split("/")[2]
