@@ -173,6 +173,17 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor]) -> None:
             offset += tensor.numel()
 
 
+def all_reduce_max(value: int) -> int:
+    """The largest of the ranks' ``value`` (``value`` itself for one process)."""
+    if world_size() == 1:
+        return value
+    import torch.distributed as dist
+
+    box = torch.tensor([value], dtype=torch.int64)  # a CPU tensor: gloo, also beside nccl
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (``[obj]`` for one process).
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from rlrunbook.backend.lora import wrap_with_lora
 from rlrunbook.backend.memory import model_bytes, token_cost, with_layers
-from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.backend.trainer import Trainer
 from rlrunbook.models.shapes import model_shape
 
 
@@ -44,7 +44,7 @@ def main(layers: int, tokens: int, trained: int, recompute: bool) -> None:
     torch.manual_seed(0)
     model = wrap_with_lora(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), rank=64, alpha=32,
                            seed=0)
-    trainer = LoraTrainer(model, pad_token_id=0, vocab_size=config.vocab_size, recompute_layers=recompute)
+    trainer = Trainer(model, pad_token_id=0, vocab_size=config.vocab_size, recompute_layers=recompute)
     ids = torch.randint(0, config.vocab_size, (tokens + 1,), generator=torch.Generator().manual_seed(1)).tolist()
     trainer.forward_backward([_datum(ids[:9], 4)], "importance_sampling")  # first pass: stacks, kernels
     model.zero_grad(set_to_none=True)

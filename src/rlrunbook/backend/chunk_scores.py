@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from rlrunbook.backend import sharding
 from rlrunbook.engines.decoder import Decoder, Numerics
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
 from rlrunbook.engines.layouts import take_rows
@@ -41,8 +42,13 @@ class ChunkScores:
     seen_logprobs: torch.Tensor  # (N,) T = 1, differentiable
     seen_sampling_logprobs: torch.Tensor  # (N,) under the sampler's transform, detached
     seen_entropy: torch.Tensor | None  # (N,) differentiable, when asked for
-    seen_reference: torch.Tensor | None  # (N,) base model (adapter disabled), no grad, when asked for
+    seen_reference: torch.Tensor | None  # (N,) the reference (base) model, no grad, when asked for
     anchor: torch.Tensor  # a differentiable scalar of the pass (0 * it keeps an empty chunk's graph)
+
+
+@dataclass(frozen=True)
+class _Padding:
+    input_tokens: list[int]
 
 
 class ChunkScoring(Protocol):
@@ -53,11 +59,46 @@ class ChunkScoring(Protocol):
 class SharedPrefixScoring:
     """Scores through the shared-prefix decoder pass (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, numerics: Numerics | str, recompute_layers: bool = False):
+    def __init__(self, model: torch.nn.Module, numerics: Numerics | str, recompute_layers: bool = False,
+                 reference: torch.nn.Module | None = None):
         self.scorer = SharedPrefixScorer(Decoder(model, numerics))
         self.recompute_layers = recompute_layers  # activation checkpointing per decoder layer
+        # The KL reference: a model of its own (full-parameter training), else this model with its adapter disabled.
+        self.reference = None if reference is None else SharedPrefixScorer(Decoder(reference, numerics))
 
     def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
+        """The chunk's scores; for a sharded model, one pass of its outer unit (see backend/sharding.py)."""
+        return sharding.outer_call(self.scorer.decoder.model, self._score, chunk, filters, with_entropy,
+                                   with_reference)
+
+    def idle_pass(self, pad_token_id: int, with_reference: bool) -> torch.Tensor:
+        """A pass over two padding tokens whose value is 0 (with the weights' graph), reading the reference too
+        when the other passes do: what a rank with fewer micro-batches runs so that a sharded model's
+        collectives match on every rank."""
+        def run() -> torch.Tensor:
+            hidden = self.scorer.run([[pad_token_id, pad_token_id]], recompute_layers=self.recompute_layers).hidden
+            rows = torch.zeros(1, dtype=torch.long, device=hidden.device)
+            targets = torch.full((1,), pad_token_id, dtype=torch.long, device=hidden.device)
+            if with_reference:
+                self._reference_logprobs([_Padding([pad_token_id, pad_token_id])], rows, targets)
+            return self.scorer.score(hidden, rows, targets).logprobs.sum() * 0.0
+
+        return sharding.outer_call(self.scorer.decoder.model, run)
+
+    def _reference_logprobs(self, chunk, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        sequences = [item.input_tokens for item in chunk]
+        with torch.no_grad():
+            if self.reference is not None:
+                def run() -> torch.Tensor:
+                    base = self.reference.run(sequences)
+                    return self.reference.score(base.hidden, rows, targets).logprobs
+
+                return sharding.outer_call(self.reference.decoder.model, run)
+            with self.scorer.decoder.model.disable_adapter():
+                base = self.scorer.run(sequences)
+                return self.scorer.score(base.hidden, rows, targets).logprobs
+
+    def _score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
         run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=self.recompute_layers)
         pairs: dict[tuple[int, int], int] = {}  # (hidden row, target) -> index: each distinct pair once
         seen: list[int] = []  # pair index of every position the loss reads, datum by datum
@@ -80,9 +121,7 @@ class SharedPrefixScoring:
         self._fill_others(run, chunk, per_datum)
         reference = None
         if with_reference:
-            with torch.no_grad(), self.scorer.decoder.model.disable_adapter():
-                base = self.scorer.run([item.input_tokens for item in chunk])
-                reference = take_rows(self.scorer.score(base.hidden, rows, targets).logprobs, seen_index)
+            reference = take_rows(self._reference_logprobs(chunk, rows, targets), seen_index)
         return ChunkScores(per_datum, take_rows(scores.logprobs, seen_index), take_rows(scores.sampling_logprobs, seen_index),
                            None if scores.entropy is None else take_rows(scores.entropy, seen_index), reference,
                            run.hidden.sum() * 0.0 if run.hidden.requires_grad else run.hidden.new_zeros(()))

@@ -83,7 +83,7 @@ def _call(loss_fn, data: list[types.Datum], logprobs: list[torch.Tensor]) -> tup
 
 
 def forward_backward_custom(trainer, data: Sequence[types.Datum], loss_fn) -> types.ForwardBackwardOutput:
-    """Score ``data`` with ``trainer`` (a :class:`~rlrunbook.backend.trainer.LoraTrainer`), compute ``loss_fn`` on
+    """Score ``data`` with ``trainer`` (a :class:`~rlrunbook.backend.trainer.Trainer`), compute ``loss_fn`` on
     the targets' logprobs, and add its gradient to the adapter's."""
     data = list(data)
     if not data:

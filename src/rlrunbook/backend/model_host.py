@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rlrunbook import pending_signal
+from rlrunbook.backend import sharding
 from rlrunbook.backend.lora import clone_adapter, load_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.base import SamplingEngine
@@ -19,6 +20,7 @@ from rlrunbook.engines.float64_weights import share_float64_weights
 from rlrunbook.engines.generate import GenerateEngine
 from rlrunbook.engines.hf import HFSamplingEngine
 from rlrunbook.engines.stacked_projections import stack_frozen_groups
+from rlrunbook.errors import ConfigError
 from rlrunbook.models import load_causal_lm, load_tokenizer, resolve_model
 
 
@@ -121,9 +123,13 @@ def share_weights(resident: ResidentModel) -> torch.nn.Module:
     return model
 
 
-def host_over(resident: ResidentModel, name: str, settings: LocalSettings) -> ModelHost:
-    """A host named ``name`` over ``resident``'s weights: its own modules and engine, no second copy of the base."""
-    model = share_weights(resident)
+def host_over(resident: ResidentModel, name: str, settings: LocalSettings, *, own_weights: bool = False) -> ModelHost:
+    """A host named ``name`` over ``resident``'s weights: its own modules and engine, no second copy of the base.
+
+    ``own_weights``: the host loads a copy of the weights of its own instead (full-parameter training changes
+    every weight); its engine then captures no CUDA graphs (sharded weights are gathered into new memory).
+    """
+    model = resident.load() if own_weights else share_weights(resident)
     tokenizer = resident.tokenizer
     config = model.config
     common = dict(pad_token_id=int(tokenizer.pad_token_id), vocab_size=int(config.vocab_size),
@@ -134,7 +140,8 @@ def host_over(resident: ResidentModel, name: str, settings: LocalSettings) -> Mo
     if settings.sampler == "generate" or (settings.sampler == "vllm" and unsupported_reason(model) is not None):
         engine: SamplingEngine = GenerateEngine(model, **common)
     else:
-        engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(), cuda_graphs=settings.cuda_graphs,
+        engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(),
+                                  cuda_graphs=settings.cuda_graphs and not own_weights,
                                   prefix_cache_tokens=settings.prefix_cache_tokens, **common)
     return ModelHost(name, resident.folder, tokenizer, model, engine)
 
@@ -166,6 +173,7 @@ class SamplerWeights:
 
     adapter: dict[str, torch.Tensor] | None
     version: int = -1
+    full: bool = False  # the live weights of a full-parameter trainer (``adapter`` unused), valid at ``version``
     # Unique per snapshot (never reused, unlike id()): an engine keeps cached prefixes under this key.
     key: int = field(default_factory=lambda: next(_snapshot_keys))
 
@@ -176,8 +184,21 @@ class SamplerWeights:
 
 @contextmanager
 def active_weights(host: ModelHost, weights: SamplerWeights, live_version: int | None) -> Iterator[None]:
-    """Make ``host.model`` compute with ``weights`` inside the block, restoring the live adapter after."""
+    """Make ``host.model`` compute with ``weights`` inside the block, restoring the live adapter after.
+
+    Full-parameter training keeps no copy of past weights: a sampler of its live weights samples them while
+    they are still the trainer's, and is refused once an optimizer step moved them.
+    """
     model = host.model
+    if weights.full:
+        if live_version is not None and weights.version != live_version:
+            raise ConfigError(
+                f"this sampler holds the weights of training step version {weights.version}, but full-parameter "
+                f"training has moved them to version {live_version} and keeps no copies: sample before the next "
+                "optim_step, or save_weights_for_sampler() and sample the saved folder.")
+        sharding.gather(model)  # a collective only if sampled between forward_backward and optim_step
+        yield
+        return
     if weights.adapter is None:
         disable = getattr(model, "disable_adapter", None)
         with (disable() if callable(disable) else nullcontext()):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlrunbook.backend.model_host import ModelHost
 from rlrunbook.backend.lora import adapter_parameters, clone_adapter, load_adapter
-from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.backend.trainer import Trainer
 from rlrunbook.errors import ConfigError
 
 BASE_MODEL_FILE = "rlrunbook_base_model.json"
@@ -54,7 +54,7 @@ def read_adapter(host: ModelHost, folder: Path) -> dict[str, torch.Tensor]:
         load_adapter(host.model, live)
 
 
-def save_training_state(host: ModelHost, trainer: LoraTrainer, folder: Path) -> None:
+def save_training_state(host: ModelHost, trainer: Trainer, folder: Path) -> None:
     """Adapter, AdamW state (if a step was taken) and the parameter order the state is keyed by."""
     write_adapter(host, folder)
     optimizer = trainer.optimizer_state()
@@ -67,7 +67,7 @@ def save_training_state(host: ModelHost, trainer: LoraTrainer, folder: Path) -> 
     }))
 
 
-def load_training_state(host: ModelHost, trainer: LoraTrainer, folder: Path, *, with_optimizer: bool) -> None:
+def load_training_state(host: ModelHost, trainer: Trainer, folder: Path, *, with_optimizer: bool) -> None:
     """Copy a ``save_state`` folder's adapter into the live model; with the optimizer state if asked."""
     meta_file = folder / STATE_FILE
     if not meta_file.is_file():

@@ -231,9 +231,9 @@ class LocalSamplingClient(ResolvedClient):
         """The block in which the host computes with this client's weights: the engine's pinned copy of the
         snapshot where the engine has one (nothing the trainer does touches it; see
         engines/pinned_adapter.py), else the snapshot copied into the live adapter for the call (which must
-        then run on the training worker)."""
+        then run on the training worker), or a full-parameter trainer's live weights (the same)."""
         pin = getattr(self._host.engine, "pinned_weights", None)
-        if pin is not None and self._host.vllm is None:
+        if pin is not None and self._host.vllm is None and not self._weights.full:
             return pin(self._weights.adapter, self._weights.key)
         return active_weights(self._host, self._weights, self._live_version())
 

@@ -15,12 +15,15 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tinker import types
 from typing_extensions import Self
 
 from rlrunbook.backend import sessions
 from rlrunbook.backend.model_state import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.futures import OrderedWorker, completed
+from rlrunbook.backend import sharding
 from rlrunbook.backend.model_host import ModelHost, ResidentModel, SamplerWeights, host_over, load_resident
 from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
 from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
@@ -30,7 +33,7 @@ from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.backend.storage import ADAPTER_FILE, CheckpointStore, RunRecord, parse_tinker_path
 from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.timeline import Timeline
-from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.backend.trainer import Trainer
 from rlrunbook.backend.training_client import LocalTrainingClient
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.backend.vllm_sampling import VllmSamplers
@@ -60,6 +63,10 @@ def micro_batching(host: ModelHost, settings: LocalSettings) -> MicroBatching:
     The share of the device left to sampling: an in-process sampler's caches, or a managed vLLM server's
     ``gpu_memory_utilization`` when it runs on the same GPU; none for a vLLM server reached by URL.
     """
+    if sharding.is_sharded(host.model):  # full-parameter training: as stated (FULL-PLAN)
+        tokens = settings.micro_batch_tokens or None
+        return MicroBatching(tokens, settings.activation_checkpointing == "on",
+                             f"{tokens or 'no'} token limit; full-parameter training")
     reason = unsupported_reason(host.model)
     if reason is not None:  # transformers' own forward over padded datums: no traced cost to derive a budget from
         tokens = settings.micro_batch_tokens or None
@@ -139,24 +146,64 @@ class LocalServiceClient:
                                                 **kwargs: object) -> LocalTrainingClient:
         return self.create_lora_training_client(base_model, rank, seed, **kwargs)
 
-    def _training_client(self, record: RunRecord, seed: int | None) -> LocalTrainingClient:
+    def create_full_training_client(self, base_model: str, *, with_reference: bool = False,
+                                    user_metadata: dict[str, str] | None = None) -> LocalTrainingClient:
+        """LOCAL EXTENSION (the hosted service trains LoRA only): a client that trains every weight of its own copy
+        of ``base_model``, sharded with FSDP2 over the ranks of a torchrun launch (one rank otherwise).
+
+        The forward/backward/optim_step calls are the LoRA client's; its samplers sample the live weights (valid
+        until the next ``optim_step``; no copies are kept). ``with_reference``: keep a frozen copy of the initial
+        weights (compute dtype, sharded) for the ``kl_coef`` term. Sampling runs in process: refused with
+        ``TINKER_LOCAL_SAMPLER=vllm``. Adapter folders (``save_state``, ``save_weights_for_sampler``) are refused;
+        its training state moves with ``export_training_state``/``import_training_state``. Under torchrun every
+        rank makes the same training calls in the same order.
+        """
+        if self.settings.sampler != "hf":
+            raise ConfigError(f"full-parameter training samples with the in-process engine (hf); "
+                              f"TINKER_LOCAL_SAMPLER={self.settings.sampler} is not supported for it.")
+        if self.settings.load_in_4bit:
+            raise ConfigError("full-parameter training trains every weight: 4-bit (frozen) base weights cannot train; "
+                              "unset load_in_4bit or train LoRA.")
+        record = RunRecord(model_id=f"local-{uuid.uuid4().hex[:12]}", base_model=base_model, lora_rank=0,
+                           user_metadata=dict(user_metadata or {}), session_id=self.session_id)
+        return self._training_client(record, None, full=True, with_reference=with_reference)
+
+    def _full_host(self, base_model: str, with_reference: bool) -> tuple[ModelHost, torch.nn.Module | None]:
+        """A host with weights of its own, sharded for full-parameter training, and the frozen reference if asked."""
+        key = self.settings.model_for(base_model)
+        resident = self._resident.get(key)
+        if resident is None:
+            resident = self._resident[key] = load_resident(base_model, self.settings)
+        host = host_over(resident, base_model, self.settings, own_weights=True)
+        reference = resident.load() if with_reference else None
+        sharding.shard(host.model, self.settings.resolved_dtype())
+        if reference is not None:
+            sharding.shard_reference(reference)
+        return host, reference
+
+    def _training_client(self, record: RunRecord, seed: int | None, *, full: bool = False,
+                         with_reference: bool = False) -> LocalTrainingClient:
         settings = self.settings
 
         def build() -> LocalTrainingClient:
-            host = self._host(record.base_model)
-            host.model = wrap_with_lora(
-                host.model, rank=record.lora_rank, alpha=settings.lora_alpha,
-                seed=settings.seed if seed is None else seed, train_attn=record.train_attn,
-                train_mlp=record.train_mlp, train_unembed=record.train_unembed,
-            )
-            host.engine.model = host.model
+            reference = None
+            if full:
+                host, reference = self._full_host(record.base_model, with_reference)
+            else:
+                host = self._host(record.base_model)
+                host.model = wrap_with_lora(
+                    host.model, rank=record.lora_rank, alpha=settings.lora_alpha,
+                    seed=settings.seed if seed is None else seed, train_attn=record.train_attn,
+                    train_mlp=record.train_mlp, train_unembed=record.train_unembed,
+                )
+                host.engine.model = host.model
             self._attach_sampler(host)
             batching = micro_batching(host, settings)
-            trainer = LoraTrainer(host.model, pad_token_id=host.pad_token_id,
-                                  vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
-                                  accept_zero_advantages=settings.zero_advantage_batches == "accept",
-                                  numerics=settings.decoder_numerics(), micro_batch_tokens=batching.tokens,
-                                  recompute_layers=batching.recompute_layers)
+            trainer = Trainer(host.model, pad_token_id=host.pad_token_id,
+                              vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
+                              accept_zero_advantages=settings.zero_advantage_batches == "accept",
+                              numerics=settings.decoder_numerics(), micro_batch_tokens=batching.tokens,
+                              recompute_layers=batching.recompute_layers, full_parameters=full, reference=reference)
             self._store.write_run(record)
             return LocalTrainingClient(host, trainer, self._worker.lane(id(host)), model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,
@@ -250,9 +297,9 @@ class LocalServiceClient:
         where sampling never touches the live model (the in-process ``hf`` engine samples a pinned copy of the
         snapshot; a vLLM server samples the snapshot written as an adapter folder), else the one worker.
 
-        The ``generate`` engine computes with the live adapter, so its calls stay on the training worker, in
-        submission order with the training calls (as do a vLLM client's prompt logprobs, computed in process)."""
-        if not self.settings.concurrent_sampling or (
+        The ``generate`` engine computes with the live adapter, and a full-parameter trainer's sampler with its
+        live weights, so their calls stay on the training worker, in submission order with the training calls (as do a vLLM client's prompt logprobs, computed in process)."""
+        if not self.settings.concurrent_sampling or sharding.is_sharded(host.model) or (
                 host.vllm is None and getattr(host.engine, "pinned_weights", None) is None):
             return self._worker
         if self._sampling_worker is None:

@@ -17,7 +17,7 @@ from rlrunbook.errors import ConfigError
 
 
 def call_name(fn: object) -> str:
-    """``LoraTrainer.optim_step`` for a method, the enclosing method for a closure defined in one."""
+    """``Trainer.optim_step`` for a method, the enclosing method for a closure defined in one."""
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     return name.split(".<locals>")[0]
 

@@ -1,4 +1,4 @@
-"""The LoRA trainer behind the local TrainingClient: forward, forward_backward, optim_step.
+"""The trainer behind the local TrainingClient: forward, forward_backward, optim_step.
 
 Semantics kept from the Tinker API: losses are token sums; gradients accumulate across
 ``forward_backward`` calls until ``optim_step``; each call returns the learner's logprobs of
@@ -11,8 +11,16 @@ with ``recompute_layers`` each decoder layer keeps only its input for backward (
 
 LOCAL EXTENSION (the hosted Tinker service does not know these ``loss_fn_config`` keys): ``kl_coef``,
 ``kl_estimator`` and ``entropy_coef`` add ``kl_coef * sum_t kl_t - entropy_coef * sum_t H_t`` to the loss,
-summed over the trained positions (see :mod:`rlrunbook.regularizers`). The KL reference is the base model,
-i.e. this same model with the LoRA adapter disabled, so no second copy of the weights is held.
+summed over the trained positions (see :mod:`rlrunbook.regularizers`). The KL reference is the base model:
+for LoRA this same model with the adapter disabled (no second copy of the weights); for full-parameter
+training a frozen copy of the initial weights in the compute dtype, sharded like the policy.
+
+What trains: a LoRA adapter (the default), or, with ``full_parameters``, every weight of a model sharded by
+:func:`rlrunbook.backend.sharding.shard` (FSDP2; one rank for a plain process). Under torchrun a sharded
+model's passes are collectives: every rank runs as many micro-batch passes as the rank with the most (the
+others add passes over two padding tokens that contribute nothing), and its gradients arrive summed over
+ranks. Its training state is the full weights and the optimizer state keyed by parameter name
+(:func:`rlrunbook.backend.sharding.full_state`): the same at any world size.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from rlrunbook.backend.datum_items import TrainingItem, datum_item
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
+from rlrunbook.backend import sharding
 from rlrunbook.engines.decoder import Numerics, unsupported_reason
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
@@ -52,25 +61,14 @@ class NonFiniteGradientError(RlrunbookError, FloatingPointError):
 class TrainingState:
     """Everything an optimizer step depends on, copied to CPU: what an exact resume restores.
 
-    ``adapter`` maps each trainable parameter's name (``named_parameters`` order) to its values;
-    ``optimizer`` is AdamW's ``state_dict()`` (tensors and plain numbers only), None before the
-    first step; ``weights_version`` is informational (sampler snapshots key on it, training does not).
+    ``adapter`` maps each trainable parameter's name (``named_parameters`` order) to its values (for
+    full-parameter training: every weight, gathered); ``optimizer`` is AdamW's ``state_dict()`` (tensors and
+    plain numbers only; keyed by parameter name for full-parameter training), None before the first step; ``weights_version`` is informational (sampler snapshots key on it, training does not).
     """
 
     adapter: dict[str, torch.Tensor]
     optimizer: dict | None
     weights_version: int
-
-
-def _to_cpu(value):
-    """``value`` with every tensor replaced by a CPU copy (dicts, lists and tuples walked)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(item) for item in value)
-    return value
 
 
 def _trained_positions(item: TrainingItem, spec: LossSpec) -> int:
@@ -164,16 +162,22 @@ def _merge_metrics(parts: list[_ChunkOutput]) -> dict[str, float]:
                          [{key: p.weights.get(key, p.positions) for key in p.metrics} for p in parts])
 
 
-class LoraTrainer:
-    """Owns a LoRA-wrapped model and its optimizer; every method runs on the backend's worker thread."""
+class Trainer:
+    """Owns the trained model (LoRA-wrapped, or sharded for full-parameter training) and its optimizer; every
+    method runs on the backend's worker thread."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1,
                  accept_zero_advantages: bool = False, numerics: Numerics | str = "invariant",
-                 micro_batch_tokens: int | None = None, recompute_layers: bool = False):
+                 micro_batch_tokens: int | None = None, recompute_layers: bool = False,
+                 full_parameters: bool = False, reference: torch.nn.Module | None = None):
         self.model = model
+        self.full_parameters = full_parameters  # every weight trains (the model sharded by backend/sharding.py)
+        if full_parameters and (not sharding.is_sharded(model) or unsupported_reason(model) is not None):
+            raise ConfigError("full-parameter training needs a model the in-process decoder runs (Llama, Qwen2, "
+                              "Qwen3, Mistral families), sharded first (backend.sharding.shard).")
         # The sampler's own forward (shared prefixes, logits only where needed) where it covers the model;
         # otherwise transformers' forward over padded datums.
-        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers)
+        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers, reference)
                                       if unsupported_reason(model) is None else PaddedScoring(model, pad_token_id))
         self.micro_batch_tokens = micro_batch_tokens
         self.recompute_layers = recompute_layers
@@ -192,6 +196,12 @@ class LoraTrainer:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """What the optimizer steps, by name, in its order: the adapter's, or every weight (shards under torchrun)."""
+        if self.full_parameters:
+            return sharding.sharded_parameters(self.model)
+        return adapter_parameters(self.model)
 
     def forward(self, data: Sequence[types.Datum], loss_fn: str,
                 loss_fn_config: Mapping[str, float | str] | None = None) -> types.ForwardBackwardOutput:
@@ -250,6 +260,7 @@ class LoraTrainer:
                 "which trains such a batch as a no-op, can set TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES=accept.)"
             )
         batches = micro_batches([item.input_tokens for item in items], self.micro_batch_tokens, self.grad_accum_chunks)
+        self._idle_passes(len(batches), backward=backward, with_reference=reg.kl_coef > 0)
         logprobs: list[torch.Tensor] = []
         sampling: list[torch.Tensor] = []
         loss_total = 0.0
@@ -280,6 +291,21 @@ class LoraTrainer:
                 output["sampling_logprobs"] = types.TensorData.from_torch(values)
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
                                            metrics=metrics)
+
+    def _idle_passes(self, passes: int, *, backward: bool, with_reference: bool) -> None:
+        """A sharded model under torchrun: as many extra passes as other ranks run beyond this rank's ``passes``.
+
+        Every pass of a sharded model gathers weights with every rank (and its backward reduces gradients with
+        every rank), so ranks must run the same number: the rank with the most micro-batches sets it, and the
+        others run passes over two padding tokens whose loss is 0 (their gradients add exact zeros).
+        """
+        if not self.full_parameters or distributed.world_size() == 1:
+            return
+        most = distributed.all_reduce_max(passes)
+        for _ in range(most - passes):
+            loss = self.scoring.idle_pass(self.pad_token_id, with_reference)
+            if backward:
+                loss.backward()
 
     def _chunk_loss(self, chunk: list[TrainingItem], spec: LossSpec, config: dict[str, float], reg: RegularizerConfig,
                     mismatch: MismatchConfig) -> _ChunkOutput:
@@ -320,7 +346,7 @@ class LoraTrainer:
         norm, the clipping, the NaN guard and the step are the same on every rank.
         """
         check_adam_params(params)  # nothing is applied with a NaN, infinite or out-of-range hyperparameter
-        trainable = list(adapter_parameters(self.model).values())
+        trainable = list(self.trained_parameters().values())
         applied_loss = self._sync_gradients(trainable)
         if not self._has_gradients:
             raise InputError("optim_step with no accumulated gradient: call forward_backward first.")
@@ -331,7 +357,7 @@ class LoraTrainer:
         for group in self._optimizer.param_groups:
             group.update(hyper)
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
+        grad_norm = float(sharding.full_value(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
         if not math.isfinite(grad_norm):
             self._optimizer.zero_grad(set_to_none=True)
             self._has_gradients = False
@@ -343,6 +369,7 @@ class LoraTrainer:
         self._optimizer.zero_grad(set_to_none=True)
         self._has_gradients = False
         self.weights_version += 1
+        sharding.gather(self.model)  # full-parameter training: the new weights in place for sampling
         # loss:sum is the summed loss of the forward_backward calls this step applied: recipes that log
         # only optim_step metrics (the cookbook's RL loops) then still record the loss they optimised.
         return types.OptimStepResponse(metrics={"grad_norm:mean": grad_norm,
@@ -360,11 +387,14 @@ class LoraTrainer:
         applied_loss, self._pending_loss = self._pending_loss, 0.0
         if distributed.world_size() == 1:
             return applied_loss
-        for param in trainable:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
         extras = torch.tensor([float(self._has_gradients), applied_loss], dtype=torch.float64, device=self.device)
-        distributed.all_reduce_sum([param.grad for param in trainable] + [extras])
+        if self.full_parameters:  # FSDP2 reduced the gradients in backward
+            distributed.all_reduce_sum([extras])
+        else:
+            for param in trainable:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            distributed.all_reduce_sum([param.grad for param in trainable] + [extras])
         self._has_gradients = bool(extras[0] > 0)
         if not self._has_gradients:
             self.model.zero_grad(set_to_none=True)
@@ -372,14 +402,16 @@ class LoraTrainer:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this run holds beside the shared base weights: the adapter, its gradients (between
-        ``forward_backward`` and ``optim_step``) and AdamW's moments (after the first step)."""
-        trainable = list(adapter_parameters(self.model).values())
+        ``forward_backward`` and ``optim_step``) and AdamW's moments (after the first step). For full-parameter
+        training ``adapter`` counts every weight, and all three count this rank's shards only."""
+        trainable = list(self.trained_parameters().values())
+        local = sharding.local_bytes
         optimizer = 0
         if self._optimizer is not None:
-            optimizer = sum(value.numel() * value.element_size() for state in self._optimizer.state.values()
+            optimizer = sum(local(value) for state in self._optimizer.state.values()
                             for value in state.values() if torch.is_tensor(value))
-        return {"adapter": sum(p.numel() * p.element_size() for p in trainable),
-                "gradients": sum(p.grad.numel() * p.grad.element_size() for p in trainable if p.grad is not None),
+        return {"adapter": sum(local(p) for p in trainable),
+                "gradients": sum(local(p.grad) for p in trainable if p.grad is not None),
                 "optimizer": optimizer}
 
     def optimizer_state(self) -> dict | None:
@@ -391,13 +423,19 @@ class LoraTrainer:
         if self._has_gradients:
             raise InputError("export_state with accumulated gradients not yet applied: they would be lost; "
                              "call optim_step first (checkpoints are taken between steps).")
+        if self.full_parameters:
+            weights, optimizer = sharding.full_state(self.model, self._optimizer)
+            return TrainingState(weights, optimizer, self.weights_version)
         adapter = {name: p.detach().to("cpu", copy=True) for name, p in adapter_parameters(self.model).items()}
-        optimizer = None if self._optimizer is None else _to_cpu(self._optimizer.state_dict())
+        optimizer = None if self._optimizer is None else sharding.to_cpu(self._optimizer.state_dict())
         return TrainingState(adapter, optimizer, self.weights_version)
 
     def import_state(self, state: TrainingState, *, with_optimizer: bool = True) -> None:
         """Copy ``state``'s adapter into the model (names and shapes must match exactly) and, with
         ``with_optimizer``, continue AdamW from its moments and step counts; else the optimizer restarts."""
+        if self.full_parameters:
+            self._import_full(state, with_optimizer)
+            return
         params = adapter_parameters(self.model)
         if params.keys() != state.adapter.keys():
             missing = sorted(params.keys() - state.adapter.keys())[:2]
@@ -414,9 +452,27 @@ class LoraTrainer:
                 param.copy_(state.adapter[name])
         self.weights_loaded(state.optimizer if with_optimizer else None, keep_optimizer=with_optimizer)
 
+    def _import_full(self, state: TrainingState, with_optimizer: bool) -> None:
+        params = self.trained_parameters()
+        if params.keys() != state.adapter.keys():
+            missing = sorted(params.keys() - state.adapter.keys())[:2]
+            unexpected = sorted(state.adapter.keys() - params.keys())[:2]
+            raise ConfigError(f"the saved weights do not fit this model (missing {missing}, unexpected {unexpected}): "
+                              "they were trained from another base model; load them into a client of the run's model.")
+        self.model.zero_grad(set_to_none=True)
+        self._has_gradients = False
+        self._pending_loss = 0.0
+        self._optimizer = None
+        keep = with_optimizer and state.optimizer is not None
+        if keep:
+            self._optimizer = torch.optim.AdamW(list(params.values()))
+        sharding.load_full_state(self.model, state.adapter, self._optimizer, state.optimizer if keep else None)
+        self.weights_version += 1
+        sharding.gather(self.model)
+
     def parameter_names(self) -> list[str]:
-        """The adapter parameters in the optimizer's order (its state is keyed by position)."""
-        return list(adapter_parameters(self.model))
+        """The trained parameters in the optimizer's order (its state is keyed by position)."""
+        return list(self.trained_parameters())
 
     def weights_loaded(self, optimizer_state: dict | None, *, keep_optimizer: bool) -> None:
         """Call after new adapter weights were copied in: drop gradients, set the optimizer, bump the version.
@@ -429,7 +485,7 @@ class LoraTrainer:
         self._pending_loss = 0.0
         self._optimizer = None
         if keep_optimizer and optimizer_state is not None:
-            optimizer = torch.optim.AdamW(list(adapter_parameters(self.model).values()))
+            optimizer = torch.optim.AdamW(list(self.trained_parameters().values()))
             optimizer.load_state_dict(optimizer_state)
             self._optimizer = optimizer
         self.weights_version += 1

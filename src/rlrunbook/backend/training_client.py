@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from tinker import types
 
 from rlrunbook.adam_params import check_adam_params
+from rlrunbook.backend import sharding
 from rlrunbook.backend.futures import ResolvedClient, WorkerLane
 from rlrunbook.backend.lora import clone_adapter, snapshot_loaded
 from rlrunbook.backend.model_host import ModelHost, SamplerWeights
@@ -27,7 +28,7 @@ from rlrunbook.backend.storage import (
     set_expiry,
     staged_folder,
 )
-from rlrunbook.backend.trainer import LoraTrainer, TrainingState
+from rlrunbook.backend.trainer import Trainer, TrainingState
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.errors import ConfigError
 
@@ -39,7 +40,7 @@ class LocalTrainingClient(ResolvedClient):
     Like the SDK's client futures it also resolves to itself (``.result()``, ``await``).
     """
 
-    def __init__(self, host: ModelHost, trainer: LoraTrainer, worker: WorkerLane, *,
+    def __init__(self, host: ModelHost, trainer: Trainer, worker: WorkerLane, *,
                  model_id: str, rank: int, store: CheckpointStore, sampling_client_factory,
                  session_id: str = ""):
         self._host = host
@@ -74,7 +75,7 @@ class LocalTrainingClient(ResolvedClient):
 
         ``loss_fn_config`` is passed to the trainer unchanged. Besides the loss's own keys the local backend
         accepts ``kl_coef``, ``kl_estimator`` and ``entropy_coef`` (a LOCAL EXTENSION: the hosted service
-        rejects them); see ``LoraTrainer.forward_backward`` for their meaning and the metrics they add.
+        rejects them); see ``Trainer.forward_backward`` for their meaning and the metrics they add.
         """
         return self._worker.submit(self._training_call(self._trainer.forward_backward), list(data), loss_fn,
                                    loss_fn_config)
@@ -137,6 +138,7 @@ class LocalTrainingClient(ResolvedClient):
         snapshots), in order with the other training calls; the live adapter (and any accumulated gradient) is
         as it was afterwards. An asynchronous loop measures with it the sampler-trainer mismatch at equal
         weights (numerics alone), apart from the lag of a batch sampled from older weights."""
+        self._refuse_full("forward_on_sampler_weights")
         adapter = sampler.weights_state()
         if adapter is None:
             raise ConfigError("forward_on_sampler_weights needs a sampler of this client's adapter, not the base model.")
@@ -180,6 +182,7 @@ class LocalTrainingClient(ResolvedClient):
         ``ttl_seconds`` is recorded (the checkpoint's ``expires_at``); local checkpoints are not deleted
         when it passes.
         """
+        self._refuse_full("save_state")
         path = TinkerPath(self.model_id, "weights", checkpoint_name(name))
         folder = self._store.folder(path)
         check_ttl(ttl_seconds)
@@ -212,6 +215,7 @@ class LocalTrainingClient(ResolvedClient):
         return self.load_state_with_optimizer(path)
 
     def _load(self, path: str, *, with_optimizer: bool):
+        self._refuse_full("load_state")
         parsed = parse_tinker_path(path, kind="weights")
         folder = self._store.existing_folder(parsed)
 
@@ -235,12 +239,22 @@ class LocalTrainingClient(ResolvedClient):
 
     # -- sampler weights ------------------------------------------------------------------
     def _snapshot(self) -> SamplerWeights:
+        if self._trainer.full_parameters:  # no copy: valid until the next optimizer step (see active_weights)
+            return SamplerWeights(adapter=None, version=self._trainer.weights_version, full=True)
         return SamplerWeights(adapter=clone_adapter(self._host.model), version=self._trainer.weights_version)
+
+    def _refuse_full(self, call: str) -> None:
+        if self._trainer.full_parameters:
+            raise ConfigError(f"{call} of a full-parameter training client is not available: it writes LoRA "
+                              "adapter folders. Sample the live weights with save_weights_and_get_sampling_client(); "
+                              "keep and restore training state with export_training_state()/import_training_state() "
+                              "(what `rlrunbook train` checkpoints use).")
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None):
         """Save the adapter under ``tinker://<model_id>/sampler_weights/<name>`` (a local folder);
         ``ttl_seconds`` is recorded as for ``save_state``."""
+        self._refuse_full("save_weights_for_sampler")
         path = TinkerPath(self.model_id, "sampler_weights", checkpoint_name(name))
         folder = self._store.folder(path)
         check_ttl(ttl_seconds)
@@ -266,6 +280,7 @@ class LocalTrainingClient(ResolvedClient):
         ``rest_client.get_external_weights_urls(path)`` gives a ``file://`` URL per file, so
         ``tinker_cookbook.weights.download`` fetches it as from the service; ``ttl_seconds`` is recorded as
         for ``save_state``."""
+        self._refuse_full("save_weights_external")
         path = TinkerPath(self.model_id, "external_weights", checkpoint_name(name))
         folder = self._store.folder(path)
         check_ttl(ttl_seconds)
@@ -334,9 +349,10 @@ class LocalTrainingClient(ResolvedClient):
 
     def get_info(self) -> types.GetInfoResponse:
         return types.GetInfoResponse(
-            model_data=types.ModelData(arch=type(self._host.model.get_base_model()).__name__,
+            model_data=types.ModelData(arch=sharding.architecture(self._host.model),
                                        model_name=self._host.name, tokenizer_id=str(self._host.folder)),
-            model_id=self.model_id, is_lora=True, lora_rank=self._rank, model_name=self._host.name,
+            model_id=self.model_id, is_lora=not self._trainer.full_parameters,
+            lora_rank=None if self._trainer.full_parameters else self._rank, model_name=self._host.name,
         )
 
     async def get_info_async(self) -> types.GetInfoResponse:

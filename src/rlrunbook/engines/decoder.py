@@ -57,6 +57,7 @@ from rlrunbook.engines.lora_groups import (
     group_factors,
 )
 from rlrunbook.engines.pinned_adapter import PinnedAdapter
+from rlrunbook.engines.sharded_layers import is_sharded, through
 from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
 from rlrunbook.kernels import ops as fixed
@@ -196,6 +197,9 @@ class Decoder:
         self.vocab_size = config.vocab_size
         self._float64 = float64_weights(model)  # one cache per model: the sampler's and the trainer's decoders share it
         weight = self.lm.model.embed_tokens.weight
+        # The dtype passes compute in, fixed here: full-parameter training may keep float32 master weights
+        # (sharded, backend/sharding.py) and gather them in this dtype for each pass.
+        self._dtype = weight.dtype
         # The fixed-order kernels: invariant numerics on a float32, bfloat16 or float16 model (CPU, CUDA, or the
         # meta device of a memory plan).
         self.fixed = self.numerics.name == "invariant" and weight.dtype in _FIXED_DTYPES
@@ -238,7 +242,8 @@ class Decoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm.model.embed_tokens.weight.dtype
+        """The dtype the model computes in (its weights' when the decoder was made)."""
+        return self._dtype
 
     # -- matrix products -------------------------------------------------------------------------
     def _frozen_float64(self, weight: torch.Tensor) -> torch.Tensor:
@@ -404,7 +409,10 @@ class Decoder:
         if ids.shape[0] == 1 and not self.fixed:  # one token: as two identical rows (see _at_least_two_rows)
             return self.hidden(ids.repeat(2), positions.repeat(2), _FirstOfTwo(layout), recompute_layers)[:1]
         body = self.lm.model
-        if self.use_fused and self._fused.applies(body.embed_tokens.weight.dtype, ids.device):
+        # Sharded weights (full-parameter training) are gathered layer by layer through each layer's own call;
+        # the fused pass reads every weight directly, so it runs only where they are all in place.
+        sharded = len(body.layers) > 0 and is_sharded(body.layers[0])
+        if self.use_fused and not sharded and self._fused.applies(body.embed_tokens.weight.dtype, ids.device):
             return self._fused.hidden(ids, positions, layout)
         h = body.embed_tokens(ids)  # [N, E]
         if self._rope is not None:  # a table computed once per position: the same values in any batch
@@ -415,9 +423,9 @@ class Decoder:
         recompute = recompute_layers and torch.is_grad_enabled()
         for index, layer in enumerate(body.layers):
             if recompute:
-                h = checkpoint(self._layer, index, layer, h, cos, sin, layout, use_reentrant=False)
+                h = checkpoint(through, layer, self._layer, index, layer, h, cos, sin, layout, use_reentrant=False)
             else:
-                h = self._layer(index, layer, h, cos, sin, layout)
+                h = through(layer, self._layer, index, layer, h, cos, sin, layout)
         return self._norm(body.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tinker import types
 from rlrunbook.backend.lora import adapter_parameters, wrap_with_lora
 from rlrunbook.backend.memory import LiveBytes
 from rlrunbook.backend.micro_batches import distinct_tokens, micro_batches
-from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.backend.trainer import Trainer
 from rlrunbook.models import load_causal_lm
 
 sequences_strategy = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_size=1, max_size=12)
@@ -50,7 +50,7 @@ def tiny_lora(tiny_folder):
         with torch.no_grad():  # B starts at zero: give the adapter a non-trivial value so every factor has a gradient
             for name, param in adapter_parameters(model).items():
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
-        return model, LoraTrainer(model, pad_token_id=0, vocab_size=model.config.vocab_size, **trainer_options)
+        return model, Trainer(model, pad_token_id=0, vocab_size=model.config.vocab_size, **trainer_options)
     return make
 
 

@@ -224,12 +224,12 @@ def _metadata(tmp_path) -> dict:
 
 def test_nan_loss_is_refused_before_optim_step(letters_task, tmp_path, monkeypatch):
     """NaN advantages make loss:sum NaN: the loop stops before submitting optim_step."""
-    from rlrunbook.backend.trainer import LoraTrainer
+    from rlrunbook.backend.trainer import Trainer
 
     monkeypatch.setitem(rollouts.ADVANTAGE_MODES, "grpo", lambda batch: [math.nan] * len(batch))
     optim_calls = []
-    original = LoraTrainer.optim_step
-    monkeypatch.setattr(LoraTrainer, "optim_step", lambda self, p: optim_calls.append(p) or original(self, p))
+    original = Trainer.optim_step
+    monkeypatch.setattr(Trainer, "optim_step", lambda self, p: optim_calls.append(p) or original(self, p))
     captured: dict = {}
     with pytest.raises(NonFiniteStepError, match=r"step 0 refused: loss:sum is nan .*weights are unchanged"):
         run_training(_config(tmp_path), service_factory=lambda: _spy_service(captured), log=lambda _: None)

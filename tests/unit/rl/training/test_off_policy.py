@@ -52,9 +52,9 @@ def _final_bytes(run: Path) -> dict[str, bytes]:
 def _slow(monkeypatch, side: str, seconds: float) -> None:
     """Make one side slow: every sampling engine call, or every optimizer step, waits ``seconds`` first."""
     from rlrunbook.backend.sampling_client import LocalSamplingClient
-    from rlrunbook.backend.trainer import LoraTrainer
+    from rlrunbook.backend.trainer import Trainer
 
-    owner, name = (LocalSamplingClient, "_sample_batch") if side == "sampling" else (LoraTrainer, "optim_step")
+    owner, name = (LocalSamplingClient, "_sample_batch") if side == "sampling" else (Trainer, "optim_step")
     original = getattr(owner, name)
 
     def slowed(self, *args, **kwargs):

@@ -1,0 +1,249 @@
+"""Full-parameter training's weights, sharded over the ranks of a torchrun launch with PyTorch's FSDP2.
+
+Every decoder layer, and the model around them (embeddings, final norm, output layer), is a
+``fully_shard`` unit: between passes each rank holds ``1/W`` of every weight, of its gradient and of
+AdamW's moments (float32: the master weights). A pass gathers a unit's weights in the compute dtype
+(``MixedPrecisionPolicy(param_dtype=...)``) just before it runs and frees them after (the layers; the
+outer unit stays gathered until its backward); backward gathers them again and reduce-scatters the
+gradients in float32. With one process the same code runs over a one-rank group, so a run is computed
+the same way at any world size.
+
+The decoder runs layers with its own functions, not their ``forward``, so each unit gets a forward
+method of its own registered with FSDP2 (``sharded_call``, :mod:`rlrunbook.engines.sharded_layers`):
+the decoder runs a layer through it, and the trainer runs each micro-batch's scoring through the
+outer unit's. Gradients are *summed* over ranks (the loss is a token sum: the sum of the ranks'
+gradients is the gradient of the whole batch), not averaged as FSDP2 does by default.
+
+Sampling reads every weight of the model: :func:`gather` holds them all gathered from one optimizer step to
+the next training pass (:func:`release`), so sampling calls need no collectives, however many each rank makes.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import torch
+
+from rlrunbook import distributed
+from rlrunbook.engines.sharded_layers import GATHERED, SHARDED_CALL
+
+
+_SHARDS = "_rlrunbook_shards"
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _process_group(device: torch.device) -> None:
+    """Join torchrun's group, or make a one-rank group for a plain process (FSDP2 needs a group)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    layout = distributed.launch_layout()
+    if layout.world_size > 1:
+        distributed.init(layout, device)
+        return
+    store = dist.HashStore()
+    dist.init_process_group(backend=distributed.backend_for(device), store=store, rank=0, world_size=1)
+
+
+def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers ``*ForCausalLM`` of ``model`` (inside a peft wrapper, if any)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    """Shard ``model`` (a supported ``*ForCausalLM``, on its device) for full-parameter training, in place.
+
+    Its weights become float32 master weights, split over the ranks; passes compute in ``compute_dtype``.
+    Call once, before any optimizer sees the parameters (they are replaced by sharded ones).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    device = next(model.parameters()).device
+    _process_group(device)
+    # The outer unit's forward returns the scores of a chunk, views among them; nothing changes them in place,
+    # which is what FSDP2 warns about for every such call.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    model.float()
+    model.requires_grad_(True)
+    mesh = init_device_mesh(device.type, (distributed.world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                  reduce_dtype=torch.float32)
+    lm = causal_lm(model)
+    for layer in lm.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+        setattr(layer, SHARDED_CALL, _call)
+        register_fsdp_forward_method(layer, SHARDED_CALL)
+    # The outer unit stays gathered from a micro-batch's forward to its backward: its forward is the whole
+    # scoring call, whose outputs FSDP2 cannot follow into backward.
+    fully_shard(lm, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    setattr(lm, SHARDED_CALL, _call)
+    register_fsdp_forward_method(lm, SHARDED_CALL)
+    for unit in _units(lm):
+        unit.set_gradient_divide_factor(1.0)  # sum the ranks' gradients (token-sum losses)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
+    # While gathered, the modules hold the gathered (compute dtype) tensors; the optimizer steps these.
+    lm.__dict__[_SHARDS] = dict(model.named_parameters())
+
+
+def sharded_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The sharded float32 master parameters of a model :func:`shard` sharded, by name, whether or not its
+    weights are gathered now (the modules then hold gathered copies)."""
+    return causal_lm(model).__dict__[_SHARDS]
+
+
+def shard_reference(model: torch.nn.Module) -> None:
+    """Shard a frozen copy of the initial weights (the KL reference) like the policy: ``1/W`` of it per rank, kept
+    in its own (compute) dtype, gathered a unit at a time when a pass reads it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    _process_group(next(model.parameters()).device)
+    model.requires_grad_(False)
+    mesh = init_device_mesh(next(model.parameters()).device.type, (distributed.world_size(),))
+    lm = causal_lm(model)
+    for unit in (*lm.model.layers, lm):
+        fully_shard(unit, mesh=mesh)
+        setattr(unit, SHARDED_CALL, _call)
+        register_fsdp_forward_method(unit, SHARDED_CALL)
+
+
+def architecture(model: torch.nn.Module) -> str:
+    """The model's class name (FSDP2 renames a sharded module's class ``FSDP<name>``)."""
+    name = type(causal_lm(model)).__name__
+    return name.removeprefix("FSDP") if is_sharded(model) else name
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was sharded by :func:`shard`."""
+    return SHARDED_CALL in causal_lm(model).__dict__
+
+
+def outer_call(model: torch.nn.Module, fn, *args):
+    """``fn(*args)`` as the outer unit's forward (its weights gathered; their gradients reduced after backward),
+    after releasing weights :func:`gather` held; a direct call for a model that is not sharded."""
+    lm = causal_lm(model)
+    call = lm.__dict__.get(SHARDED_CALL)
+    if call is None:
+        return fn(*args)
+    release(model)
+    return call(fn, *args)
+
+
+def gather(model: torch.nn.Module) -> None:
+    """Gather every weight of a sharded ``model`` (in the compute dtype) until :func:`release`: what sampling reads.
+
+    Holds one full copy of the weights in the compute dtype. Under torchrun a collective: every rank calls it at
+    the same point (the trainer does after each optimizer step and state import, so sampling calls, whose
+    number may differ between ranks, find the weights in place). A no-op when gathered or not sharded.
+    """
+    if not is_sharded(model) or is_gathered(model):
+        return
+    for unit in _units(model):
+        unit.unshard()
+        unit.__dict__[GATHERED] = True
+
+
+def release(model: torch.nn.Module) -> None:
+    """Free what :func:`gather` holds: each unit back to this rank's shard (a no-op when not gathered)."""
+    if not is_gathered(model):
+        return
+    for unit in _units(model):
+        unit.__dict__[GATHERED] = False
+        unit.reshard()
+
+
+def is_gathered(model: torch.nn.Module) -> bool:
+    """Whether a sharded ``model``'s weights are gathered by :func:`gather` now."""
+    return causal_lm(model).__dict__.get(GATHERED, False)
+
+
+def parameter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each trained parameter's whole value on CPU (for a sharded model: the float32 master weights, gathered
+    over ranks, a collective): for tests and small exports."""
+    params = sharded_parameters(model) if is_sharded(model) else dict(model.named_parameters())
+    return {name: full_value(param).detach().to("cpu", copy=True) for name, param in params.items()}
+
+
+@functools.cache
+def _state_dict_api():
+    from torch.distributed.checkpoint import state_dict as api
+
+    return api
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """The model's full weights (keyed as :func:`sharded_parameters`) and the optimizer's state keyed by parameter
+    name, on CPU, on every rank.
+
+    World-size independent (a state saved at one world size loads at any other): collectives, so every
+    rank must call it.
+    """
+    release(model)
+    api = _state_dict_api()
+    options = api.StateDictOptions(full_state_dict=True)
+    names = sharded_parameters(model)  # a weight tied to two modules once, under its first name
+    weights = {name: value.detach().to("cpu", copy=True)
+               for name, value in api.get_model_state_dict(model, options=options).items() if name in names}
+    if optimizer is None:
+        return weights, None
+    state = api.get_optimizer_state_dict(model, optimizer, options=options)
+    return weights, to_cpu(state)
+
+
+def load_full_state(model: torch.nn.Module, weights: dict, optimizer: torch.optim.Optimizer | None,
+                    optimizer_state: dict | None) -> None:
+    """Load :func:`full_state`'s output into a sharded ``model`` (and ``optimizer``); every rank calls it with
+    the same state."""
+    release(model)
+    api = _state_dict_api()
+    options = api.StateDictOptions(full_state_dict=True, strict=False)  # tied weights come under one name
+    # The loaders replace the values of the dicts they are given by this rank's shards: give them copies.
+    api.set_model_state_dict(model, _containers(weights), options=options)
+    if optimizer is not None and optimizer_state is not None:
+        api.set_optimizer_state_dict(model, optimizer, _containers(optimizer_state), options=options)
+
+
+def _containers(value):
+    """``value`` with its dicts and lists copied (the tensors in them shared)."""
+    if isinstance(value, dict):
+        return {key: _containers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_containers(item) for item in value]
+    return value
+
+
+def to_cpu(value):
+    """``value`` with every tensor replaced by a CPU copy (dicts, lists and tuples walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(item) for item in value)
+    return value
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's whole value (a collective), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of ``tensor`` (its shard, for a sharded one)."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
