@@ -32,7 +32,7 @@ from tinker import types
 
 from rlrunbook.backend.lora import wrap_with_lora
 from rlrunbook.backend.memory import model_bytes, with_layers
-from rlrunbook.backend.trainer import LoraTrainer
+from rlrunbook.backend.trainer import Trainer
 from rlrunbook.engines.base import GenerationRequest, SampleJob
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.hf import HFSamplingEngine
@@ -209,7 +209,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
                 "target_tokens": types.TensorData.from_torch(torch.tensor(tokens[1:])),
                 "logprobs": types.TensorData.from_torch(torch.tensor([0.0] * (len(prompt) - 1) + completion.logprobs)),
                 "advantages": types.TensorData.from_torch(advantages)}))
-    trainer = LoraTrainer(model, pad_token_id=0, vocab_size=config.vocab_size,
+    trainer = Trainer(model, pad_token_id=0, vocab_size=config.vocab_size,
                           micro_batch_tokens=plan.micro_batch_tokens, recompute_layers=plan.recompute_layers)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

@@ -125,7 +125,7 @@ def mfu(name: str, out: Path, size: str, _rest: list[str]) -> int:
 
     from rlrunbook.backend.lora import wrap_with_lora
     from rlrunbook.backend.memory import model_bytes
-    from rlrunbook.backend.trainer import LoraTrainer
+    from rlrunbook.backend.trainer import Trainer
     from rlrunbook.rl.setup.config_sources import build_config
     from rlrunbook.rl.setup.memory_plan import plan_memory
 
@@ -148,7 +148,7 @@ def mfu(name: str, out: Path, size: str, _rest: list[str]) -> int:
             "target_tokens": types.TensorData.from_torch(tokens[1:]),
             "logprobs": types.TensorData.from_torch(torch.zeros(len(mask))),
             "advantages": types.TensorData.from_torch(torch.randn(len(mask), generator=generator) * mask)}))
-    trainer = LoraTrainer(model, pad_token_id=0, vocab_size=config.vocab_size,
+    trainer = Trainer(model, pad_token_id=0, vocab_size=config.vocab_size,
                           micro_batch_tokens=plan.micro_batch_tokens, recompute_layers=plan.recompute_layers)
     trainer.forward_backward(data, "importance_sampling")  # warm-up: kernels, allocator
     seconds = []

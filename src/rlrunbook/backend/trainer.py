@@ -192,6 +192,9 @@ class Trainer:
         self._optimizer: torch.optim.AdamW | None = None
         self._has_gradients = False
         self._pending_loss = 0.0  # summed loss of the forward_backward calls the next step applies
+        # Full-parameter training: the weights gathered for sampling from here to the first training pass, and
+        # again after every optimizer step (sampling then needs no collective, whatever rank samples).
+        sharding.gather(model)
 
     @property
     def device(self) -> torch.device:

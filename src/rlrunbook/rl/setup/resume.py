@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlrunbook import distributed
 from rlrunbook.errors import ConfigError, InputError
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.config_checks import validate
@@ -96,10 +97,14 @@ class CheckpointSchedule:
 
         ``cursor``: where the data order stands after ``completed`` steps (an asynchronous run: before the
         batch of step ``completed``, which may have been sampled already). ``sampler_adapters`` (an asynchronous
-        run): the snapshots its next batches are sampled from, by step (rl/training/off_policy.py)."""
+        run): the snapshots its next batches are sampled from, by step (rl/training/off_policy.py).
+
+        Under torchrun every rank calls it (gathering a sharded training state is a collective); rank 0 writes."""
         if not self.due(completed):
             return None
         state = _exporter(training).export_training_state()
+        if not distributed.is_main():
+            return None
         folder = save_checkpoint(run_dir, Checkpoint(step=completed, config=self.config_record, adapter=state.adapter,
                                                      optimizer=state.optimizer, rng=capture_rng(),
                                                      weights_version=state.weights_version,

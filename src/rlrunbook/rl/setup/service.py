@@ -61,6 +61,22 @@ def default_service(stated: BackendSettings, micro_batching=None, *, concurrent_
     return create_service_client()
 
 
+def training_client(service, config):
+    """The run's training client on ``service``: a LoRA adapter of ``config.lora_rank``, or every weight
+    (``finetune: full``, the local backend's extension ``create_full_training_client``; the KL reference copy is
+    kept only when ``loss.kl_coef > 0``)."""
+    from rlrunbook.errors import ConfigError
+
+    if config.finetune == "full":
+        create = getattr(service, "create_full_training_client", None)
+        if create is None:
+            raise ConfigError("finetune: full trains every weight on the local backend only (TINKER_BACKEND=local); "
+                              "the hosted service trains LoRA adapters: use finetune: lora there.")
+        return create(config.model, with_reference=config.loss.kl_coef > 0)
+    return service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
+                                               train_unembed=config.train_unembed).result()
+
+
 def is_local(training) -> bool:
     """Whether ``training`` is this project's local backend (which takes the local loss_fn_config keys)."""
     from rlrunbook.backend.training_client import LocalTrainingClient

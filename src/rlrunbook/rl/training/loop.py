@@ -17,7 +17,7 @@ from rlrunbook.rl.rollout.guards import check_prompts
 from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.setup.memory_plan import format_plan
-from rlrunbook.rl.setup.service import default_service, seed_everything
+from rlrunbook.rl.setup.service import default_service, seed_everything, training_client
 from rlrunbook.rl.training import data_parallel as dp
 from rlrunbook.rl.training.interrupt import interrupted
 from rlrunbook.rl.training.off_policy import restore_samplers, run_dir_checkpointer, run_off_policy
@@ -79,8 +79,7 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
             resume.begin(writer)
         service = service_factory() if service_factory is not None else (owned := default_service(
             config.backend, plan.memory, concurrent_sampling=config.off_policy > 0))
-        training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
-                                                       train_unembed=config.train_unembed).result()
+        training = training_client(service, config)
         tokenizer = training.get_tokenizer()
         check_prompts(tokenizer, task, plan.problems, plan.rollout.prompt_limit, plan.paradigm.prompt_suffixes, log)
         judge = plan.judge.build(service, tokenizer)
@@ -111,8 +110,9 @@ def train(plan: RunPlan, *, service_factory: Callable[[], object] | None = None,
             pending_signal.raise_pending()  # a signal that a library swallowed stops the run here
             one_step(plan, step, training, tokenizer, judge, writer, log, cursor)
             validate(step + 1)
-            if distributed.is_main():  # after validation: a checkpoint at step k implies its validation row
-                plan.checkpoints.save_if_due(training, run_dir, step + 1, cursor, log)
+            # after validation: a checkpoint at step k implies its validation row (every rank takes part in
+            # gathering a sharded state; rank 0 writes)
+            plan.checkpoints.save_if_due(training, run_dir, step + 1, cursor, log)
         if evaluate is not None:
             evaluate("final", training, tokenizer)
         writer.write_report()
