@@ -79,9 +79,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def check_logprobs_arguments(config) -> list[str]:
     """The ``check-logprobs`` arguments that check what a train run of ``config`` samples and trains: its model,
-    LoRA rank, temperature and min-p, and the backend's device, dtype and sampler where the run states them
-    (otherwise both commands take them from the same ``TINKER_LOCAL_*`` environment)."""
-    arguments = ["--model", config.model, "--lora-rank", str(config.lora_rank),
+    LoRA rank (a LoRA run's), temperature and min-p, and the backend's device, dtype and sampler where the run
+    states them (otherwise both commands take them from the same ``TINKER_LOCAL_*`` environment)."""
+    from rlrunbook.rl.setup.config_checks import validate
+
+    config = validate(config)  # lora_rank: null until it applies
+    arguments = ["--model", config.model, *(["--lora-rank", str(config.lora_rank)] if config.lora_rank else []),
                  "--temperature", repr(config.temperature), "--min-p", repr(config.min_p)]
     for name in ("device", "dtype", "sampler"):
         value = getattr(config.backend, name)

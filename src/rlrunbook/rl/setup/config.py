@@ -24,6 +24,7 @@ CONFIG_VERSION = 1  # bump when a field changes meaning; files stating another v
 
 DebateTrain = Literal["rejection", "rs_grpo"]
 KlEstimator = Literal["k1", "k3", "low_var_kl"]
+Finetune = Literal["lora", "full"]
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -192,9 +193,12 @@ class TrainConfig(BaseModel):
     model: str = Field(DEFAULT_MODEL, description="built-in name, local folder or hub id")
     log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
     learning_rate: Float = Field(1e-4, description="AdamW learning rate")
-    lora_rank: Int = Field(16, description="LoRA rank")
-    train_unembed: Bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
-                                                  "Llama-family models, not for Qwen2 (set false there)")
+    finetune: Finetune = Field("lora", description="which weights train: lora (an adapter of lora_rank) or full "
+                                                    "(every weight; sharded with FSDP2 over torchrun's ranks)")
+    lora_rank: Int | None = Field(None, description="LoRA rank; with finetune lora only, null there: 16")
+    train_unembed: Bool | None = Field(None, description="LoRA on the output layer (lm_head) too; vLLM serves it "
+                                                         "for Llama-family models, not for Qwen2 (set false there); "
+                                                         "with finetune lora only, null there: true")
     loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with: importance_sampling, ppo, cispo, "
                                                              "dro or gspo")
     summary_max_words: Int | None = Field(None, description="summary only: the article is cut to this many words "

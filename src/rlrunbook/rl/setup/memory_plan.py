@@ -134,8 +134,10 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None) -> Memory
     from rlrunbook.backend import memory
     from rlrunbook.engines.hf import PREFILL_TOKENS, capacity_bucket
     from rlrunbook.models.shapes import model_shape
+    from rlrunbook.rl.setup.config_checks import validate
     from rlrunbook.rl.setup.service import local_settings
 
+    config = validate(config)  # lora_rank, train_unembed: null until they apply
     if device_memory is None:  # this machine's device: it must exist
         settings = local_settings(config.backend)
         device_type = torch.device(settings.device).type
