@@ -33,12 +33,19 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
+def _on_off(value: Any) -> Any:
+    if isinstance(value, bool):  # YAML 1.1 reads an unquoted on / off (a file's, an override's) as true / false
+        return "on" if value else "off"
+    return value
+
+
 # Strict numbers, so ``steps: true`` is not read as 1 nor ``deterministic: 1`` as true: an int field takes
 # only an int (not a bool, not 2.0, not "2"); a float field takes a number or a numeric string (YAML 1.1
 # reads ``1e-4`` as a string), never a bool; a bool field takes only true or false.
 Int = Annotated[int, Strict()]
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 Bool = Annotated[bool, Strict()]
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
 
 
 class _Section(BaseModel):
@@ -150,7 +157,7 @@ class BackendSettings(_Section):
     micro_batch_tokens: Int | None = Field(
         None, ge=0, description="most distinct tokens per forward/backward pass (0: no limit; default "
                                 "TINKER_LOCAL_MICRO_BATCH_TOKENS, else derived from the device's memory)")
-    activation_checkpointing: Literal["auto", "on", "off"] | None = Field(
+    activation_checkpointing: Switch | None = Field(
         None, description="decoder layers recompute activations in backward: auto (where memory needs it), on, "
                           "off; default TINKER_LOCAL_ACTIVATION_CHECKPOINTING")
     sampler: Literal["hf", "generate", "vllm"] | None = Field(

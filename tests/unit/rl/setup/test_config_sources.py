@@ -75,6 +75,16 @@ def test_values_parse_as_yaml(text, value):
     assert parse_value(text) == value and type(parse_value(text)) is type(value)
 
 
+def test_an_unquoted_on_or_off_switch_reads_as_the_word():
+    """YAML 1.1 reads ``on`` and ``off`` as true and false; the checkpointing switch takes them as written (the knob
+    that memory refusals name: ``backend.activation_checkpointing=on``)."""
+    for word in ("on", "off", "auto"):
+        config = build_config(overrides=[f"backend.activation_checkpointing={word}"]).config
+        assert config.backend.activation_checkpointing == word
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        build_config(overrides=["backend.activation_checkpointing=sometimes"])
+
+
 def test_override_syntax_errors_name_the_form():
     assert parse_override("loss.kl_coef=0.05") == ("loss.kl_coef", 0.05)
     for bad in ("steps", "=3"):
