@@ -24,7 +24,8 @@ from rlrunbook.rl.setup.config_sources import (
     sweep_name,
 )
 
-SHIPPED_PRESETS = {"tiny-cpu-smoke", "smollm2-cpu-mini", "gpu-4b-lora", "gpu-8b-lora-4bit", "h100-rlvr"}
+SHIPPED_PRESETS = {"tiny-cpu-smoke", "smollm2-cpu-mini", "gpu-4b-lora", "gpu-8b-lora-4bit", "h100-rlvr",
+                   "h100-rlvr-full"}
 
 
 def _write(tmp_path, data, name="run.yaml"):
@@ -33,7 +34,7 @@ def _write(tmp_path, data, name="run.yaml"):
     return path
 
 
-def test_the_five_presets_ship():
+def test_the_six_presets_ship():
     assert SHIPPED_PRESETS <= set(list_presets())
 
 
@@ -53,6 +54,19 @@ def test_rlvr_preset_carries_the_run_notes_figures():
     assert (config.temperature, config.group_size, config.num_groups) == (0.6, 4, 64)
     assert (config.data.max_prompt_tokens, config.max_tokens, config.steps) == (1024, 1536, 220)
     assert config.checkpoint.every == 50 and config.validation.every == 50
+
+
+def test_the_full_rlvr_preset_is_the_rlvr_run_with_every_weight_trained():
+    """h100-rlvr-full is h100-rlvr as its run notes trained it: full fine-tuning in bf16 with activation
+    checkpointing; every other value is the LoRA preset's."""
+    lora, full = (validate(build_config(file=name, strict=True).config) for name in ("h100-rlvr", "h100-rlvr-full"))
+    assert (full.finetune, full.lora_rank, full.train_unembed) == ("full", None, None)
+    assert (full.backend.dtype, full.backend.activation_checkpointing) == ("bfloat16", "on")
+    assert (full.learning_rate, full.loss.kl_coef, full.loss.kl_estimator) == (1e-6, 0.001, "low_var_kl")
+    assert full.model == "Qwen/Qwen2.5-Math-1.5B"
+    same = {"finetune", "lora_rank", "train_unembed", "name", "backend"}
+    assert {k: v for k, v in full.to_dict().items() if k not in same} == \
+        {k: v for k, v in lora.to_dict().items() if k not in same}
 
 
 def test_layers_override_in_order_and_record_their_source(tmp_path):
