@@ -191,7 +191,7 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
                         if isinstance(module, torch.nn.Linear) and ".layers." in name and not module.weight.requires_grad)
         weights = weights - quantised * dtype.itemsize + quantised * 9 // 16
     longest, prompt_tokens, batch_tokens, notes = _step_shape(config)
-    if full and settings.numerics == "exact":
+    if shards is not None and shards.reference and settings.numerics == "exact":
         notes.append("exact numerics: the float64 copies of the KL reference's weights are not planned")
     rows = min(config.num_rollouts, settings.max_batch_rows)
     kv = kv_cache = pool = activations = vllm_share = 0
