@@ -1,10 +1,11 @@
 """What the local backend's training and sampling hold in memory, measured by running this project's own code.
 
 Nothing here is a hand-written formula of what a layer keeps: the model is built from its config on the
-``meta`` device (shapes and dtypes, no storage, no arithmetic), wrapped with the same LoRA adapter, and the
-trainer's forward and backward (:class:`~rlrunbook.engines.shared_prefix.SharedPrefixScorer`, the pass
-``forward_backward`` runs) or the sampler's prefill and decode step run on it under :class:`LiveBytes`, which
-follows every tensor they create until it is freed. So a change to the code that holds more memory is seen by
+``meta`` device (shapes and dtypes, no storage, no arithmetic), wrapped with the same LoRA adapter (or, for full
+fine-tuning, with every weight trainable), and the trainer's forward and backward
+(:class:`~rlrunbook.engines.shared_prefix.SharedPrefixScorer`, the pass ``forward_backward`` runs) or the
+sampler's prefill and decode step run on it under :class:`LiveBytes`, which follows every tensor they create
+until it is freed. So a change to the code that holds more memory is seen by
 the plan at once. A trace stores and computes nothing, so what it costs is the dispatch of the pass's operators,
 not their arithmetic.
 
@@ -83,15 +84,31 @@ class ModelBytes:
         return 4 * self.adapter
 
 
-def skeleton(config, dtype: torch.dtype, lora_rank: int, *, train_unembed: bool = True, lora_alpha: int = 32,
+def skeleton(config, dtype: torch.dtype, lora_rank: int | None, *, train_unembed: bool = True, lora_alpha: int = 32,
              train_attn: bool = True, train_mlp: bool = True) -> torch.nn.Module:
-    """The model of a transformers ``config`` on the meta device, LoRA-wrapped as the local backend wraps it."""
+    """The model of a transformers ``config`` on the meta device, LoRA-wrapped as the local backend wraps it;
+    ``lora_rank`` None: no adapter, every weight trains (full fine-tuning, see :func:`drop_gradients`)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if lora_rank is None:
+        return drop_gradients(model)
     return wrap_with_lora(model, rank=lora_rank, alpha=lora_alpha, seed=0, train_attn=train_attn,
                           train_mlp=train_mlp, train_unembed=train_unembed)
+
+
+def drop_gradients(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every weight trainable and each weight's gradient dropped as soon as autograd stores it.
+
+    Under FSDP2 a layer's unsharded gradient is reduce-scattered into the rank's float32 shard and freed as its
+    backward ends; a trace of this model then sees what full training adds to LoRA's (the inputs of every base
+    product, kept for the weight gradients) without the gradients themselves, which a plan counts from the shapes.
+    """
+    for param in model.parameters():
+        param.requires_grad_(True)
+        param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    return model
 
 
 def model_bytes(model: torch.nn.Module) -> ModelBytes:
@@ -172,7 +189,7 @@ def with_layers(config, layers: int):
     return config
 
 
-def token_cost(config, dtype: torch.dtype, lora_rank: int, numerics: Numerics | str, *, recompute_layers: bool,
+def token_cost(config, dtype: torch.dtype, lora_rank: int | None, numerics: Numerics | str, *, recompute_layers: bool,
                device_type: str = "cpu", **lora_targets: bool) -> TokenCost:
     """The training memory of a micro-batch of ``config``'s model as a function of its distinct tokens.
 
@@ -180,7 +197,8 @@ def token_cost(config, dtype: torch.dtype, lora_rank: int, numerics: Numerics | 
     traced passes (1 and 2 layers; one sequence, every position trained, the output layer's work at its
     largest) give ``a, b, c, d``, and the model's own layer count the rest. The two lengths are long enough
     that the attention core splits its queries into chunks (``SCORE_ELEMENTS``), where its memory is linear.
-    ``lora_targets``: ``train_attn``, ``train_mlp``, ``train_unembed`` as :func:`skeleton` takes them.
+    ``lora_targets``: ``train_attn``, ``train_mlp``, ``train_unembed`` as :func:`skeleton` takes them;
+    ``lora_rank`` None: full fine-tuning, every weight trained.
     """
     from rlrunbook.engines.attention import SCORE_ELEMENTS, planning_for
 
@@ -263,7 +281,8 @@ def lora_layout(model: torch.nn.Module) -> dict:
 def choose_micro_batching(config, dtype: torch.dtype, lora: dict, numerics: Numerics | str, *, available: int,
                           device_type: str, tokens: int | None, checkpointing: str, where: str,
                           refuse: bool = True) -> MicroBatching:
-    """Micro-batching of a model of transformers ``config`` with LoRA ``lora`` (:func:`lora_layout`'s keys) when
+    """Micro-batching of a model of transformers ``config`` with LoRA ``lora`` (:func:`lora_layout`'s keys; a
+    ``lora_rank`` of None alone: full fine-tuning) when
     ``available`` bytes are left for activations on a ``device_type`` device (``where`` says why, for the log).
 
     ``tokens``: the budget a user set (``0``: no limit), or ``None`` to derive it from ``available`` and the

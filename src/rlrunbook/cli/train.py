@@ -7,9 +7,11 @@ import argparse
 import os
 import sys
 
-from rlrunbook.cli.arguments import service_url
+from rlrunbook.cli.arguments import bounded_int, service_url
 from rlrunbook.cli.config_options import add_config_options, given_values
 from rlrunbook.errors import ConfigError
+
+WORLD_SIZE = bounded_int(1, 1 << 16, "the processes of one torchrun launch")
 
 
 def resolve_runs(args: argparse.Namespace):
@@ -79,15 +81,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def check_logprobs_arguments(config) -> list[str]:
     """The ``check-logprobs`` arguments that check what a train run of ``config`` samples and trains: its model,
-    LoRA rank, temperature and min-p, and the backend's device, dtype and sampler where the run states them
-    (otherwise both commands take them from the same ``TINKER_LOCAL_*`` environment)."""
-    arguments = ["--model", config.model, "--lora-rank", str(config.lora_rank),
+    LoRA rank (a LoRA run's), temperature and min-p, and the backend's device, dtype and sampler where the run
+    states them (otherwise both commands take them from the same ``TINKER_LOCAL_*`` environment)."""
+    from rlrunbook.rl.setup.config_checks import validate
+
+    config = validate(config)  # lora_rank: null until it applies
+    arguments = ["--model", config.model, *(["--lora-rank", str(config.lora_rank)] if config.lora_rank else []),
                  "--temperature", repr(config.temperature), "--min-p", repr(config.min_p)]
     for name in ("device", "dtype", "sampler"):
         value = getattr(config.backend, name)
         if value is not None:
             arguments += [f"--{name}", str(value)]
     return arguments
+
+
+def world_size(args: argparse.Namespace, env=os.environ) -> int:
+    """The ranks a plan is made for: ``--world-size``, else the ``WORLD_SIZE`` torchrun sets, else 1."""
+    if args.world_size is not None:
+        return args.world_size
+    text = env.get("WORLD_SIZE", "").strip()
+    try:
+        return WORLD_SIZE(text) if text else 1
+    except argparse.ArgumentTypeError as error:
+        raise ConfigError(f"WORLD_SIZE={text[:40]!r} is not a world size: {error}. Unset it, or pass "
+                          "--world-size N.") from None
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
@@ -97,15 +114,23 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     from rlrunbook.run.redaction import redact_config
 
     runs = resolve_runs(args)
-    if args.memory_plan or args.device_memory:
-        from rlrunbook.rl.setup.memory_plan import format_plan, parse_size, plan_memory
+    if args.memory_plan or args.device_memory or args.world_size is not None:
+        from rlrunbook.rl.setup.memory_plan import check_fits, format_plan, parse_size, plan_memory
 
         size = parse_size(args.device_memory) if args.device_memory else None
-        plans = [plan_memory(resolved.config, size) for resolved in runs]
+        ranks = world_size(args)
+        plans = [plan_memory(resolved.config, size, world_size=ranks) for resolved in runs]
         for resolved, plan in zip(runs, plans, strict=True):
             print(f"# memory plan of {resolved.config.name}:")
             print("\n".join(f"#   {line}" for line in format_plan(plan)))
-        return 0 if all(plan.fits for plan in plans) else 1
+        refused = 0
+        for plan in plans:  # what train would refuse, with the knob that fixes it
+            try:
+                check_fits(plan)
+            except ConfigError as error:
+                print(f"error: {error}", file=sys.stderr)
+                refused += 1
+        return 1 if refused else 0
     if args.check_logprobs_args:
         if len(runs) != 1:
             raise ConfigError(f"--check-logprobs-args needs one run, but the sweep makes {len(runs)}: drop --sweep.")
@@ -158,6 +183,10 @@ def add_commands(commands) -> None:
     show.add_argument("--device-memory", metavar="SIZE",
                       help="plan for a device of this size (e.g. 80GiB for an H100 80GB) instead of this machine's; "
                            "implies --memory-plan")
+    show.add_argument("--world-size", type=WORLD_SIZE, metavar="N",
+                      help="plan one of N ranks of a torchrun launch (default: WORLD_SIZE, else 1): a full fine-tune's "
+                           "state is sharded over them and each samples and trains 1/N of the groups; implies "
+                           "--memory-plan")
     show.add_argument("--check-logprobs-args", action="store_true",
                       help="print, one per line, the check-logprobs arguments that check what this train command "
                            "runs (model, LoRA rank, temperature, min-p; backend device, dtype, sampler); "

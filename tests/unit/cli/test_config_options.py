@@ -91,3 +91,15 @@ def test_the_reference_table_in_docs_is_current():
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_reference.py"), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_logprob_check_arguments_carry_a_lora_runs_rank_and_no_rank_for_full_training():
+    """``show-config --check-logprobs-args``: the rank a LoRA run trains with (16 where the config leaves it null),
+    and no ``--lora-rank`` for a full fine-tune, whose config has none."""
+    from rlrunbook.cli.train import check_logprobs_arguments
+    from rlrunbook.rl.setup.config_sources import build_config
+
+    lora = check_logprobs_arguments(build_config(cli={"model": "tiny"}).config)
+    assert lora[:4] == ["--model", "tiny", "--lora-rank", "16"]
+    full = check_logprobs_arguments(build_config(cli={"model": "tiny", "finetune": "full"}).config)
+    assert full[:3] == ["--model", "tiny", "--temperature"]

@@ -1,6 +1,7 @@
 """Options that apply only in some settings: null until they apply, their default then, refused where ignored.
 
 An option that the chosen mode, loss or setting ignores (``--kl-estimator k3`` with the KL off,
+``--lora-rank 64`` with ``finetune: full``,
 ``--val-samples 8`` with validation off, ``--judge-model`` in a single-turn run, ``--summary-max-words`` in a
 qa run) is listed here with the setting that reads it. Its field defaults to null ("not set"), so the defaults, the presets and ``--strict-config``
 files never state an option that does nothing; :func:`settle` (called by
@@ -60,7 +61,14 @@ def _judge_now(config: Any) -> str:
     return "--mock-judge is set, and the mock judge reads no model"
 
 
+def _lora(key: str, default: Any) -> Conditional:
+    return Conditional(key, default, lambda c: c.finetune == "lora", "to LoRA training (finetune: lora)",
+                       lambda c: f"finetune is {c.finetune}")
+
+
 CONDITIONALS: tuple[Conditional, ...] = (
+    _lora("lora_rank", 16),
+    _lora("train_unembed", True),
     Conditional("loss.kl_estimator", "low_var_kl",
                 lambda c: c.loss.kl_coef > 0, "with the KL term on (--kl-coef above 0)",
                 lambda c: "loss.kl_coef is 0"),

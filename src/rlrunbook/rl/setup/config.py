@@ -24,11 +24,18 @@ CONFIG_VERSION = 1  # bump when a field changes meaning; files stating another v
 
 DebateTrain = Literal["rejection", "rs_grpo"]
 KlEstimator = Literal["k1", "k3", "low_var_kl"]
+Finetune = Literal["lora", "full"]
 
 
 def _not_a_bool(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("true/false is not a number here (YAML and Python read it as 1/0); give the number")
+    return value
+
+
+def _on_off(value: Any) -> Any:
+    if isinstance(value, bool):  # YAML 1.1 reads an unquoted on / off (a file's, an override's) as true / false
+        return "on" if value else "off"
     return value
 
 
@@ -38,6 +45,7 @@ def _not_a_bool(value: Any) -> Any:
 Int = Annotated[int, Strict()]
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 Bool = Annotated[bool, Strict()]
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
 
 
 class _Section(BaseModel):
@@ -149,7 +157,7 @@ class BackendSettings(_Section):
     micro_batch_tokens: Int | None = Field(
         None, ge=0, description="most distinct tokens per forward/backward pass (0: no limit; default "
                                 "TINKER_LOCAL_MICRO_BATCH_TOKENS, else derived from the device's memory)")
-    activation_checkpointing: Literal["auto", "on", "off"] | None = Field(
+    activation_checkpointing: Switch | None = Field(
         None, description="decoder layers recompute activations in backward: auto (where memory needs it), on, "
                           "off; default TINKER_LOCAL_ACTIVATION_CHECKPOINTING")
     sampler: Literal["hf", "generate", "vllm"] | None = Field(
@@ -192,9 +200,12 @@ class TrainConfig(BaseModel):
     model: str = Field(DEFAULT_MODEL, description="built-in name, local folder or hub id")
     log_root: str | None = Field(None, description="root of run directories (else RLRUNBOOK_LOG_ROOT, else ./logs)")
     learning_rate: Float = Field(1e-4, description="AdamW learning rate")
-    lora_rank: Int = Field(16, description="LoRA rank")
-    train_unembed: Bool = Field(True, description="LoRA on the output layer (lm_head) too; vLLM serves it for "
-                                                  "Llama-family models, not for Qwen2 (set false there)")
+    finetune: Finetune = Field("lora", description="which weights train: lora (an adapter of lora_rank) or full "
+                                                    "(every weight; sharded with FSDP2 over torchrun's ranks)")
+    lora_rank: Int | None = Field(None, description="LoRA rank; with finetune lora only, null there: 16")
+    train_unembed: Bool | None = Field(None, description="LoRA on the output layer (lm_head) too; vLLM serves it "
+                                                         "for Llama-family models, not for Qwen2 (set false there); "
+                                                         "with finetune lora only, null there: true")
     loss_fn: str = Field("importance_sampling", description="the Tinker loss trained with: importance_sampling, ppo, cispo, "
                                                              "dro or gspo")
     summary_max_words: Int | None = Field(None, description="summary only: the article is cut to this many words "

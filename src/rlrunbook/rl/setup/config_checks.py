@@ -90,7 +90,7 @@ def validate(config: TrainConfig) -> TrainConfig:
         fail(f"--max-tokens {config.max_tokens} must be >= 1", "Pass a positive count.")
     if not 0 <= config.min_p < 1:
         fail(f"--min-p {config.min_p} must be in [0, 1)", "Use 0 to disable it.")
-    if config.lora_rank < 1:
+    if config.lora_rank is not None and config.lora_rank < 1:
         fail(f"--lora-rank {config.lora_rank} must be >= 1", "Use e.g. 16.")
     if (not config.name.strip() or any(c in config.name for c in "/\\") or config.name in (".", "..")
             or not config.name.isprintable()):
@@ -113,6 +113,9 @@ def validate(config: TrainConfig) -> TrainConfig:
     if config.backend.load_in_4bit and config.backend.sampler == "hf":
         fail("backend.load_in_4bit with backend.sampler hf: the in-process engine computes with floating-point "
              "base weights only", "Set backend.sampler: generate (transformers generate on the 4-bit weights) or vllm.")
+    if config.backend.load_in_4bit and config.finetune == "full":
+        fail("backend.load_in_4bit quantises the frozen base weights of LoRA training, and finetune full trains "
+             "every weight (none is frozen)", "Drop load_in_4bit, or set finetune: lora.")
     config = config.replace(reward_fn=reward)
     if config.mismatch.correction is None:  # the default: correct what a lag adds, only where there is one
         resolved = "truncate" if config.off_policy > 0 else "none"

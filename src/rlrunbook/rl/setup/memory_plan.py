@@ -11,6 +11,10 @@ From the config alone (the model's architecture from :func:`rlrunbook.models.sha
 - **training**: the adapter's gradient and one micro-batch's activations, the micro-batch sized so that the peak
   fits (traced per-token cost), with activation checkpointing where a micro-batch would otherwise be too small.
 
+Full-parameter training (``finetune: full``) is planned per rank of a torchrun launch of ``world_size`` ranks:
+sharded float32 weights, gradients and moments instead of the frozen weights and the adapter, the layers FSDP2
+gathers, and the rank's share of the step's rows (:mod:`rlrunbook.rl.setup.full_plan`).
+
 Memory grows linearly: the KV cache with rows x tokens, a micro-batch's activations with its tokens (the attention
 core keeps no tokens x tokens scores: :mod:`rlrunbook.engines.attention`), and a larger batch only adds
 micro-batches. :func:`check_fits` refuses a config whose plan does not fit, naming the knob that fixes it.
@@ -22,7 +26,9 @@ import re
 from dataclasses import dataclass, field
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.rl.setup import full_plan
 from rlrunbook.rl.setup.config import TrainConfig
+from rlrunbook.rl.setup.full_plan import FullShards
 
 GIB = 1 << 30
 ASSUMED_PROMPT_TOKENS = 512  # when data.max_prompt_tokens does not state the longest prompt
@@ -38,7 +44,7 @@ class MemoryPlan:
     model: str
     sampler: str
     weights: int
-    training_state: int  # adapter + its gradient + AdamW's two moments
+    training_state: int  # adapter + its gradient + AdamW's two moments (full: the rank's float32 shards of those)
     float64_copy: int
     kv_cache: int
     prefix_pool: int
@@ -54,6 +60,7 @@ class MemoryPlan:
     # engine's pinned copy and the snapshots of the batches in flight); 0: one after the other.
     concurrent_snapshots: int = 0
     chunks: int = 1  # backend.grad_accum_steps: the batch is first cut into this many parts by count
+    full: FullShards | None = None  # finetune full: one rank's parts (weights: its reference shard); None: LoRA
 
     @property
     def usable(self) -> int:
@@ -62,26 +69,35 @@ class MemoryPlan:
         return int(self.total * (1 - headroom(self.device.split(" ")[0])))
 
     @property
+    def gradient(self) -> int:
+        """The trained weights' gradient, held while training: the adapter's, or the rank's float32 shard."""
+        return self.full.gradients if self.full else self.training_state // 4
+
+    @property
+    def snapshot(self) -> int:
+        """One copy of the weights sampling reads: the adapter, or (full) every weight gathered."""
+        return self.full.sampling_copy if self.full else self.training_state // 4
+
+    @property
     def resident(self) -> int:
         """Held from the first step to the last: weights, the adapter and its optimizer state, sampler caches."""
-        return (self.weights + self.float64_copy + self.training_state * 3 // 4 + self.kv_cache + self.prefix_pool
-                + self.vllm_share)
+        state = self.training_state - self.gradient if self.full else self.training_state * 3 // 4
+        return self.weights + self.float64_copy + state + self.kv_cache + self.prefix_pool + self.vllm_share
 
     @property
     def sampling_peak(self) -> int:
-        return self.resident + self.sampling_activations
+        return self.resident + self.sampling_activations + (self.full.sampling_copy if self.full else 0)
 
     @property
     def training_peak(self) -> int:
-        return self.resident + self.training_state // 4 + self.training_activations
+        return self.resident + self.gradient + self.training_activations + (self.full.gathered if self.full else 0)
 
     @property
     def peak(self) -> int:
         """The most the run holds at once: the larger phase's peak, or both phases together when they overlap."""
         if not self.concurrent_snapshots:
             return max(self.sampling_peak, self.training_peak)
-        adapter = self.training_state // 4  # one copy of the adapter's weights
-        return self.training_peak + self.sampling_activations + self.concurrent_snapshots * adapter
+        return self.training_peak + self.sampling_activations + self.concurrent_snapshots * self.snapshot
 
     @property
     def fits(self) -> bool:
@@ -124,18 +140,27 @@ def _step_shape(config: TrainConfig) -> tuple[int, int, int, list[str]]:
     return prompt, config.num_groups * prompt, config.num_groups * prompt + config.num_rollouts * turns, notes
 
 
-def plan_memory(config: TrainConfig, device_memory: int | None = None) -> MemoryPlan:
+def plan_memory(config: TrainConfig, device_memory: int | None = None, world_size: int = 1) -> MemoryPlan:
     """The memory plan of a local-backend run of ``config`` (``device_memory``: the device's size in bytes, for a
     plan made elsewhere than on the device; default: this machine's device). A model the trainer runs through
     transformers' forward over padded datums (``engines.decoder.unsupported_reason``: sliding-window attention,
-    ...) gets no traced training cost, as in the backend: a note says its activations are not planned."""
+    ...) gets no traced training cost, as in the backend: a note says its activations are not planned.
+
+    ``world_size``: the ranks of a torchrun launch. A full fine-tune is planned for one of them
+    (:mod:`rlrunbook.rl.setup.full_plan`); a LoRA plan does not depend on it. ``ConfigError`` below 1."""
     import torch
 
     from rlrunbook.backend import memory
     from rlrunbook.engines.hf import PREFILL_TOKENS, capacity_bucket
     from rlrunbook.models.shapes import model_shape
+    from rlrunbook.rl.setup.config_checks import validate
     from rlrunbook.rl.setup.service import local_settings
 
+    config = validate(config)  # lora_rank, train_unembed: null until they apply
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be at least 1: the number of torchrun processes "
+                          "(--nproc-per-node), 1 for a plain process.")
+    full = config.finetune == "full"
     if device_memory is None:  # this machine's device: it must exist
         settings = local_settings(config.backend)
         device_type = torch.device(settings.device).type
@@ -146,17 +171,28 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None) -> Memory
         total = device_memory
     dtype = settings.dtype or (torch.bfloat16 if device_type == "cuda" else torch.float32)
     shape, source = model_shape(config.model)
-    lora = {"lora_rank": config.lora_rank, "lora_alpha": settings.lora_alpha, "train_unembed": config.train_unembed,
-            "train_attn": True, "train_mlp": True}
-    skeleton = memory.skeleton(shape, dtype, config.lora_rank, train_unembed=config.train_unembed)
-    sizes = memory.model_bytes(skeleton)
-    float64 = sizes.float64_copy if settings.numerics == "exact" else 0
-    weights = sizes.frozen
+    shards = None
+    if full:  # every weight trains, sharded; this rank samples and trains its share of the groups
+        lora: dict = {"lora_rank": None}
+        skeleton = memory.skeleton(shape, dtype, None)
+        shards = full_plan.full_shards(skeleton, dtype, world_size, reference=config.loss.kl_coef > 0,
+                                       groups=config.num_groups)
+        weights, training_state, float64 = shards.reference, shards.state, 0
+        config = full_plan.rank_share(config, world_size)
+    else:
+        lora = {"lora_rank": config.lora_rank, "lora_alpha": settings.lora_alpha,
+                "train_unembed": config.train_unembed, "train_attn": True, "train_mlp": True}
+        skeleton = memory.skeleton(shape, dtype, config.lora_rank, train_unembed=config.train_unembed)
+        sizes = memory.model_bytes(skeleton)
+        float64 = sizes.float64_copy if settings.numerics == "exact" else 0
+        weights, training_state = sizes.frozen, sizes.training_state
     if config.backend.load_in_4bit:  # NF4 in the layers: half a byte per weight and a float32 scale per 64
         quantised = sum(module.weight.numel() for name, module in skeleton.named_modules()
                         if isinstance(module, torch.nn.Linear) and ".layers." in name and not module.weight.requires_grad)
-        weights = sizes.frozen - quantised * dtype.itemsize + quantised * 9 // 16
+        weights = weights - quantised * dtype.itemsize + quantised * 9 // 16
     longest, prompt_tokens, batch_tokens, notes = _step_shape(config)
+    if shards is not None and shards.reference and settings.numerics == "exact":
+        notes.append("exact numerics: the float64 copies of the KL reference's weights are not planned")
     rows = min(config.num_rollouts, settings.max_batch_rows)
     kv = kv_cache = pool = activations = vllm_share = 0
     sampler = settings.sampler
@@ -185,14 +221,14 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None) -> Memory
     plan = MemoryPlan(
         device=f"{device_type} ({total / GIB:.1f} GiB{', stated' if device_memory is not None else ''})",
         total=total, model=f"{config.model} ({source})", sampler=sampler, weights=weights,
-        training_state=sizes.training_state, float64_copy=float64, kv_cache=kv_cache, prefix_pool=pool,
+        training_state=training_state, float64_copy=float64, kv_cache=kv_cache, prefix_pool=pool,
         sampling_activations=activations, vllm_share=vllm_share, micro_batch_tokens=None, recompute_layers=False,
         training_activations=0, batch_tokens=batch_tokens, shape=shape_text, notes=notes,
         concurrent_snapshots=config.off_policy + 2 if config.off_policy > 0 else 0,
-        chunks=max(1, min(settings.grad_accum_chunks, config.num_rollouts)))
-    available = plan.usable - plan.resident - plan.training_state // 4
+        chunks=max(1, min(settings.grad_accum_chunks, config.num_rollouts)), full=shards)
+    available = plan.usable - plan.resident - plan.gradient - (shards.gathered if shards else 0)
     if plan.concurrent_snapshots:  # a micro-batch trains while the sampler holds its activations and snapshots
-        available -= plan.sampling_activations + plan.concurrent_snapshots * (plan.training_state // 4)
+        available -= plan.sampling_activations + plan.concurrent_snapshots * plan.snapshot
     where = (f"{total / GIB:.1f} GiB {device_type} memory, {available / GIB:.1f} GiB left for a micro-batch "
              "after the weights, the training state and the sampler's caches")
     from dataclasses import replace
@@ -218,19 +254,25 @@ def format_plan(plan: MemoryPlan) -> list[str]:
     def gib(size: int) -> str:
         return f"{size / GIB:.2f} GiB"
 
-    lines = [f"device: {plan.device}; usable {gib(plan.usable)}; model: {plan.model}",
-             f"resident: weights {gib(plan.weights)}, adapter + AdamW {gib(plan.training_state * 3 // 4)}"
-             + (f", float64 copy (exact) {gib(plan.float64_copy)}" if plan.float64_copy else "")]
-    if plan.sampler == "hf":
-        lines.append(f"sampling: {plan.shape}; KV cache {gib(plan.kv_cache)}, prefix pool {gib(plan.prefix_pool)}, "
-                     f"prefill/decode activations {gib(plan.sampling_activations)}; peak {gib(plan.sampling_peak)}")
+    lines = [f"device: {plan.device}; usable {gib(plan.usable)}; model: {plan.model}"]
+    if plan.full:  # one rank's parts, and how the state is sharded
+        lines += full_plan.header_lines(plan.full)
+        gathered, gradient = full_plan.sampling_part(plan.full), full_plan.training_part(plan.full)
     else:
-        lines.append(f"sampling: {plan.shape}" + (f" ({gib(plan.vllm_share)})" if plan.vllm_share else ""))
+        lines.append(f"resident: weights {gib(plan.weights)}, adapter + AdamW {gib(plan.training_state * 3 // 4)}"
+                     + (f", float64 copy (exact) {gib(plan.float64_copy)}" if plan.float64_copy else ""))
+        gathered, gradient = "", f"gradient {gib(plan.training_state // 4)}"
+    if plan.sampler == "hf":
+        lines.append(f"sampling: {plan.shape}; {gathered}KV cache {gib(plan.kv_cache)}, prefix pool "
+                     f"{gib(plan.prefix_pool)}, prefill/decode activations {gib(plan.sampling_activations)}; peak "
+                     f"{gib(plan.sampling_peak)}")
+    else:
+        lines.append(f"sampling: {plan.shape}" + (f" ({gib(plan.vllm_share)})" if plan.vllm_share else "")
+                     + (f"; {gathered.rstrip(', ')}" if gathered else ""))
     batching = (f"{plan.micro_batch_tokens} tokens" if plan.micro_batch_tokens else "no limit")
     lines.append(f"training: batch ~{plan.batch_tokens} distinct tokens in {plan.micro_batches} micro-batch(es) of "
-                 f"{batching}{', activation checkpointing' if plan.recompute_layers else ''}; gradient "
-                 f"{gib(plan.training_state // 4)}, activations {gib(plan.training_activations)}; peak "
-                 f"{gib(plan.training_peak)}")
+                 f"{batching}{', activation checkpointing' if plan.recompute_layers else ''}; {gradient}, "
+                 f"activations {gib(plan.training_activations)}; peak {gib(plan.training_peak)}")
     lines.append(("fits" if plan.fits else "DOES NOT FIT") + f": peak {gib(plan.peak)} of {gib(plan.usable)} usable"
                  + (" (sampling and training at once: --off-policy)" if plan.concurrent_snapshots else ""))
     lines += [f"note: {note}" for note in plan.notes]
@@ -242,7 +284,7 @@ def check_fits(plan: MemoryPlan) -> None:
     if plan.fits:
         return
     peak = plan.peak
-    consumers = {
+    consumers = full_plan.consumers(plan) if plan.full else {
         "the decode KV cache": (plan.kv_cache, "fewer rows per sampling call (-n, or TINKER_LOCAL_MAX_BATCH_ROWS) "
                                               "or shorter sequences (--max-tokens, data.max_prompt_tokens), or "
                                               "backend.sampler=vllm"),
@@ -255,6 +297,9 @@ def check_fits(plan: MemoryPlan) -> None:
         "the vLLM server's share": (plan.vllm_share, "a smaller TINKER_LOCAL_VLLM_GPU_MEMORY_UTILIZATION"),
     }
     name, (size, fix) = max(consumers.items(), key=lambda item: item[1][0])
-    raise ConfigError(f"this run does not fit on {plan.device}: its planned peak is {peak / GIB:.1f} GiB of "
+    ranks = f" with {plan.full.world_size} rank(s) (a full fine-tune, planned per rank)" if plan.full else ""
+    same = f" and --world-size {plan.full.world_size}" if plan.full else ""
+    raise ConfigError(f"this run does not fit on {plan.device}{ranks}: its planned peak is {peak / GIB:.1f} GiB of "
                       f"{plan.usable / GIB:.1f} GiB usable, and the largest part is {name} ({size / GIB:.1f} GiB). "
-                      f"Fix: {fix}. The whole plan: `rlrunbook show-config --memory-plan` with the same arguments.")
+                      f"Fix: {fix}. The whole plan: `rlrunbook show-config --memory-plan` with the same "
+                      f"arguments{same}.")

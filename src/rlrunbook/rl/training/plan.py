@@ -109,12 +109,12 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
         resume.check_dataset(task.dataset_info(problems))
     from rlrunbook.backend import backend_name
 
+    layout = distributed.launch_layout()
     memory = None
-    if backend_name() == "local":  # refused here when it cannot fit, naming the knob
-        memory = plan_memory(config)
+    if backend_name() == "local":  # refused here when it cannot fit, naming the knob; a full fine-tune per rank
+        memory = plan_memory(config, world_size=layout.world_size)
         check_fits(memory)
     dataset, data_lines = dataset_record(task, problems)
-    layout = distributed.launch_layout()
     dp.check_divisible(config.num_groups, layout.world_size)
     check_off_policy(config, backend_name(), layout.world_size)
     # With validation on, the last validation.num_problems of the seeded order are held out of training.

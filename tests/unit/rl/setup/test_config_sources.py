@@ -24,7 +24,8 @@ from rlrunbook.rl.setup.config_sources import (
     sweep_name,
 )
 
-SHIPPED_PRESETS = {"tiny-cpu-smoke", "smollm2-cpu-mini", "gpu-4b-lora", "gpu-8b-lora-4bit", "h100-rlvr"}
+SHIPPED_PRESETS = {"tiny-cpu-smoke", "smollm2-cpu-mini", "gpu-4b-lora", "gpu-8b-lora-4bit", "h100-rlvr",
+                   "h100-rlvr-full"}
 
 
 def _write(tmp_path, data, name="run.yaml"):
@@ -33,7 +34,7 @@ def _write(tmp_path, data, name="run.yaml"):
     return path
 
 
-def test_the_five_presets_ship():
+def test_the_six_presets_ship():
     assert SHIPPED_PRESETS <= set(list_presets())
 
 
@@ -55,6 +56,19 @@ def test_rlvr_preset_carries_the_run_notes_figures():
     assert config.checkpoint.every == 50 and config.validation.every == 50
 
 
+def test_the_full_rlvr_preset_is_the_rlvr_run_with_every_weight_trained():
+    """h100-rlvr-full is h100-rlvr as its run notes trained it: full fine-tuning in bf16 with activation
+    checkpointing; every other value is the LoRA preset's."""
+    lora, full = (validate(build_config(file=name, strict=True).config) for name in ("h100-rlvr", "h100-rlvr-full"))
+    assert (full.finetune, full.lora_rank, full.train_unembed) == ("full", None, None)
+    assert (full.backend.dtype, full.backend.activation_checkpointing) == ("bfloat16", "on")
+    assert (full.learning_rate, full.loss.kl_coef, full.loss.kl_estimator) == (1e-6, 0.001, "low_var_kl")
+    assert full.model == "Qwen/Qwen2.5-Math-1.5B"
+    same = {"finetune", "lora_rank", "train_unembed", "name", "backend"}
+    assert {k: v for k, v in full.to_dict().items() if k not in same} == \
+        {k: v for k, v in lora.to_dict().items() if k not in same}
+
+
 def test_layers_override_in_order_and_record_their_source(tmp_path):
     path = _write(tmp_path, {"steps": 2, "seed": 5, "learning_rate": 1e-3, "loss": {"kl_coef": 0.1}})
     resolved = build_config(file=path, overrides=["steps=3", "loss.kl_coef=0.2", "loss.entropy_coef=0.01"],
@@ -73,6 +87,16 @@ def test_layers_override_in_order_and_record_their_source(tmp_path):
                                          ("null", None), ("abc", "abc"), ("[a, b]", ["a", "b"])])
 def test_values_parse_as_yaml(text, value):
     assert parse_value(text) == value and type(parse_value(text)) is type(value)
+
+
+def test_an_unquoted_on_or_off_switch_reads_as_the_word():
+    """YAML 1.1 reads ``on`` and ``off`` as true and false; the checkpointing switch takes them as written (the knob
+    that memory refusals name: ``backend.activation_checkpointing=on``)."""
+    for word in ("on", "off", "auto"):
+        config = build_config(overrides=[f"backend.activation_checkpointing={word}"]).config
+        assert config.backend.activation_checkpointing == word
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        build_config(overrides=["backend.activation_checkpointing=sometimes"])
 
 
 def test_override_syntax_errors_name_the_form():

@@ -48,6 +48,9 @@ def _validated(overrides=(), **cli):
                                       "run: it applies only with --reward-fn multi_signal, but this run has --dataset test with --reward-fn "
                                       "numeric"),
     ({}, ("data.cache_dir=/tmp/x",), "--data-cache-dir (data.cache_dir) '/tmp/x' has no effect in this run"),
+    ({"finetune": "full", "lora_rank": 64}, (), "--lora-rank (lora_rank) 64 has no effect in this run: it applies "
+                                                "only to LoRA training (finetune: lora), but finetune is full"),
+    ({"finetune": "full"}, ("train_unembed=false",), "--train-unembed (train_unembed) False has no effect"),
 ])
 def test_an_option_the_run_ignores_is_refused(cli, overrides, match):
     with pytest.raises(ConfigError) as error:
@@ -70,6 +73,9 @@ def test_an_option_that_applies_gets_its_documented_default():
     weights = _validated(reward_fn="multi_signal").reward
     assert (weights.verify_weight, weights.format_weight, weights.reflect_weight) == (1.0, 0.5, 0.5)
     assert _validated(mode="debate", num_rollouts=8, num_groups=2).judge_model is None  # the base model
+    assert (plain.finetune, plain.lora_rank, plain.train_unembed) == ("lora", 16, True)
+    full = _validated(finetune="full")
+    assert (full.lora_rank, full.train_unembed) == (None, None)
 
 
 def test_a_stored_config_of_an_older_run_reads_its_ignored_defaults_as_null():

@@ -63,6 +63,15 @@ def test_a_4bit_base_with_the_in_process_sampler_is_refused_before_loading():
     assert LocalSettings(device="cpu", load_in_4bit=True, sampler="generate").load_in_4bit
 
 
+def test_a_4bit_base_with_full_training_is_refused():
+    """4-bit weights are the frozen base of LoRA training; full training has no frozen weights to quantise."""
+    config = TrainConfig(finetune="full", backend=BackendSettings(device="cuda", load_in_4bit=True, sampler="vllm"))
+    with pytest.raises(ConfigError, match="finetune full trains every weight .*Drop load_in_4bit, or set finetune: "
+                                          "lora"):
+        validate(config)
+    assert validate(config.replace(finetune="lora")).backend.load_in_4bit
+
+
 @pytest.mark.parametrize(("stated", "env", "expected"), [
     (BackendSettings(device="cuda"), {}, "invariant (default); fixed-order Triton kernels"),
     (BackendSettings(device="cuda", dtype="float16"), {}, "invariant (default); fixed-order Triton kernels"),
