@@ -37,6 +37,7 @@ PARTS=(
   "bench|6|the benchmarks: decode, sampling, batching, training, RL step, peer against TRL where installed"
   "debate|3|the runbook's mini debate RS->GRPO at full shape (-n 64, 4 groups, 10 steps) and its rubric"
   "scale|8|one step of the h100-rlvr shape (1.5B config, random weights): peak memory vs the plan, phases, decode ms/step, MFU"
+  "full|8|one full-parameter step of the h100-rlvr-full shape (1.5B config, random weights, every weight trained, KL reference): peak memory vs the plan, phases, MFU"
   "invariance|4|scripts/invariance_check.py on smollm2-135m bf16: batch compositions bitwise, sampler vs trainer, default vs native time"
   "speed|8|the speed targets (scripts/speed_check.py): decode ms/step (smollm2 16x64, 1.5B shape 64x256), forward_backward MFU (1.5B shape), mini debate s/step (4 steps), rlrunbook vs TRL GRPOTrainer (1.5B shape, 16x4x256), then one h100-rlvr step until the budget"
 )
@@ -135,6 +136,12 @@ part_invariance() {
 part_scale() {  # GPU_CHECK_SCALE_ARGS: more arguments, e.g. "--device-memory 80GiB" to plan an H100 on a larger card
   # shellcheck disable=SC2086
   step scale gated "$py" scripts/scale_check.py --out "$work" ${GPU_CHECK_SCALE_ARGS:-}
+}
+
+part_full() {  # GPU_CHECK_SCALE_ARGS as for scale
+  # shellcheck disable=SC2086
+  step full gated "$py" scripts/scale_check.py --out "$work" --config-file h100-rlvr-full --decode-rows 0 \
+    ${GPU_CHECK_SCALE_ARGS:-}
 }
 
 # GPU_CHECK_SPEED_SIZE=tiny: every step at a toy size on CPU (the tests); GPU_CHECK_SCALE_ARGS as for scale (rlvr step).

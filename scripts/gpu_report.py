@@ -32,7 +32,7 @@ from pathlib import Path
 
 from rlrunbook.testing.gpu import not_proven_part
 
-PART_ORDER = ("tier", "parity", "bench", "debate", "scale", "invariance", "speed")  # the order merge lists parts in; others follow by name
+PART_ORDER = ("tier", "parity", "bench", "debate", "scale", "full", "invariance", "speed")  # the order merge lists parts in; others follow by name
 MARKER = re.compile(r"^<!-- gpu-check part=(?P<part>[\w-]+) ran=(?P<ran>[0-9TZ:-]+) -->$", re.MULTILINE)
 
 
@@ -213,13 +213,15 @@ def _scale(work: Path) -> list[str]:
         return f"{r[measured] / gib:.1f} GiB measured, {r[planned] / gib:.1f} GiB planned{above}"
 
     where = f"{r.get('gpu') or r['device']} ({r['dtype']})"
-    lines = [f"decode {r['decode_ms_per_step']:.2f} ms/step at 64 x 256 on {where} (target <= 3 ms)"
-             if "decode_ms_per_step" in r else f"decode at 64 x 256 on {where}: not finished"]
+    full = r.get("finetune") == "full"  # the full part: the same figures, every weight trained, no decode benchmark
+    shape = "h100-rlvr-full shape (every weight trained)" if full else "h100-rlvr shape"
+    lines = [] if full else [f"decode {r['decode_ms_per_step']:.2f} ms/step at 64 x 256 on {where} (target <= 3 ms)"
+                             if "decode_ms_per_step" in r else f"decode at 64 x 256 on {where}: not finished"]
     if "sample_s" in r:
-        lines.append(f"one step of the h100-rlvr shape: sample {r['sample_s']:.1f} s (prefill {r['prefill_s']:.1f} s, "
+        lines.append(f"one step of the {shape}: sample {r['sample_s']:.1f} s (prefill {r['prefill_s']:.1f} s, "
                      f"{r['decode_steps']} decode steps), peak {peak('sampling_peak_bytes', 'planned_sampling_peak')}")
     else:
-        lines.append("one step of the h100-rlvr shape: sampling not finished")
+        lines.append(f"one step of the {shape}: sampling not finished")
     if "mfu" in r:
         lines.append(f"training: forward_backward {r['forward_backward_s']:.1f} s in {r['micro_batches']} "
                      f"micro-batches, optim {r['optim_s']:.2f} s, peak "
@@ -302,7 +304,8 @@ def _invariance(work: Path) -> list[str]:
 
 
 RENDERERS: dict[str, Callable[[Path], list[str]]] = {"tier": _tier, "parity": _checks, "bench": _bench,
-                                                     "debate": _debate, "scale": _scale, "invariance": _invariance,
+                                                     "debate": _debate, "scale": _scale, "full": _scale,
+                                                     "invariance": _invariance,
                                                      "speed": _speed}
 
 
@@ -337,7 +340,7 @@ def _found(part: str, work: Path) -> str:
         found += f"; check-logprobs: {verdicts.count('ok')} ok, {verdicts.count('FAIL')} FAIL"
     elif part == "debate":
         found += "; mini debate: " + ", ".join(_debate_ending(work))
-    elif part == "scale" and (work / "scale.json").exists():
+    elif part in ("scale", "full") and (work / "scale.json").exists():
         r = json.loads((work / "scale.json").read_text())
         if r.get("plan_failures"):
             found += "; peak above the plan: " + ", ".join(f.split(" peak")[0] for f in r["plan_failures"])

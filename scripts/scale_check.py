@@ -11,7 +11,9 @@ benchmark at 64 rows x 256 positions (first; ``--decode-rows 0`` leaves it out).
 
 Reported: seconds per phase and of the whole step (``step_s``: sampling through the optimizer step), peak memory (``torch.cuda.max_memory_allocated``; on CPU the traced tensor peak is
 not measured here) against the plan's sampling and training peaks, decode ms per step, trained tokens per second
-and the MFU of the LoRA forward/backward (:func:`lora_training_flops`, against 989 TFLOP/s: an H100's dense bf16).
+and the MFU of the forward/backward (:func:`lora_training_flops`, :func:`full_training_flops`, against 989 TFLOP/s:
+an H100's dense bf16). ``--config-file h100-rlvr-full``: the same step training every weight (float32 master
+weights sharded over a one-rank group, bf16 passes, the KL reference copy), planned as that preset.
 ``--model`` another model of the preset's kind (``tiny`` for a quick check; the plan is then for it).
 
 The gate: a measured peak above the plan's is a plan that would not have kept the memory it promised; the script
@@ -22,6 +24,7 @@ Where no peak is measured (on CPU) there is nothing to gate, and the JSON says s
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 from tinker import types
 
+from rlrunbook.backend import sharding
 from rlrunbook.backend.lora import wrap_with_lora
 from rlrunbook.backend.memory import model_bytes, with_layers
 from rlrunbook.backend.trainer import Trainer
@@ -51,6 +55,13 @@ def lora_training_flops(product_params: int, tokens: int) -> float:
     products, and recomputed layers (activation checkpointing), so the MFU it gives is a lower bound.
     """
     return 4.0 * product_params * tokens
+
+
+def full_training_flops(product_params: int, tokens: int, recompute_layers: bool) -> float:
+    """FLOPs of one full-parameter ``forward_backward`` over ``tokens`` positions: 6 x product parameters x tokens
+    (2 forward, 2 for the input's gradient, 2 for the weight's), 8 x with activation checkpointing (one more
+    forward). Attention's score and value products are not counted: the MFU it gives is a lower bound."""
+    return (8.0 if recompute_layers else 6.0) * product_params * tokens
 
 
 def _sync(device: str) -> None:
@@ -133,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-rows", type=int, default=64, help="0: no decode benchmark")
     parser.add_argument("--decode-window", type=int, default=256)
     parser.add_argument("--device-memory", default=None, help="plan for this size (default: the device's)")
+    parser.add_argument("--config-file", default="h100-rlvr",
+                        help="the preset planned and trained: h100-rlvr (LoRA r64) or h100-rlvr-full (every weight)")
     return parser.parse_args(argv)
 
 
@@ -147,7 +160,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
     if args.layers:
         config = with_layers(config, args.layers)
     rows = args.groups * args.samples
-    run = build_config(file="h100-rlvr", overrides=[
+    run = build_config(file=args.config_file, overrides=[
         f"num_rollouts={rows}", f"num_groups={args.groups}", f"max_tokens={args.new}",
         f"data.max_prompt_tokens={args.prompt}", f"backend.device={args.device}",
         f"backend.dtype={report['dtype']}", f"model={args.model}"], cli={}, strict=False).config
@@ -168,10 +181,23 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
 
     with torch.device(args.device):  # random weights made on the device: no host copy of 3 GB
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    model = wrap_with_lora(model, rank=64, alpha=32, seed=0)
+    full = run.finetune == "full"
+    report["finetune"] = run.finetune
+    product_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    reference = None
+    if full:  # float32 master weights sharded over a one-rank group, passes in dtype (backend/sharding.py)
+        reference = copy.deepcopy(model) if run.loss.kl_coef > 0 else None
+        sharding.shard(model, dtype)
+        if reference is not None:
+            sharding.shard_reference(reference)
+        report["weights_bytes"] = sum(sharding.local_bytes(p) for p in sharding.sharded_parameters(model).values())
+        trainer = Trainer(model, pad_token_id=0, vocab_size=config.vocab_size, full_parameters=True,
+                          reference=reference, micro_batch_tokens=plan.micro_batch_tokens,
+                          recompute_layers=plan.recompute_layers)  # gathers the weights for sampling
+    else:
+        model = wrap_with_lora(model, rank=64, alpha=32, seed=0)
+        report["weights_bytes"] = model_bytes(model).frozen
     report["build_s"] = time.perf_counter() - started
-    sizes = model_bytes(model)
-    report["weights_bytes"] = sizes.frozen
 
     generator = torch.Generator().manual_seed(1)
     if args.decode_rows:
@@ -209,7 +235,8 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
                 "target_tokens": types.TensorData.from_torch(torch.tensor(tokens[1:])),
                 "logprobs": types.TensorData.from_torch(torch.tensor([0.0] * (len(prompt) - 1) + completion.logprobs)),
                 "advantages": types.TensorData.from_torch(advantages)}))
-    trainer = Trainer(model, pad_token_id=0, vocab_size=config.vocab_size,
+    if not full:
+        trainer = Trainer(model, pad_token_id=0, vocab_size=config.vocab_size,
                           micro_batch_tokens=plan.micro_batch_tokens, recompute_layers=plan.recompute_layers)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -226,8 +253,9 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
     tokens = int(result.metrics["num_tokens:sum"])
     report["trained_tokens"], report["micro_batches"] = tokens, int(result.metrics["micro_batches:sum"])
     report["tokens_per_s"] = tokens / report["forward_backward_s"]
-    product_params = sizes.float64_copy // 8  # the frozen matrix-product weights (lm_head included)
-    report["mfu"] = lora_training_flops(product_params, tokens) / report["forward_backward_s"] / H100_BF16_FLOPS
+    flops = (full_training_flops(product_params, tokens, plan.recompute_layers) if full
+             else lora_training_flops(product_params, tokens))  # matrix-product weights, lm_head included
+    report["mfu"] = flops / report["forward_backward_s"] / H100_BF16_FLOPS
     save()
     return report
 

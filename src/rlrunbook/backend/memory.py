@@ -342,6 +342,28 @@ def plan_micro_batching(model: torch.nn.Module, *, device: str, numerics: Numeri
                                  tokens=tokens, checkpointing=checkpointing, where=where)
 
 
+def plan_full_micro_batching(model: torch.nn.Module, reference: torch.nn.Module | None, *, compute_dtype: torch.dtype,
+                             device: str, numerics: Numerics | str, tokens: int | None, checkpointing: str,
+                             sampler_share: float = SAMPLER_SHARE) -> MicroBatching:
+    """Micro-batching of a model sharded for full-parameter training (:mod:`rlrunbook.backend.sharding`) on one rank:
+    the device's memory less ``HEADROOM`` and ``sampler_share``, this rank's float32 master weights, gradients and
+    AdamW moments (4 x its shards' bytes) and its share of the ``reference`` copy is left for activations, traced
+    with every weight trainable in ``compute_dtype``."""
+    from rlrunbook.backend import sharding
+
+    total = device_memory(device)
+    held = 4 * sum(sharding.local_bytes(p) for p in sharding.sharded_parameters(model).values())
+    if reference is not None:
+        held += sum(sharding.local_bytes(p) for p in reference.parameters())
+    kind = torch.device(device).type
+    available = int(total * (1 - headroom(kind) - sampler_share)) - held
+    where = (f"{_gib(total)} GiB {kind} memory, {_gib(available)} GiB left for activations after this rank's "
+             f"weights, gradients and optimizer state and {sampler_share:.0%} for sampling")
+    return choose_micro_batching(sharding.causal_lm(model).config, compute_dtype, {"lora_rank": None}, numerics,
+                                 available=available, device_type=kind, tokens=tokens, checkpointing=checkpointing,
+                                 where=where)
+
+
 def _gib(size: float) -> str:
     return f"{size / GIB:.1f}"
 

@@ -26,7 +26,7 @@ from rlrunbook.backend.futures import OrderedWorker, completed
 from rlrunbook.backend import sharding
 from rlrunbook.backend.model_host import ModelHost, ResidentModel, SamplerWeights, host_over, load_resident
 from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
-from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_micro_batching
+from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_full_micro_batching, plan_micro_batching
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities, copy_checkpoint
 from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info, register_handle_resolver
 from rlrunbook.backend.settings import LocalSettings
@@ -57,16 +57,17 @@ def _no_version() -> None:
     return None
 
 
-def micro_batching(host: ModelHost, settings: LocalSettings) -> MicroBatching:
-    """How this host's trainer splits ``forward_backward`` batches (see :func:`plan_micro_batching`).
+def micro_batching(host: ModelHost, settings: LocalSettings, reference: torch.nn.Module | None = None) -> MicroBatching:
+    """How this host's trainer splits ``forward_backward`` batches (see :func:`plan_micro_batching`, and
+    :func:`plan_full_micro_batching` for full-parameter training with its KL ``reference``).
 
     The share of the device left to sampling: an in-process sampler's caches, or a managed vLLM server's
     ``gpu_memory_utilization`` when it runs on the same GPU; none for a vLLM server reached by URL.
     """
-    if sharding.is_sharded(host.model):  # full-parameter training: as stated (FULL-PLAN)
-        tokens = settings.micro_batch_tokens or None
-        return MicroBatching(tokens, settings.activation_checkpointing == "on",
-                             f"{tokens or 'no'} token limit; full-parameter training")
+    if sharding.is_sharded(host.model):
+        return plan_full_micro_batching(host.model, reference, compute_dtype=settings.resolved_dtype(),
+                                        device=settings.device, numerics=settings.decoder_numerics(),
+                                        tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing)
     reason = unsupported_reason(host.model)
     if reason is not None:  # transformers' own forward over padded datums: no traced cost to derive a budget from
         tokens = settings.micro_batch_tokens or None
@@ -198,7 +199,7 @@ class LocalServiceClient:
                 )
                 host.engine.model = host.model
             self._attach_sampler(host)
-            batching = micro_batching(host, settings)
+            batching = micro_batching(host, settings, reference)
             trainer = Trainer(host.model, pad_token_id=host.pad_token_id,
                               vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
                               accept_zero_advantages=settings.zero_advantage_batches == "accept",

@@ -200,6 +200,12 @@ class Trainer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def collective_passes(self) -> bool:
+        """Whether every rank must make every ``forward``/``forward_backward`` call (a sharded model under
+        torchrun: its passes are collectives); a rank with no data then calls with an empty batch."""
+        return self.full_parameters and distributed.world_size() > 1
+
     def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
         """What the optimizer steps, by name, in its order: the adapter's, or every weight (shards under torchrun)."""
         if self.full_parameters:
@@ -250,6 +256,11 @@ class Trainer:
         reg, loss_config = split_regularizer_config(loss_fn_config)
         mismatch, loss_config = split_mismatch_config(loss_config)
         config = resolve_loss_config(spec, loss_config)
+        if len(data) == 0 and self.collective_passes:  # this rank's share is empty: it joins the others' passes
+            self._idle_passes(0, backward=backward, with_reference=reg.kl_coef > 0)
+            return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[],
+                                               metrics={"loss:sum": 0.0, "num_tokens:sum": 0.0,
+                                                        "num_trained_tokens:sum": 0.0, "micro_batches:sum": 0.0})
         if len(data) == 0:
             raise InputError("empty batch: forward_backward needs at least one Datum.")
         items = [datum_item(d, i, spec, self.vocab_size, self.max_context) for i, d in enumerate(data)]
@@ -302,7 +313,7 @@ class Trainer:
         every rank), so ranks must run the same number: the rank with the most micro-batches sets it, and the
         others run passes over two padding tokens whose loss is 0 (their gradients add exact zeros).
         """
-        if not self.full_parameters or distributed.world_size() == 1:
+        if not self.collective_passes:
             return
         most = distributed.all_reduce_max(passes)
         for _ in range(most - passes):

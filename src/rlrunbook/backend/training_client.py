@@ -69,6 +69,13 @@ class LocalTrainingClient(ResolvedClient):
         """APIFuture of the loss and per-datum logprobs, without gradients."""
         return self._worker.submit(self._training_call(self._trainer.forward), list(data), loss_fn, loss_fn_config)
 
+    @property
+    def collective_passes(self) -> bool:
+        """LOCAL EXTENSION: whether every rank of a torchrun launch must make every ``forward``/``forward_backward``
+        call in the same order (full-parameter training: its passes are collectives); a rank with no datums then
+        calls with an empty list, which joins the others' passes."""
+        return self._trainer.collective_passes
+
     def forward_backward(self, data: list[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float | str] | None = None):
         """APIFuture of a ForwardBackwardOutput; gradients accumulate until ``optim_step``.

@@ -22,7 +22,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "scripts" / "gpu-check.sh"
 DOC = REPO_ROOT / "docs" / "gpu-validation.md"
-PARTS = ("tier", "parity", "bench", "debate", "scale", "invariance", "speed")
+PARTS = ("tier", "parity", "bench", "debate", "scale", "full", "invariance", "speed")
 STAGING_MINUTES = 2
 
 

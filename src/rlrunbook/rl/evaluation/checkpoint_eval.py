@@ -71,9 +71,10 @@ def _row(step: int, summary) -> dict[str, Any]:
 def checkpoint_samplers(training, folders: Sequence[Path], include_base: bool = True) -> Iterator[tuple[int, Any]]:
     """``(step, sampling client)`` for step 0 (with ``include_base``) and each checkpoint folder, in order.
 
-    ``training`` is a fresh local LoRA training client of the run's model and rank; each checkpoint's
-    adapter is imported into it (no training step) before its sampling client is made. Each client
-    samples its own copy of the weights, so an earlier client stays valid after later imports.
+    ``training`` is a fresh local training client made as the run made its own (LoRA of the run's rank, or
+    full-parameter); each checkpoint's weights are imported into it (no training step) before its sampling
+    client is made. A LoRA client samples its own copy of the adapter, so an earlier client stays valid after
+    later imports; a full-parameter one samples the live weights, so each is used before the next import.
     """
     from rlrunbook.backend.trainer import TrainingState
 
@@ -97,7 +98,7 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
     from rlrunbook.rl.evaluation.passk import pass_at_k, summarize_eval
     from rlrunbook.rl.rollout.paradigms import RolloutContext
     from rlrunbook.rl.setup.prepare import prepare
-    from rlrunbook.rl.setup.service import default_service
+    from rlrunbook.rl.setup.service import default_service, training_client
 
     found = checkpoint_dirs(run_dir)
     if not found:
@@ -128,8 +129,7 @@ def evaluate_checkpoints(run_dir: str | Path, options: EvalOptions = EvalOptions
                           "held out. Pass --dataset with problems the run did not train on.")
     held_out = pool[:options.num_problems]
     service = service_factory(config) if service_factory is not None else default_service(config.backend)
-    training = service.create_lora_training_client(config.model, rank=config.lora_rank, seed=config.seed,
-                                                  train_unembed=config.train_unembed).result()
+    training = training_client(service, config.replace(loss=config.loss.model_copy(update={"kl_coef": 0.0})))
     if not hasattr(type(training), "import_training_state"):
         raise ConfigError("eval-checkpoints loads adapters into the local backend (TINKER_BACKEND=local).")
     tokenizer = training.get_tokenizer()

@@ -116,6 +116,12 @@ def validate(config: TrainConfig) -> TrainConfig:
     if config.backend.load_in_4bit and config.finetune == "full":
         fail("backend.load_in_4bit quantises the frozen base weights of LoRA training, and finetune full trains "
              "every weight (none is frozen)", "Drop load_in_4bit, or set finetune: lora.")
+    if config.finetune == "full" and config.off_policy > 0:
+        fail(f"--off-policy {config.off_policy} samples batches from past weights, and finetune full keeps no copies "
+             "of past weights (a copy of every weight per batch ahead)", "Use --off-policy 0, or finetune: lora.")
+    if config.finetune == "full" and config.backend.sampler not in (None, "hf"):
+        fail(f"backend.sampler {config.backend.sampler} with finetune full: full-parameter training samples its "
+             "live (sharded, gathered) weights with the in-process engine", "Set backend.sampler: hf (or null).")
     config = config.replace(reward_fn=reward)
     if config.mismatch.correction is None:  # the default: correct what a lag adds, only where there is one
         resolved = "truncate" if config.off_policy > 0 else "none"

@@ -139,11 +139,15 @@ def train_batch(plan: RunPlan, step: int, sampled: SampledStep, training, writer
     log(f"Training data: {len(chosen)} datums from {len(batch.rollouts)} rollouts")
     datums = [to_datum(r, a) for r, a in dp.own_share(chosen, sampled.own_groups)]
     loss_config = config.loss_fn_config(local=is_local(training)) or None
-    fb_future = training.forward_backward(datums, config.loss_fn, loss_config) if datums else None
+    # A rank with no datums skips forward_backward, unless every rank's passes are collectives (full-parameter
+    # training under torchrun): it then joins the others' passes with an empty batch.
+    joins = not datums and getattr(training, "collective_passes", False)
+    fb_future = training.forward_backward(datums, config.loss_fn, loss_config) if datums or joins else None
     lag_metrics: dict[str, float] = {}
-    if lag is not None and fb_future is not None:
+    if lag is not None and datums:
         lag_metrics = lag.measure(training, datums, config.loss_fn, loss_config, fb_future)
     fb = fb_future.result() if fb_future is not None else None
+    fb = fb if datums else None
     fb_done = time.perf_counter()
     single = distributed.world_size() == 1
     if single and fb is not None:  # before optim_step: a refused step leaves the weights unchanged

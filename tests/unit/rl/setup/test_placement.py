@@ -72,6 +72,20 @@ def test_a_4bit_base_with_full_training_is_refused():
     assert validate(config.replace(finetune="lora")).backend.load_in_4bit
 
 
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"off_policy": 1}, "--off-policy 1 samples batches from past weights"),
+    ({"backend": BackendSettings(sampler="vllm")}, "backend.sampler vllm with finetune full"),
+    ({"backend": BackendSettings(sampler="generate")}, "backend.sampler generate with finetune full"),
+])
+def test_what_full_training_cannot_do_is_refused_before_loading(changes, named):
+    """Full training keeps no copies of past weights (asynchronous runs sample from them) and samples its gathered
+    live weights in process (a vLLM server or transformers' generate would need them copied out every step)."""
+    config = TrainConfig(finetune="full", **changes)
+    with pytest.raises(ConfigError, match=named):
+        validate(config)
+    validate(config.replace(finetune="lora"))
+
+
 @pytest.mark.parametrize(("stated", "env", "expected"), [
     (BackendSettings(device="cuda"), {}, "invariant (default); fixed-order Triton kernels"),
     (BackendSettings(device="cuda", dtype="float16"), {}, "invariant (default); fixed-order Triton kernels"),
