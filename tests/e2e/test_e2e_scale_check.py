@@ -28,3 +28,20 @@ def test_scale_check_reports_every_figure_at_a_toy_size(tmp_path):
         assert isinstance(report[key], float) and report[key] > 0, key
     assert report["planned_training_peak"] > report["weights_bytes"] > 0
     assert report["plan"][-1].startswith(("fits:", "DOES NOT FIT:"))
+
+
+def test_the_full_parameter_step_reports_its_figures_at_a_toy_size(tmp_path):
+    """``gpu-check.sh --part full``: the same step training every weight (h100-rlvr-full's plan), no decode benchmark."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_check.py"), "--out", str(tmp_path),
+                           "--device", "cpu", "--layers", "1", "--groups", "2", "--samples", "2", "--prompt", "16",
+                           "--new", "4", "--decode-rows", "0", "--config-file", "h100-rlvr-full"],
+                          capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "scale.json").read_text())
+    assert report["finetune"] == "full" and "decode_ms_per_step" not in report
+    assert report["trained_tokens"] > 0 and report["micro_batches"] >= 1
+    for key in ("sample_s", "forward_backward_s", "optim_s", "tokens_per_s", "mfu"):
+        assert isinstance(report[key], float) and report[key] > 0, key
+    # float32 master weights of the 1-layer cut, sharded over one rank: 4 bytes per parameter
+    assert report["weights_bytes"] % 4 == 0 and report["weights_bytes"] > 0
+    assert any("every weight gathered" in line for line in report["plan"]), report["plan"]

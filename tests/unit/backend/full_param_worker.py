@@ -1,7 +1,8 @@
 """One process of the full-parameter training tests (``test_full_parameter.py`` starts 1, 2 or 4 of them).
 
 Every rank builds the same eight datums (sampled from the initial ``tiny`` weights with a fixed seed) and
-trains its contiguous share with a full-parameter client, float32 on CPU with one thread per process:
+trains its contiguous share with a full-parameter client, float32 on CPU with one thread per process (the GPU
+tier runs it on CUDA in bfloat16, ``--device``, ``--dtype``, ``--model``):
 
 - ``straight``: two steps of forward_backward + optim_step; the gathered weights after them;
 - ``resumed``: one step, the training state exported, a fresh client importing it, one more step: the
@@ -67,13 +68,13 @@ def step(client, data: list[types.Datum], seed: int) -> tuple[float, dict]:
     return gap, {**state, "micro_batches": output.metrics["micro_batches:sum"], "grad_norm": grad_norm}
 
 
-def run(micro_batch_tokens: int | None) -> dict:
+def run(micro_batch_tokens: int | None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+        model: str = "tiny") -> dict:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as storage:
-        settings = LocalSettings(device="cpu", dtype=torch.float32, storage_dir=storage,
-                                 micro_batch_tokens=micro_batch_tokens)
+        settings = LocalSettings(device=device, dtype=dtype, storage_dir=storage, micro_batch_tokens=micro_batch_tokens)
         with LocalServiceClient(settings) as service:
-            client = service.create_full_training_client("tiny")
+            client = service.create_full_training_client(model)
             initial = parameter_tensors(client._host.model)
             data = sample_data(client, seed=100)
             gaps, states = [], []
@@ -83,10 +84,10 @@ def run(micro_batch_tokens: int | None) -> dict:
                 states.append(state)
             straight = parameter_tensors(client._host.model)
 
-            first = service.create_full_training_client("tiny")
+            first = service.create_full_training_client(model)
             step(first, data, 0)
             saved = first.export_training_state()
-            second = service.create_full_training_client("tiny")
+            second = service.create_full_training_client(model)
             second.import_training_state(saved)
             step(second, sample_data(second, seed=200), 1)
             resumed = parameter_tensors(second._host.model)
@@ -100,8 +101,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", help="folder for rank<r>.pt")
     parser.add_argument("--micro-batch-tokens", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--model", default="tiny")
     args = parser.parse_args()
-    results = run(args.micro_batch_tokens)
+    results = run(args.micro_batch_tokens, args.device, getattr(torch, args.dtype), args.model)
     torch.save(results, f"{args.out}/rank{results['rank']}.pt")
     distributed.shutdown()
 

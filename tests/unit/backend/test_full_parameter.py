@@ -121,6 +121,11 @@ def test_two_ranks_equal_one_process(one, two):
 
 
 def test_each_rank_holds_its_share(one, two):
+    """Each of 2 ranks holds half of the weights and gradients, as the memory plan says (within 20%)."""
+    planned = _planned_state(world_size=2)
+    for rank in two:
+        held = sum(rank["state_bytes"][1][part] for part in ("adapter", "gradients", "optimizer"))
+        assert 0.8 * planned <= held <= 1.2 * planned, f"rank {rank['rank']}: held {held}, planned {planned}"
     whole = one[0]["state_bytes"][1]
     for part in ("adapter", "gradients"):
         assert sum(rank["state_bytes"][1][part] for rank in two) == whole[part]
@@ -149,9 +154,23 @@ def test_four_ranks_with_unequal_passes(one, tmp_path):
     assert passes == {1.0, 2.0}, passes
     _assert_equal_to_one_process(four, one)
     whole = sum(one[0]["state_bytes"][1][part] for part in ("adapter", "gradients", "optimizer"))
+    planned = _planned_state(world_size=4)
     for rank in four:
         held = sum(rank["state_bytes"][1][part] for part in ("adapter", "gradients", "optimizer"))
         assert held <= 0.3 * whole, f"rank {rank['rank']}: {held / whole:.3f} of one process's state"
+        assert 0.8 * planned <= held <= 1.2 * planned, f"rank {rank['rank']}: held {held}, planned {planned}"
+
+
+def _planned_state(world_size: int) -> int:
+    """The memory plan's per-rank weights + gradients + AdamW moments of full training of ``tiny`` (float32)."""
+    from transformers import AutoConfig
+
+    from rlrunbook.backend.memory import skeleton
+    from rlrunbook.models import resolve_model
+    from rlrunbook.rl.setup.full_plan import full_shards
+
+    model = skeleton(AutoConfig.from_pretrained(resolve_model("tiny")), torch.float32, None)
+    return full_shards(model, torch.float32, world_size, reference=False, groups=world_size).state
 
 
 ROUND_TRIP = """
