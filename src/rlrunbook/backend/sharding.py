@@ -184,34 +184,35 @@ def _state_dict_api():
 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
     """The model's full weights (keyed as :func:`sharded_parameters`) and the optimizer's state keyed by parameter
-    name, on CPU, on every rank.
+    name, gathered on CPU on rank 0 (the other ranks get empty dicts: one copy of the state in host memory, where
+    the checkpoint is written).
 
-    World-size independent (a state saved at one world size loads at any other): collectives, so every
-    rank must call it.
+    World-size independent (a state saved at one world size loads at any other). A collective: every rank calls it.
     """
     release(model)
     api = _state_dict_api()
-    options = api.StateDictOptions(full_state_dict=True)
+    options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
     names = sharded_parameters(model)  # a weight tied to two modules once, under its first name
-    weights = {name: value.detach().to("cpu", copy=True)
+    weights = {name: value.detach().clone()
                for name, value in api.get_model_state_dict(model, options=options).items() if name in names}
     if optimizer is None:
         return weights, None
-    state = api.get_optimizer_state_dict(model, optimizer, options=options)
-    return weights, to_cpu(state)
+    return weights, to_cpu(api.get_optimizer_state_dict(model, optimizer, options=options))
 
 
 def load_full_state(model: torch.nn.Module, weights: dict, optimizer: torch.optim.Optimizer | None,
                     optimizer_state: dict | None) -> None:
-    """Load :func:`full_state`'s output into a sharded ``model`` (and ``optimizer``); every rank calls it with
-    the same state."""
+    """Load :func:`full_state`'s output into a sharded ``model`` (and ``optimizer``). A collective: under torchrun
+    rank 0's state is the one loaded (sent to the others shard by shard); the others' may be empty."""
     release(model)
     api = _state_dict_api()
-    options = api.StateDictOptions(full_state_dict=True, strict=False)  # tied weights come under one name
+    # strict=False: tied weights come under one name
+    options = api.StateDictOptions(full_state_dict=True, strict=False,
+                                   broadcast_from_rank0=distributed.world_size() > 1)
     # The loaders replace the values of the dicts they are given by this rank's shards: give them copies.
     api.set_model_state_dict(model, _containers(weights), options=options)
-    if optimizer is not None and optimizer_state is not None:
-        api.set_optimizer_state_dict(model, optimizer, _containers(optimizer_state), options=options)
+    if optimizer is not None:
+        api.set_optimizer_state_dict(model, optimizer, _containers(optimizer_state or {}), options=options)
 
 
 def _containers(value):

@@ -433,12 +433,16 @@ class Trainer:
         return None if self._optimizer is None else self._optimizer.state_dict()
 
     def export_state(self) -> TrainingState:
-        """A CPU copy of the adapter and the optimizer state; refused while gradients wait for ``optim_step``."""
+        """A CPU copy of the adapter and the optimizer state; refused while gradients wait for ``optim_step``.
+
+        Full-parameter training under torchrun: a collective (every rank calls it), and the state lands on rank 0
+        only (the other ranks get empty dicts); :meth:`import_state` reads rank 0's likewise."""
         if self._has_gradients:
             raise InputError("export_state with accumulated gradients not yet applied: they would be lost; "
                              "call optim_step first (checkpoints are taken between steps).")
-        if self.full_parameters:
+        if self.full_parameters:  # gathered on rank 0 (empty elsewhere); a collective under torchrun
             weights, optimizer = sharding.full_state(self.model, self._optimizer)
+            sharding.gather(self.model)  # back in place for sampling
             return TrainingState(weights, optimizer, self.weights_version)
         adapter = {name: p.detach().to("cpu", copy=True) for name, p in adapter_parameters(self.model).items()}
         optimizer = None if self._optimizer is None else sharding.to_cpu(self._optimizer.state_dict())
@@ -467,19 +471,22 @@ class Trainer:
         self.weights_loaded(state.optimizer if with_optimizer else None, keep_optimizer=with_optimizer)
 
     def _import_full(self, state: TrainingState, with_optimizer: bool) -> None:
+        """A full state into the sharded model; under torchrun rank 0's state is the one loaded (and checked)."""
         params = self.trained_parameters()
-        if params.keys() != state.adapter.keys():
+        problem = None
+        if distributed.is_main() and params.keys() != state.adapter.keys():
             missing = sorted(params.keys() - state.adapter.keys())[:2]
             unexpected = sorted(state.adapter.keys() - params.keys())[:2]
-            raise ConfigError(f"the saved weights do not fit this model (missing {missing}, unexpected {unexpected}): "
-                              "they were trained from another base model; load them into a client of the run's model.")
+            problem = (f"the saved weights do not fit this model (missing {missing}, unexpected {unexpected}): they "
+                       "were trained from another base model; load them into a client of the run's model.")
+        keep = with_optimizer and state.optimizer is not None
+        problem, keep = distributed.broadcast_object((problem, keep))  # every rank takes rank 0's decision
+        if problem is not None:
+            raise ConfigError(problem)
         self.model.zero_grad(set_to_none=True)
         self._has_gradients = False
         self._pending_loss = 0.0
-        self._optimizer = None
-        keep = with_optimizer and state.optimizer is not None
-        if keep:
-            self._optimizer = torch.optim.AdamW(list(params.values()))
+        self._optimizer = torch.optim.AdamW(list(params.values())) if keep else None
         sharding.load_full_state(self.model, state.adapter, self._optimizer, state.optimizer if keep else None)
         self.weights_version += 1
         sharding.gather(self.model)
