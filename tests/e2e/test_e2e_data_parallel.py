@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import rlrunbook
 from rlrunbook.run import check_run, format_results, rubric_passed
+from rlrunbook.testing.ranks import child_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,10 +34,7 @@ LOGPROB_TOL = 1e-4  # sampling logprobs of the same tokens in other batch shapes
 
 
 def _train(log_root: Path, launcher: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    src = str(Path(rlrunbook.__file__).parents[1])
-    env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = child_env(PYTHONUNBUFFERED="1")
     if torch.cuda.device_count() < 2:  # one process per GPU: fewer than two GPUs, so both runs on CPU with gloo
         env["TINKER_LOCAL_DEVICE"] = "cpu"
     # A session of its own: on a timeout the launcher and the workers it started go together.

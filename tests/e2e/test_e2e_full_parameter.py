@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import rlrunbook
 from rlrunbook.run import check_run, format_results, rubric_passed
 from rlrunbook.run.checkpoint_format import checkpoint_dirs
+from rlrunbook.testing.ranks import child_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,10 +37,7 @@ LOSS_TOL = 1e-4
 
 def _train(log_root: Path, launcher: list[str], *extra: str) -> Path:
     """Run ``rlrunbook train`` (under ``launcher``) into a fresh ``log_root``; the one run directory it made."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    src = str(Path(rlrunbook.__file__).parents[1])
-    env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TINKER_LOCAL_DEVICE="cpu")
+    env = child_env(PYTHONUNBUFFERED="1", TINKER_LOCAL_DEVICE="cpu")
     before = set(log_root.iterdir()) if log_root.is_dir() else set()
     proc = subprocess.Popen([sys.executable, *launcher, "-m", "rlrunbook", *TRAIN, *extra, "--log-root", str(log_root)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -9,7 +9,6 @@ kernels), every weight moved, the state held as 16 bytes per parameter, and the 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 from gpu_support import DEVICE
 
-import rlrunbook
+from rlrunbook.testing.ranks import child_env
 
 pytestmark = pytest.mark.gpu
 
@@ -26,11 +25,8 @@ WORKER = Path(__file__).resolve().parents[1] / "unit" / "backend" / "full_param_
 
 
 def test_full_parameter_steps_keep_sampler_and_trainer_bitwise(model_name, tmp_path, record_property):
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    src = str(Path(rlrunbook.__file__).parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     done = subprocess.run([sys.executable, str(WORKER), str(tmp_path), "--device", DEVICE, "--dtype", "bfloat16",
-                           "--model", model_name], capture_output=True, text=True, env=env, timeout=600)
+                           "--model", model_name], capture_output=True, text=True, env=child_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     record_property("parity", result["parity"])

@@ -18,8 +18,6 @@ is what makes the bitwise comparisons possible.
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,25 +27,12 @@ import dp_trainer_worker as worker
 import pytest
 import torch
 
-import rlrunbook
+from rlrunbook.testing.ranks import rank_envs
 
 WORKER = Path(__file__).with_name("dp_trainer_worker.py")
 # Largest |adapter(2 ranks) - adapter(1 process, union in one call)| after 2 AdamW steps at lr 1e-3.
 # Measured 5.0e-8 (2-core CPU, float32, torch 2.13, 1 thread per process); 20x margin.
 TOLERANCE = 1e-6
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    src = str(Path(rlrunbook.__file__).parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +41,10 @@ def runs(tmp_path_factory) -> dict:
     from rlrunbook.backend import LocalServiceClient, LocalSettings
 
     tmp = tmp_path_factory.mktemp("dp_trainer")
-    port = str(_free_port())
     outs = [tmp / f"rank{rank}.pt" for rank in (0, 1)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=_env(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-             for rank, out in enumerate(outs)]
+                              stderr=subprocess.STDOUT, text=True, env=env)
+             for out, env in zip(outs, rank_envs(2), strict=True)]
     try:
         with tempfile.TemporaryDirectory() as storage, \
                 LocalServiceClient(LocalSettings(device="cpu", dtype=torch.float32, storage_dir=storage)) as service:

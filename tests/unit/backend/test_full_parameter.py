@@ -17,8 +17,6 @@ hold, and why:
 from __future__ import annotations
 
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import rlrunbook
+from rlrunbook.testing.ranks import child_env, rank_envs
 
 WORKER = Path(__file__).with_name("full_param_worker.py")
 # Largest relative distance (all weights, Frobenius) between W ranks and one process after 2 AdamW steps at
@@ -36,24 +34,11 @@ TENSOR_TOLERANCE = 1e-4  # per tensor (max |diff| / max |w|), biases of the keys
 ZERO_GRADIENT = "k_proj.bias"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(tmp: Path, world: int, *extra: str) -> list[dict]:
     """Run the worker as ``world`` processes (a plain one for 1); every rank's results."""
     tmp.mkdir(parents=True, exist_ok=True)
-    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    src = str(Path(rlrunbook.__file__).parents[1])
-    base["PYTHONPATH"] = os.pathsep.join([src, base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    base["OMP_NUM_THREADS"] = "1"
-    port = str(_free_port())
-    ranks = [{} if world == 1 else {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for rank in range(world)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp), *extra], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env={**base, **env}) for env in ranks]
+                              stderr=subprocess.STDOUT, text=True, env=env) for env in rank_envs(world)]
     try:
         outputs = [proc.communicate(timeout=180)[0] for proc in procs]
     finally:
@@ -198,8 +183,6 @@ print("ok")
 def test_state_round_trip_keeps_tied_weights_and_the_callers_state():
     """A tied output layer is saved once (under the embeddings' name) and loaded into both; loading leaves the
     caller's state as it was (the loaders replace the values of the dicts they are given)."""
-    src = str(Path(rlrunbook.__file__).parents[1])
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, env=env, timeout=180)
+    done = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, env=child_env(),
+                          timeout=180)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
