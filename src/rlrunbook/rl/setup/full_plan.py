@@ -29,7 +29,6 @@ import torch
 
 if TYPE_CHECKING:
     from rlrunbook.rl.setup.config import TrainConfig
-    from rlrunbook.rl.setup.memory_plan import MemoryPlan
 
 GIB = 1 << 30
 GATHERED_LAYERS = 2  # the layer computing and the next, prefetched
@@ -115,24 +114,24 @@ def training_part(shards: FullShards) -> str:
             f"gradients, embeddings, norm and output layer; {shards.dtype}) {_gib(shards.gathered)}")
 
 
-def consumers(plan: MemoryPlan) -> dict[str, tuple[int, str]]:
-    """The parts of a full-training plan that may not fit, each with the knob that shrinks it."""
-    shards = plan.full
-    assert shards is not None
+def consumers(shards: FullShards, *, kv_cache: int, prefix_pool: int, activations: int,
+              vllm_share: int) -> dict[str, tuple[int, str]]:
+    """The parts of a full-training plan that may not fit (the rank's ``shards`` and the plan's other parts, in
+    bytes), each with the knob that shrinks it."""
     more_ranks = "more ranks (torchrun --nproc-per-node N: each holds 1/N of it)"
     return {
-        "the decode KV cache": (plan.kv_cache, "more ranks (torchrun --nproc-per-node N: each samples 1/N of the "
+        "the decode KV cache": (kv_cache, "more ranks (torchrun --nproc-per-node N: each samples 1/N of the "
                                                "groups), fewer rows per sampling call (-n, or "
                                                "TINKER_LOCAL_MAX_BATCH_ROWS) or shorter sequences (--max-tokens, "
                                                "data.max_prompt_tokens)"),
-        "the prefix pool": (plan.prefix_pool, "a smaller TINKER_LOCAL_PREFIX_CACHE_TOKENS, or more ranks "
+        "the prefix pool": (prefix_pool, "a smaller TINKER_LOCAL_PREFIX_CACHE_TOKENS, or more ranks "
                                               "(torchrun --nproc-per-node N)"),
         "the sharded training state (float32 master weights, gradients, AdamW moments)": (
             shards.state, f"{more_ranks}, or finetune=lora"),
         "the KL reference": (shards.reference, f"{more_ranks}, or loss.kl_coef=0"),
         "every weight gathered for sampling": (shards.sampling_copy, "finetune=lora, or a smaller model"),
         "the layers gathered for training": (shards.gathered, "finetune=lora, or a smaller model"),
-        "a micro-batch's activations": (plan.training_activations, "a smaller backend.micro_batch_tokens, or "
+        "a micro-batch's activations": (activations, "a smaller backend.micro_batch_tokens, or "
                                                                    "backend.activation_checkpointing=on"),
-        "the vLLM server's share": (plan.vllm_share, "a smaller TINKER_LOCAL_VLLM_GPU_MEMORY_UTILIZATION"),
+        "the vLLM server's share": (vllm_share, "a smaller TINKER_LOCAL_VLLM_GPU_MEMORY_UTILIZATION"),
     }

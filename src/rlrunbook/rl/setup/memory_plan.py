@@ -284,7 +284,9 @@ def check_fits(plan: MemoryPlan) -> None:
     if plan.fits:
         return
     peak = plan.peak
-    consumers = full_plan.consumers(plan) if plan.full else {
+    consumers = full_plan.consumers(plan.full, kv_cache=plan.kv_cache, prefix_pool=plan.prefix_pool,
+                                    activations=plan.training_activations,
+                                    vllm_share=plan.vllm_share) if plan.full else {
         "the decode KV cache": (plan.kv_cache, "fewer rows per sampling call (-n, or TINKER_LOCAL_MAX_BATCH_ROWS) "
                                               "or shorter sequences (--max-tokens, data.max_prompt_tokens), or "
                                               "backend.sampler=vllm"),
