@@ -66,6 +66,11 @@ class SharedPrefixScoring:
         # The KL reference: a model of its own (full-parameter training), else this model with its adapter disabled.
         self.reference = None if reference is None else SharedPrefixScorer(Decoder(reference, numerics))
 
+    @property
+    def has_reference(self) -> bool:
+        """Whether a KL reference can be scored: a reference model, or an adapter to switch off."""
+        return self.reference is not None or hasattr(self.scorer.decoder.model, "disable_adapter")
+
     def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
         """The chunk's scores; for a sharded model, one pass of its outer unit (see backend/sharding.py)."""
         return sharding.outer_call(self.scorer.decoder.model, self._score, chunk, filters, with_entropy,

@@ -84,8 +84,15 @@ def _call(loss_fn, data: list[types.Datum], logprobs: list[torch.Tensor]) -> tup
 
 def forward_backward_custom(trainer, data: Sequence[types.Datum], loss_fn) -> types.ForwardBackwardOutput:
     """Score ``data`` with ``trainer`` (a :class:`~rlrunbook.backend.trainer.Trainer`), compute ``loss_fn`` on
-    the targets' logprobs, and add its gradient to the adapter's."""
+    the targets' logprobs, and add its gradient to the trained weights'. Under torchrun with a sharded model every
+    rank calls it (a rank with no data with an empty list) and every rank runs the same number of passes."""
     data = list(data)
+    if not data and trainer.collective_passes:  # this rank's share is empty: it joins the others' passes
+        trainer.join_passes(0, backward=False)
+        trainer.join_passes(0, backward=True)
+        trainer.note_gradients(0.0)
+        return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[],
+                                           metrics={"loss:sum": 0.0, "num_tokens:sum": 0.0, "micro_batches:sum": 0.0})
     if not data:
         raise InputError("empty batch: forward_backward_custom needs at least one Datum.")
     items = [target_item(datum, index, trainer.vocab_size, trainer.max_context) for index, datum in enumerate(data)]
@@ -99,16 +106,19 @@ def forward_backward_custom(trainer, data: Sequence[types.Datum], loss_fn) -> ty
             flat = trainer.scoring.score(chunk, filters, with_entropy=False, with_reference=False).seen_logprobs
         return list(torch.split(flat.float(), [len(item.input_tokens) for item in chunk]))
 
-    if len(batches) == 1:  # one forward, and autograd from the loss straight into the adapter
+    # Ranks whose passes are collectives all take the two-phase path, each phase padded to the most passes.
+    if len(batches) == 1 and not trainer.collective_passes:  # one forward, autograd from the loss into the weights
         logprobs = [_shaped(lp, d) for lp, d in zip(scored(batches[0], grad=True), data, strict=True)]
         loss, metrics = _call(loss_fn, data, logprobs)
         loss.backward()
     else:  # see the module docstring: the loss's gradient per logprob, then a linear surrogate per micro-batch
+        trainer.join_passes(len(batches), backward=False)
         values = [lp for batch in batches for lp in scored(batch, grad=False)]
         leaves = [_shaped(v.detach().clone(), d).requires_grad_(True) for v, d in zip(values, data, strict=True)]
         loss, metrics = _call(loss_fn, data, leaves)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         weights = [torch.zeros_like(v) if g is None else g.reshape(-1).to(v.device) for v, g in zip(values, grads)]
+        trainer.join_passes(len(batches), backward=True)
         for batch in batches:
             surrogate = sum((lp * w).sum() for lp, w in zip(scored(batch, grad=True), weights[batch.start:batch.stop]))
             surrogate.backward()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlrunbook import pending_signal
+from rlrunbook import distributed, pending_signal
 from rlrunbook.backend import sharding
 from rlrunbook.backend.lora import clone_adapter, load_adapter
 from rlrunbook.backend.settings import LocalSettings
@@ -193,10 +193,15 @@ def active_weights(host: ModelHost, weights: SamplerWeights, live_version: int |
     if weights.full:
         if live_version is not None and weights.version != live_version:
             raise ConfigError(
-                f"this sampler holds the weights of training step version {weights.version}, but full-parameter "
-                f"training has moved them to version {live_version} and keeps no copies: sample before the next "
-                "optim_step, or save_weights_for_sampler() and sample the saved folder.")
-        sharding.gather(model)  # a collective only if sampled between forward_backward and optim_step
+                f"this sampler holds the weights of version {weights.version}, but full-parameter training has moved "
+                f"them to version {live_version} and keeps no copies: sample before the next optim_step, or make a "
+                "new sampler with save_weights_and_get_sampling_client() after it.")
+        if not sharding.is_gathered(model) and distributed.world_size() > 1:
+            raise ConfigError(
+                "sampling between forward_backward and optim_step under torchrun: the full-parameter weights are "
+                "sharded then, and gathering them would need every rank to sample at the same point. Sample after "
+                "optim_step (or before forward_backward).")
+        sharding.gather(model)  # one process: the weights as the last optimizer step left them
         yield
         return
     if weights.adapter is None:

@@ -216,7 +216,10 @@ class Trainer:
                 loss_fn_config: Mapping[str, float | str] | None = None) -> types.ForwardBackwardOutput:
         """Loss, logprobs and metrics as ``forward_backward`` gives them (same loss_fn_config), no grad."""
         with torch.no_grad():
-            return self._run(data, loss_fn, loss_fn_config, backward=False)
+            output = self._run(data, loss_fn, loss_fn_config, backward=False)
+        if not self._has_gradients:  # full-parameter training: back in place for sampling (see optim_step)
+            sharding.gather(self.model)
+        return output
 
     def forward_backward(self, data: Sequence[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float | str] | None = None) -> types.ForwardBackwardOutput:
@@ -254,10 +257,14 @@ class Trainer:
              loss_fn_config: Mapping[str, float | str] | None, *, backward: bool) -> types.ForwardBackwardOutput:
         spec = get_loss(loss_fn)
         reg, loss_config = split_regularizer_config(loss_fn_config)
+        if reg.kl_coef > 0 and self.full_parameters and not self.scoring.has_reference:
+            raise ConfigError(f"kl_coef {reg.kl_coef} needs the KL reference, a copy of the initial weights that this "
+                              "full-parameter client was made without: create it with "
+                              "create_full_training_client(..., with_reference=True), or set kl_coef 0.")
         mismatch, loss_config = split_mismatch_config(loss_config)
         config = resolve_loss_config(spec, loss_config)
         if len(data) == 0 and self.collective_passes:  # this rank's share is empty: it joins the others' passes
-            self._idle_passes(0, backward=backward, with_reference=reg.kl_coef > 0)
+            self.join_passes(0, backward=backward, with_reference=reg.kl_coef > 0)
             return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[],
                                                metrics={"loss:sum": 0.0, "num_tokens:sum": 0.0,
                                                         "num_trained_tokens:sum": 0.0, "micro_batches:sum": 0.0})
@@ -274,7 +281,7 @@ class Trainer:
                 "which trains such a batch as a no-op, can set TINKER_LOCAL_ZERO_ADVANTAGE_BATCHES=accept.)"
             )
         batches = micro_batches([item.input_tokens for item in items], self.micro_batch_tokens, self.grad_accum_chunks)
-        self._idle_passes(len(batches), backward=backward, with_reference=reg.kl_coef > 0)
+        self.join_passes(len(batches), backward=backward, with_reference=reg.kl_coef > 0)
         logprobs: list[torch.Tensor] = []
         sampling: list[torch.Tensor] = []
         loss_total = 0.0
@@ -306,7 +313,7 @@ class Trainer:
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
                                            metrics=metrics)
 
-    def _idle_passes(self, passes: int, *, backward: bool, with_reference: bool) -> None:
+    def join_passes(self, passes: int, *, backward: bool, with_reference: bool = False) -> None:
         """A sharded model under torchrun: as many extra passes as other ranks run beyond this rank's ``passes``.
 
         Every pass of a sharded model gathers weights with every rank (and its backward reduces gradients with
@@ -375,15 +382,19 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self._optimizer.zero_grad(set_to_none=True)
             self._has_gradients = False
+            sharding.gather(self.model)  # full-parameter training: the unchanged weights in place for sampling
             raise NonFiniteGradientError(
                 f"gradient norm is {grad_norm}: the step was refused and the weights are unchanged. "
                 "Look for a NaN/inf loss input (advantages, sampling logprobs) or lower the learning rate."
             )
+        sharding.release(self.model)  # weights a sampler gathered since the last pass would go stale
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._has_gradients = False
         self.weights_version += 1
-        sharding.gather(self.model)  # full-parameter training: the new weights in place for sampling
+        # Full-parameter training: the new weights in place for sampling until the next training pass, so that
+        # sampling calls (whose number may differ between ranks) need no collective.
+        sharding.gather(self.model)
         # loss:sum is the summed loss of the forward_backward calls this step applied: recipes that log
         # only optim_step metrics (the cookbook's RL loops) then still record the loss they optimised.
         return types.OptimStepResponse(metrics={"grad_norm:mean": grad_norm,
@@ -478,7 +489,8 @@ class Trainer:
             missing = sorted(params.keys() - state.adapter.keys())[:2]
             unexpected = sorted(state.adapter.keys() - params.keys())[:2]
             problem = (f"the saved weights do not fit this model (missing {missing}, unexpected {unexpected}): they "
-                       "were trained from another base model; load them into a client of the run's model.")
+                       "are another model's, or a LoRA adapter (which loads into a LoRA client); load a full state "
+                       "of the run's model.")
         keep = with_optimizer and state.optimizer is not None
         problem, keep = distributed.broadcast_object((problem, keep))  # every rank takes rank 0's decision
         if problem is not None:

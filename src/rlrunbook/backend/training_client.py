@@ -145,7 +145,8 @@ class LocalTrainingClient(ResolvedClient):
         snapshots), in order with the other training calls; the live adapter (and any accumulated gradient) is
         as it was afterwards. An asynchronous loop measures with it the sampler-trainer mismatch at equal
         weights (numerics alone), apart from the lag of a batch sampled from older weights."""
-        self._refuse_full("forward_on_sampler_weights")
+        self._refuse_full("forward_on_sampler_weights",
+                          "it computes with a sampler's copy of past weights, and full-parameter training keeps none")
         adapter = sampler.weights_state()
         if adapter is None:
             raise ConfigError("forward_on_sampler_weights needs a sampler of this client's adapter, not the base model.")
@@ -189,7 +190,7 @@ class LocalTrainingClient(ResolvedClient):
         ``ttl_seconds`` is recorded (the checkpoint's ``expires_at``); local checkpoints are not deleted
         when it passes.
         """
-        self._refuse_full("save_state")
+        self._refuse_full("save_state", "the Tinker API's checkpoint folders hold LoRA adapters")
         path = TinkerPath(self.model_id, "weights", checkpoint_name(name))
         folder = self._store.folder(path)
         check_ttl(ttl_seconds)
@@ -222,7 +223,7 @@ class LocalTrainingClient(ResolvedClient):
         return self.load_state_with_optimizer(path)
 
     def _load(self, path: str, *, with_optimizer: bool):
-        self._refuse_full("load_state")
+        self._refuse_full("load_state", "the Tinker API's checkpoint folders hold LoRA adapters")
         parsed = parse_tinker_path(path, kind="weights")
         folder = self._store.existing_folder(parsed)
 
@@ -234,7 +235,8 @@ class LocalTrainingClient(ResolvedClient):
 
     def export_training_state(self) -> TrainingState:
         """Local extension (no SDK counterpart): the adapter and AdamW state in memory, as they are after
-        every call submitted so far. Blocks until then. For checkpoints that live outside the storage dir."""
+        every call submitted so far. Blocks until then. For checkpoints that live outside the storage dir.
+        Full-parameter training under torchrun: a collective (every rank calls it); the state lands on rank 0."""
         return self._worker.run(self._trainer.export_state)
 
     def import_training_state(self, state: TrainingState, *, with_optimizer: bool = True) -> None:
@@ -250,18 +252,18 @@ class LocalTrainingClient(ResolvedClient):
             return SamplerWeights(adapter=None, version=self._trainer.weights_version, full=True)
         return SamplerWeights(adapter=clone_adapter(self._host.model), version=self._trainer.weights_version)
 
-    def _refuse_full(self, call: str) -> None:
+    def _refuse_full(self, call: str, reason: str) -> None:
         if self._trainer.full_parameters:
-            raise ConfigError(f"{call} of a full-parameter training client is not available: it writes LoRA "
-                              "adapter folders. Sample the live weights with save_weights_and_get_sampling_client(); "
-                              "keep and restore training state with export_training_state()/import_training_state() "
-                              "(what `rlrunbook train` checkpoints use).")
+            raise ConfigError(f"{call} of a full-parameter training client is not available: {reason}. Sample the "
+                              "live weights with save_weights_and_get_sampling_client(); keep and restore training "
+                              "state with export_training_state()/import_training_state() (what `rlrunbook train` "
+                              "checkpoints use).")
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None):
         """Save the adapter under ``tinker://<model_id>/sampler_weights/<name>`` (a local folder);
         ``ttl_seconds`` is recorded as for ``save_state``."""
-        self._refuse_full("save_weights_for_sampler")
+        self._refuse_full("save_weights_for_sampler", "the Tinker API's checkpoint folders hold LoRA adapters")
         path = TinkerPath(self.model_id, "sampler_weights", checkpoint_name(name))
         folder = self._store.folder(path)
         check_ttl(ttl_seconds)
@@ -287,7 +289,7 @@ class LocalTrainingClient(ResolvedClient):
         ``rest_client.get_external_weights_urls(path)`` gives a ``file://`` URL per file, so
         ``tinker_cookbook.weights.download`` fetches it as from the service; ``ttl_seconds`` is recorded as
         for ``save_state``."""
-        self._refuse_full("save_weights_external")
+        self._refuse_full("save_weights_external", "it writes a peft adapter folder")
         path = TinkerPath(self.model_id, "external_weights", checkpoint_name(name))
         folder = self._store.folder(path)
         check_ttl(ttl_seconds)

@@ -27,6 +27,7 @@ import torch
 from rlrunbook.testing.ranks import child_env, rank_envs
 
 WORKER = Path(__file__).with_name("full_param_worker.py")
+CALLS = Path(__file__).with_name("full_param_calls.py")
 # Largest relative distance (all weights, Frobenius) between W ranks and one process after 2 AdamW steps at
 # lr 1e-3. Measured 1.5e-8 (4 ranks) and 3.7e-8 (2 ranks) on the 2-core CPU, float32, torch 2.13.
 TOLERANCE = 1e-5
@@ -34,10 +35,10 @@ TENSOR_TOLERANCE = 1e-4  # per tensor (max |diff| / max |w|), biases of the keys
 ZERO_GRADIENT = "k_proj.bias"
 
 
-def _launch(tmp: Path, world: int, *extra: str) -> list[dict]:
-    """Run the worker as ``world`` processes (a plain one for 1); every rank's results."""
+def _launch(tmp: Path, world: int, *extra: str, script: Path = WORKER) -> list[dict]:
+    """Run ``script`` as ``world`` processes (a plain one for 1); every rank's results."""
     tmp.mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp), *extra], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp), *extra], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env) for env in rank_envs(world)]
     try:
         outputs = [proc.communicate(timeout=180)[0] for proc in procs]
@@ -186,3 +187,18 @@ def test_state_round_trip_keeps_tied_weights_and_the_callers_state():
     done = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, env=child_env(),
                           timeout=180)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_calls_at_awkward_points(tmp_path, world):
+    """A custom loss with a rank holding no data and ranks splitting into 1 or 2 passes; rank 0 sampling alone
+    after a ``forward``; sampling between ``forward_backward`` and ``optim_step``; the KL without its reference.
+    Each completes (a hang fails by the timeout) with the sampler reading the trainer's weights."""
+    results = _launch(tmp_path, world, script=CALLS)
+    first = results[0]
+    assert first["custom_passes"] >= 2.0  # 7 datums in 12-token micro-batches; rank 1 joined with none
+    assert len({r["custom_grad_norm"] for r in results}) == 1
+    assert first["gap_after_forward"] == 0.0
+    if world == 1:
+        assert first["gap_after_mid_step_sampling"] == 0.0, "a sampler after the step read the weights before it"
+        assert "with_reference=True" in first["kl_without_reference"]
