@@ -10,8 +10,6 @@ loss is ~0 (the importance ratio is 1 and centred advantages sum to 0), hence an
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 import torch
 
 from rlrunbook.run import check_run, format_results, rubric_passed
-from rlrunbook.testing.ranks import child_env
+from rlrunbook.testing import ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,21 +32,11 @@ LOGPROB_TOL = 1e-4  # sampling logprobs of the same tokens in other batch shapes
 
 
 def _train(log_root: Path, launcher: list[str]) -> subprocess.CompletedProcess:
-    env = child_env(PYTHONUNBUFFERED="1")
+    env = ranks.child_env(PYTHONUNBUFFERED="1")
     if torch.cuda.device_count() < 2:  # one process per GPU: fewer than two GPUs, so both runs on CPU with gloo
         env["TINKER_LOCAL_DEVICE"] = "cpu"
-    # A session of its own: on a timeout the launcher and the workers it started go together.
-    proc = subprocess.Popen([sys.executable, *launcher, "-m", "rlrunbook", *TRAIN, "--log-root", str(log_root)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return ranks.run([[sys.executable, *launcher, "-m", "rlrunbook", *TRAIN, "--log-root", str(log_root)]], [env],
+                     timeout=300)[0]
 
 
 def _only_run(log_root: Path) -> Path:

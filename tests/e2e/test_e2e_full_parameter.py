@@ -10,9 +10,6 @@ from its step-2 checkpoint continues exactly as the straight run.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from safetensors.torch import load_file
 
 from rlrunbook.run import check_run, format_results, rubric_passed
 from rlrunbook.run.checkpoint_format import checkpoint_dirs
-from rlrunbook.testing.ranks import child_env
+from rlrunbook.testing import ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,18 +34,10 @@ LOSS_TOL = 1e-4
 
 def _train(log_root: Path, launcher: list[str], *extra: str) -> Path:
     """Run ``rlrunbook train`` (under ``launcher``) into a fresh ``log_root``; the one run directory it made."""
-    env = child_env(PYTHONUNBUFFERED="1", TINKER_LOCAL_DEVICE="cpu")
+    env = ranks.child_env(PYTHONUNBUFFERED="1", TINKER_LOCAL_DEVICE="cpu")
     before = set(log_root.iterdir()) if log_root.is_dir() else set()
-    proc = subprocess.Popen([sys.executable, *launcher, "-m", "rlrunbook", *TRAIN, *extra, "--log-root", str(log_root)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    ranks.run([[sys.executable, *launcher, "-m", "rlrunbook", *TRAIN, *extra, "--log-root", str(log_root)]], [env],
+              timeout=400)
     (run,) = set(log_root.iterdir()) - before
     results = check_run(run)
     assert rubric_passed(results), format_results(results)

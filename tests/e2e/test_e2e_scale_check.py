@@ -16,13 +16,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_scale_check_reports_every_figure_at_a_toy_size(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_check.py"), "--out", str(tmp_path),
+def _scale_check(out: Path, *args: str) -> dict:
+    """``scale_check.py`` at the toy size on CPU (more ``args`` on top); the report it wrote."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_check.py"), "--out", str(out),
                            "--device", "cpu", "--layers", "1", "--groups", "2", "--samples", "2", "--prompt", "16",
-                           "--new", "4", "--decode-rows", "2", "--decode-window", "16"],
-                          capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+                           "--new", "4", *args], capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "scale.json").read_text())
+    return json.loads((out / "scale.json").read_text())
+
+
+def test_scale_check_reports_every_figure_at_a_toy_size(tmp_path):
+    report = _scale_check(tmp_path, "--decode-rows", "2", "--decode-window", "16")
     assert report["decode_steps"] == 3 and report["micro_batches"] >= 1 and report["trained_tokens"] > 0
     for key in ("sample_s", "forward_backward_s", "optim_s", "tokens_per_s", "mfu", "decode_ms_per_step"):
         assert isinstance(report[key], float) and report[key] > 0, key
@@ -32,12 +36,7 @@ def test_scale_check_reports_every_figure_at_a_toy_size(tmp_path):
 
 def test_the_full_parameter_step_reports_its_figures_at_a_toy_size(tmp_path):
     """``gpu-check.sh --part full``: the same step training every weight (h100-rlvr-full's plan), no decode benchmark."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "scale_check.py"), "--out", str(tmp_path),
-                           "--device", "cpu", "--layers", "1", "--groups", "2", "--samples", "2", "--prompt", "16",
-                           "--new", "4", "--decode-rows", "0", "--config-file", "h100-rlvr-full"],
-                          capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "scale.json").read_text())
+    report = _scale_check(tmp_path, "--decode-rows", "0", "--config-file", "h100-rlvr-full")
     assert report["finetune"] == "full" and "decode_ms_per_step" not in report
     assert report["trained_tokens"] > 0 and report["micro_batches"] >= 1
     for key in ("sample_s", "forward_backward_s", "optim_s", "tokens_per_s", "mfu"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gpu_support import DEVICE
 
-from rlrunbook.testing.ranks import child_env
+from rlrunbook.testing import ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ WORKER = Path(__file__).resolve().parents[1] / "unit" / "backend" / "full_param_
 
 def test_full_parameter_steps_keep_sampler_and_trainer_bitwise(model_name, tmp_path, record_property):
     done = subprocess.run([sys.executable, str(WORKER), str(tmp_path), "--device", DEVICE, "--dtype", "bfloat16",
-                           "--model", model_name], capture_output=True, text=True, env=child_env(), timeout=600)
+                           "--model", model_name], capture_output=True, text=True, env=ranks.child_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     record_property("parity", result["parity"])

@@ -8,7 +8,10 @@ thread (float32 results depend on the thread count's blocking; one thread makes 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import rlrunbook
@@ -38,3 +41,36 @@ def rank_envs(world: int) -> list[dict[str, str]]:
     port = str(free_port())
     return [child_env(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port) for rank in range(world)]
+
+
+def start(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, str]]) -> list[subprocess.Popen]:
+    """One process per command, with its environment, each in a session of its own (a launcher and the workers it
+    starts go together), its output captured as text."""
+    return [subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True) for command, env in zip(commands, envs, strict=True)]
+
+
+def finish(procs: Sequence[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Wait for every process (``timeout`` seconds each); whatever still runs then is killed with its session, so a
+    hung rank fails the test instead of leaving processes behind. Their outputs and exit statuses."""
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return done
+
+
+def run(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
+        timeout: float) -> list[subprocess.CompletedProcess]:
+    """:func:`start` then :func:`finish`, asserting that every process exited 0 (the failing one's output shown)."""
+    done = finish(start(commands, envs), timeout)
+    for index, result in enumerate(done):
+        assert result.returncode == 0, (f"process {index} of {len(done)} exited {result.returncode}:\n"
+                                        f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return done

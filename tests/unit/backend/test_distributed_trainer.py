@@ -18,7 +18,6 @@ is what makes the bitwise comparisons possible.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ import dp_trainer_worker as worker
 import pytest
 import torch
 
-from rlrunbook.testing.ranks import rank_envs
+from rlrunbook.testing import ranks
 
 WORKER = Path(__file__).with_name("dp_trainer_worker.py")
 # Largest |adapter(2 ranks) - adapter(1 process, union in one call)| after 2 AdamW steps at lr 1e-3.
@@ -42,9 +41,7 @@ def runs(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("dp_trainer")
     outs = [tmp / f"rank{rank}.pt" for rank in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env)
-             for out, env in zip(outs, rank_envs(2), strict=True)]
+    procs = ranks.start([[sys.executable, str(WORKER), str(out)] for out in outs], ranks.rank_envs(2))
     try:
         with tempfile.TemporaryDirectory() as storage, \
                 LocalServiceClient(LocalSettings(device="cpu", dtype=torch.float32, storage_dir=storage)) as service:
@@ -54,13 +51,10 @@ def runs(tmp_path_factory) -> dict:
                 single = worker.run_scenarios(service)
             finally:
                 torch.set_num_threads(threads)
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{outputs[rank][-4000:]}"
+        done = ranks.finish(procs, timeout=240)
+    for rank, result in enumerate(done):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
     return {"single": single, "ranks": [torch.load(out, weights_only=False) for out in outs]}
 
 

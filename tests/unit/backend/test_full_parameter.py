@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrunbook.testing.ranks import child_env, rank_envs
+from rlrunbook.testing import ranks
 
 WORKER = Path(__file__).with_name("full_param_worker.py")
 CALLS = Path(__file__).with_name("full_param_calls.py")
@@ -38,16 +38,7 @@ ZERO_GRADIENT = "k_proj.bias"
 def _launch(tmp: Path, world: int, *extra: str, script: Path = WORKER) -> list[dict]:
     """Run ``script`` as ``world`` processes (a plain one for 1); every rank's results."""
     tmp.mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp), *extra], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for env in rank_envs(world)]
-    try:
-        outputs = [proc.communicate(timeout=180)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} of {world} failed:\n{outputs[rank][-4000:]}"
+    ranks.run([[sys.executable, str(script), str(tmp), *extra]] * world, ranks.rank_envs(world), timeout=180)
     return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
@@ -184,7 +175,7 @@ print("ok")
 def test_state_round_trip_keeps_tied_weights_and_the_callers_state():
     """A tied output layer is saved once (under the embeddings' name) and loaded into both; loading leaves the
     caller's state as it was (the loaders replace the values of the dicts they are given)."""
-    done = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, env=child_env(),
+    done = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, env=ranks.child_env(),
                           timeout=180)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
