@@ -32,7 +32,8 @@ from pathlib import Path
 
 from rlrunbook.testing.gpu import not_proven_part
 
-PART_ORDER = ("tier", "parity", "bench", "debate", "scale", "full", "invariance", "speed")  # the order merge lists parts in; others follow by name
+# the order merge lists parts in; others follow by name
+PART_ORDER = ("tier", "parity", "bench", "debate", "scale", "full", "invariance", "speed")
 MARKER = re.compile(r"^<!-- gpu-check part=(?P<part>[\w-]+) ran=(?P<ran>[0-9TZ:-]+) -->$", re.MULTILINE)
 
 

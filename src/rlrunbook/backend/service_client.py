@@ -16,22 +16,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from tinker import types
 from typing_extensions import Self
 
-from rlrunbook.backend import sessions
-from rlrunbook.backend.model_state import BASE_MODEL_FILE, read_adapter
+from rlrunbook.backend import sessions, sharding
 from rlrunbook.backend.futures import OrderedWorker, completed
-from rlrunbook.backend import sharding
-from rlrunbook.backend.model_host import ModelHost, ResidentModel, SamplerWeights, host_over, load_resident
 from rlrunbook.backend.lora import load_saved_adapter, lora_tensors, wrap_with_lora
-from rlrunbook.backend.memory import SAMPLER_SHARE, MicroBatching, plan_full_micro_batching, plan_micro_batching
+from rlrunbook.backend.memory import (
+    SAMPLER_SHARE,
+    MicroBatching,
+    plan_full_micro_batching,
+    plan_micro_batching,
+)
+from rlrunbook.backend.model_host import ModelHost, ResidentModel, SamplerWeights, host_over, load_resident
+from rlrunbook.backend.model_state import BASE_MODEL_FILE, read_adapter
 from rlrunbook.backend.rest_client import LocalRestClient, capabilities, copy_checkpoint
-from rlrunbook.backend.sampling_client import LocalSamplingClient, refuse_stability_info, register_handle_resolver
+from rlrunbook.backend.sample_log import SampleLog
+from rlrunbook.backend.sampling_client import (
+    LocalSamplingClient,
+    refuse_stability_info,
+    register_handle_resolver,
+)
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.backend.storage import ADAPTER_FILE, CheckpointStore, RunRecord, parse_tinker_path
-from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.timeline import Timeline
 from rlrunbook.backend.trainer import Trainer
 from rlrunbook.backend.training_client import LocalTrainingClient

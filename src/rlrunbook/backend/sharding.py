@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import functools
 import warnings
+
 import torch
 
 from rlrunbook import distributed
 from rlrunbook.engines.sharded_layers import GATHERED, SHARDED_CALL
-
 
 _SHARDS = "_rlrunbook_shards"
 

@@ -34,12 +34,12 @@ from tinker import types
 
 from rlrunbook import distributed
 from rlrunbook.adam_params import check_adam_params
+from rlrunbook.backend import sharding
 from rlrunbook.backend.chunk_scores import ChunkScores, ChunkScoring, PaddedScoring, SharedPrefixScoring
 from rlrunbook.backend.datum_items import TrainingItem, datum_item
 from rlrunbook.backend.lora import adapter_parameters
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
-from rlrunbook.backend import sharding
 from rlrunbook.engines.decoder import Numerics, unsupported_reason
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
@@ -63,7 +63,8 @@ class TrainingState:
 
     ``adapter`` maps each trainable parameter's name (``named_parameters`` order) to its values (for
     full-parameter training: every weight, gathered); ``optimizer`` is AdamW's ``state_dict()`` (tensors and
-    plain numbers only; keyed by parameter name for full-parameter training), None before the first step; ``weights_version`` is informational (sampler snapshots key on it, training does not).
+    plain numbers only; keyed by parameter name for full-parameter training), None before the first step;
+    ``weights_version`` is informational (sampler snapshots key on it, training does not).
     """
 
     adapter: dict[str, torch.Tensor]
