@@ -153,10 +153,12 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
     from rlrunbook.backend import memory
     from rlrunbook.engines.hf import PREFILL_TOKENS, capacity_bucket
     from rlrunbook.models.shapes import model_shape
-    from rlrunbook.rl.setup.config_checks import validate
+    from rlrunbook.rl.setup.conditional_options import settle
     from rlrunbook.rl.setup.service import local_settings
 
-    config = validate(config)  # lora_rank, train_unembed: null until they apply
+    # lora_rank, train_unembed: null until they apply (the defaults of the options that apply, nothing else checked:
+    # scripts plan shapes that no run would validate, such as one row per group)
+    config = config.with_values(settle(config))
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1: the number of torchrun processes "
                           "(--nproc-per-node), 1 for a plain process.")
