@@ -46,11 +46,6 @@ class ChunkScores:
     anchor: torch.Tensor  # a differentiable scalar of the pass (0 * it keeps an empty chunk's graph)
 
 
-@dataclass(frozen=True)
-class _Padding:
-    input_tokens: list[int]
-
-
 class ChunkScoring(Protocol):
     def score(self, chunk: Sequence[ScoredItem], filters: SamplingFilters, with_entropy: bool,
               with_reference: bool) -> ChunkScores: ...
@@ -85,13 +80,13 @@ class SharedPrefixScoring:
             rows = torch.zeros(1, dtype=torch.long, device=hidden.device)
             targets = torch.full((1,), pad_token_id, dtype=torch.long, device=hidden.device)
             if with_reference:
-                self._reference_logprobs([_Padding([pad_token_id, pad_token_id])], rows, targets)
+                self._reference_logprobs([[pad_token_id, pad_token_id]], rows, targets)
             return self.scorer.score(hidden, rows, targets).logprobs.sum() * 0.0
 
         return sharding.outer_call(self.scorer.decoder.model, run)
 
-    def _reference_logprobs(self, chunk, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        sequences = [item.input_tokens for item in chunk]
+    def _reference_logprobs(self, sequences: Sequence[Sequence[int]], rows: torch.Tensor,
+                            targets: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             if self.reference is not None:
                 def run() -> torch.Tensor:
@@ -126,7 +121,8 @@ class SharedPrefixScoring:
         self._fill_others(run, chunk, per_datum)
         reference = None
         if with_reference:
-            reference = take_rows(self._reference_logprobs(chunk, rows, targets), seen_index)
+            reference = take_rows(self._reference_logprobs([item.input_tokens for item in chunk], rows, targets),
+                                  seen_index)
         return ChunkScores(per_datum, take_rows(scores.logprobs, seen_index), take_rows(scores.sampling_logprobs, seen_index),
                            None if scores.entropy is None else take_rows(scores.entropy, seen_index), reference,
                            run.hidden.sum() * 0.0 if run.hidden.requires_grad else run.hidden.new_zeros(()))

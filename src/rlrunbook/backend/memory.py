@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rlrunbook.backend.lora import wrap_with_lora
-from rlrunbook.engines.decoder import Decoder, Numerics
+from rlrunbook.engines.decoder import Decoder, Numerics, causal_lm
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 
 GIB = 1 << 30
@@ -359,7 +359,7 @@ def plan_full_micro_batching(model: torch.nn.Module, reference: torch.nn.Module 
     available = int(total * (1 - headroom(kind) - sampler_share)) - held
     where = (f"{_gib(total)} GiB {kind} memory, {_gib(available)} GiB left for activations after this rank's "
              f"weights, gradients and optimizer state and {sampler_share:.0%} for sampling")
-    return choose_micro_batching(sharding.causal_lm(model).config, compute_dtype, {"lora_rank": None}, numerics,
+    return choose_micro_batching(causal_lm(model).config, compute_dtype, {"lora_rank": None}, numerics,
                                  available=available, device_type=kind, tokens=tokens, checkpointing=checkpointing,
                                  where=where)
 

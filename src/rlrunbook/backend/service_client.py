@@ -178,10 +178,7 @@ class LocalServiceClient:
 
     def _full_host(self, base_model: str, with_reference: bool) -> tuple[ModelHost, torch.nn.Module | None]:
         """A host with weights of its own, sharded for full-parameter training, and the frozen reference if asked."""
-        key = self.settings.model_for(base_model)
-        resident = self._resident.get(key)
-        if resident is None:
-            resident = self._resident[key] = load_resident(base_model, self.settings)
+        resident = self._resident_model(base_model)
         host = host_over(resident, base_model, self.settings, own_weights=True)
         reference = resident.load() if with_reference else None
         sharding.shard(host.model, self.settings.resolved_dtype())
@@ -319,11 +316,14 @@ class LocalServiceClient:
     def _host(self, base_model: str) -> ModelHost:
         """A host of its own over the one resident copy of ``base_model``'s weights (loaded on first use).
         Runs on the worker."""
+        return host_over(self._resident_model(base_model), base_model, self.settings)
+
+    def _resident_model(self, base_model: str) -> ResidentModel:
+        """The one resident copy of ``base_model``'s weights, loaded on first use. Runs on the worker."""
         key = self.settings.model_for(base_model)
-        resident = self._resident.get(key)
-        if resident is None:
-            resident = self._resident[key] = load_resident(base_model, self.settings)
-        return host_over(resident, base_model, self.settings)
+        if key not in self._resident:
+            self._resident[key] = load_resident(base_model, self.settings)
+        return self._resident[key]
 
     def _base_host(self, base_model: str) -> ModelHost:
         if base_model not in self._base_hosts:

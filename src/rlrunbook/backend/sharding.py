@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from rlrunbook import distributed
+from rlrunbook.engines.decoder import causal_lm
 from rlrunbook.engines.sharded_layers import GATHERED, SHARDED_CALL
 
 _SHARDS = "_rlrunbook_shards"
@@ -35,18 +36,29 @@ def _call(fn, *args):
     return fn(*args)
 
 
-def _process_group(device: torch.device) -> None:
-    """Join torchrun's group, or make a one-rank group for a plain process (FSDP2 needs a group)."""
+def _mesh(device: torch.device):
+    """The ranks' device mesh, after joining torchrun's group, or making a one-rank group for a plain process
+    (FSDP2 needs a group)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    if dist.is_initialized():
-        return
-    layout = distributed.launch_layout()
-    if layout.world_size > 1:
-        distributed.init(layout, device)
-        return
-    store = dist.HashStore()
-    dist.init_process_group(backend=distributed.backend_for(device), store=store, rank=0, world_size=1)
+    if not dist.is_initialized():
+        layout = distributed.launch_layout()
+        if layout.world_size > 1:
+            distributed.init(layout, device)
+        else:
+            dist.init_process_group(backend=distributed.backend_for(device), store=dist.HashStore(), rank=0,
+                                    world_size=1)
+    return init_device_mesh(device.type, (distributed.world_size(),))
+
+
+def _unit(module: torch.nn.Module, mesh, **options) -> None:
+    """``module`` made a ``fully_shard`` unit with its own forward method, ``sharded_call``."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    fully_shard(module, mesh=mesh, **options)
+    setattr(module, SHARDED_CALL, _call)
+    register_fsdp_forward_method(module, SHARDED_CALL)
 
 
 def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -55,40 +67,28 @@ def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers ``*ForCausalLM`` of ``model`` (inside a peft wrapper, if any)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
     """Shard ``model`` (a supported ``*ForCausalLM``, on its device) for full-parameter training, in place.
 
     Its weights become float32 master weights, split over the ranks; passes compute in ``compute_dtype``.
     Call once, before any optimizer sees the parameters (they are replaced by sharded ones).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    device = next(model.parameters()).device
-    _process_group(device)
+    mesh = _mesh(next(model.parameters()).device)
     # The outer unit's forward returns the scores of a chunk, views among them; nothing changes them in place,
     # which is what FSDP2 warns about for every such call.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     model.float()
     model.requires_grad_(True)
-    mesh = init_device_mesh(device.type, (distributed.world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
     lm = causal_lm(model)
     for layer in lm.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-        setattr(layer, SHARDED_CALL, _call)
-        register_fsdp_forward_method(layer, SHARDED_CALL)
+        _unit(layer, mesh, mp_policy=policy)
     # The outer unit stays gathered from a micro-batch's forward to its backward: its forward is the whole
     # scoring call, whose outputs FSDP2 cannot follow into backward.
-    fully_shard(lm, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    setattr(lm, SHARDED_CALL, _call)
-    register_fsdp_forward_method(lm, SHARDED_CALL)
+    _unit(lm, mesh, mp_policy=policy, reshard_after_forward=False)
     for unit in _units(lm):
         unit.set_gradient_divide_factor(1.0)  # sum the ranks' gradients (token-sum losses)
         unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
@@ -105,17 +105,11 @@ def sharded_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def shard_reference(model: torch.nn.Module) -> None:
     """Shard a frozen copy of the initial weights (the KL reference) like the policy: ``1/W`` of it per rank, kept
     in its own (compute) dtype, gathered a unit at a time when a pass reads it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-    _process_group(next(model.parameters()).device)
+    mesh = _mesh(next(model.parameters()).device)
     model.requires_grad_(False)
-    mesh = init_device_mesh(next(model.parameters()).device.type, (distributed.world_size(),))
     lm = causal_lm(model)
     for unit in (*lm.model.layers, lm):
-        fully_shard(unit, mesh=mesh)
-        setattr(unit, SHARDED_CALL, _call)
-        register_fsdp_forward_method(unit, SHARDED_CALL)
+        _unit(unit, mesh)
 
 
 def architecture(model: torch.nn.Module) -> str:
@@ -193,11 +187,12 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     api = _state_dict_api()
     options = api.StateDictOptions(full_state_dict=True, cpu_offload=True)
     names = sharded_parameters(model)  # a weight tied to two modules once, under its first name
-    weights = {name: value.detach().clone()
-               for name, value in api.get_model_state_dict(model, options=options).items() if name in names}
+    # cpu_offload: the tensors come as new CPU copies already
+    weights = {name: value for name, value in api.get_model_state_dict(model, options=options).items()
+               if name in names}
     if optimizer is None:
         return weights, None
-    return weights, to_cpu(api.get_optimizer_state_dict(model, optimizer, options=options))
+    return weights, api.get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_full_state(model: torch.nn.Module, weights: dict, optimizer: torch.optim.Optimizer | None,

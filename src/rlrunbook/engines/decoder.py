@@ -105,7 +105,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers ``*ForCausalLM`` of ``model`` (inside a peft wrapper, if any)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
@@ -184,13 +185,13 @@ class Decoder:
     """
 
     def __init__(self, model: torch.nn.Module, numerics: Numerics | str = "invariant"):
-        reason = unsupported_reason(_causal_lm(model))
+        reason = unsupported_reason(causal_lm(model))
         if reason is not None:
             raise ConfigError(f"the in-process engine cannot run this model: {reason}. "
                               "Use TINKER_LOCAL_SAMPLER=generate (transformers generate, any causal LM) or vllm.")
         self.model = model
         self.numerics = numerics if isinstance(numerics, Numerics) else Numerics(numerics)
-        config = _causal_lm(model).config
+        config = causal_lm(model).config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -238,7 +239,7 @@ class Decoder:
     @property
     def lm(self) -> torch.nn.Module:
         """The transformers ``*ForCausalLM`` (inside the peft wrapper, if any)."""
-        return _causal_lm(self.model)
+        return causal_lm(self.model)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -35,5 +35,5 @@ def through(module: torch.nn.Module, fn: Callable[..., T], *args) -> T:
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or any module inside it is sharded and not gathered now."""
-    return any(SHARDED_CALL in m.__dict__ and not m.__dict__.get(GATHERED, False) for m in module.modules())
+    """Whether ``module`` is a sharded unit whose weights are not gathered now."""
+    return SHARDED_CALL in module.__dict__ and not module.__dict__.get(GATHERED, False)
