@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlrunbook.run import check_run, format_results, rubric_passed
-from rlrunbook.run.checkpoint_format import checkpoint_dirs
+from rlrunbook.run.checkpoint_format import checkpoint_dirs, load_checkpoint
 from rlrunbook.testing import ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -59,7 +59,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     two = _train(root / "two", TORCHRUN, "-s", "3")
     first = _train(root / "resumed", TORCHRUN, "-s", "2")
     resumed = _train(root / "resumed", TORCHRUN, "--resume-from", str(first), "-s", "3")
-    return {"one": one, "two": two, "first": first, "resumed": resumed}
+    in_one = _train(root / "in_one", [], "--resume-from", str(first), "-s", "3")
+    return {"one": one, "two": two, "first": first, "resumed": resumed, "in_one": in_one}
 
 
 def test_sampler_and_trainer_agree_exactly_at_every_step(runs):
@@ -93,10 +94,42 @@ def test_two_ranks_equal_one_process(runs):
     assert meta["world_size"] == 2 and meta["config"]["finetune"] == "full"
 
 
+def test_two_ranks_checkpoint_their_own_shards(runs):
+    """Each rank writes its shards (about half the state each); joined, they are the one-process checkpoint's
+    weights within the ranks' float32 reduction order."""
+    folder = checkpoint_dirs(runs["two"])[-1][1]
+    files = {path.name: path.stat().st_size for path in folder.iterdir()}
+    assert "adapter.safetensors" not in files and "optimizer.pt" not in files
+    halves = [files["shard_00000_of_00002.safetensors"], files["shard_00001_of_00002.safetensors"]]
+    assert abs(halves[0] - halves[1]) <= 0.05 * sum(halves), halves
+    joined = load_checkpoint(folder).adapter
+    single = load_checkpoint(checkpoint_dirs(runs["one"])[-1][1]).adapter
+    assert joined.keys() == single.keys()
+    distance = sum(float((joined[k] - single[k]).double().norm() ** 2) for k in single) ** 0.5
+    assert distance <= 1e-5 * sum(float(single[k].double().norm() ** 2) for k in single) ** 0.5
+
+
 def test_a_resumed_two_rank_run_continues_exactly(runs):
     straight, resumed = _rows(runs["two"]), _rows(runs["resumed"])
     assert [row["step"] for row in resumed][-1] == straight[-1]["step"]
     assert _stable(resumed[-1]) == _stable(straight[-1])
-    last = load_file(str(checkpoint_dirs(runs["two"])[-1][1] / "adapter.safetensors"))
-    again = load_file(str(checkpoint_dirs(runs["resumed"])[-1][1] / "adapter.safetensors"))
-    assert all(torch.equal(last[name], again[name]) for name in last)
+    last = load_checkpoint(checkpoint_dirs(runs["two"])[-1][1])
+    again = load_checkpoint(checkpoint_dirs(runs["resumed"])[-1][1])
+    assert all(torch.equal(last.adapter[name], again.adapter[name]) for name in last.adapter)
+    assert all(torch.equal(last.optimizer["state"][name][key], again.optimizer["state"][name][key])
+               for name in last.optimizer["state"] for key in last.optimizer["state"][name])
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process(runs):
+    """At another world size the shards are joined: one process continues the two-rank run's step 3 with the
+    same samples and rewards, and weights equal to the ranks' within the float32 reduction order."""
+    straight, in_one = _rows(runs["two"])[-1], _rows(runs["in_one"])[-1]
+    for key in straight:
+        if key.startswith(EXACT):
+            assert in_one[key] == straight[key], key
+    last = load_checkpoint(checkpoint_dirs(runs["two"])[-1][1]).adapter
+    mine = load_checkpoint(checkpoint_dirs(runs["in_one"])[-1][1]).adapter
+    distance = sum(float((last[k] - mine[k]).double().norm() ** 2) for k in last) ** 0.5
+    assert distance <= 1e-5 * sum(float(last[k].double().norm() ** 2) for k in last) ** 0.5
+    meta = json.loads((runs["in_one"] / "run_metadata.json").read_text())
+    assert meta["world_size"] == 1 and meta["resumed_from"]["step"] == 2

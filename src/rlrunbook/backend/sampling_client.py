@@ -10,6 +10,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -244,8 +245,10 @@ class LocalSamplingClient(ResolvedClient):
             with self._computing_with_weights():
                 results = self._host.engine.sample_jobs(jobs, weights_key=self._weights.key)
                 prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
-        else:  # a vLLM server samples this client's snapshot, written from the snapshot (the live model untouched)
-            results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
+        else:  # a vLLM server samples this client's snapshot written as an adapter (the live model untouched), or
+            # a full-parameter trainer's live weights, written while they are gathered
+            with self._computing_with_weights() if self._weights.full else nullcontext():
+                results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
             prompt_lps = [None] * len(items)
             if any(want for _, want in items):  # in process: these calls run on the model's own worker
                 with self._computing_with_weights():
@@ -257,11 +260,13 @@ class LocalSamplingClient(ResolvedClient):
         return responses
 
     def _vllm_adapter(self):
-        """This client's weights as a vLLM adapter (named by their digest, computed once), or None for the base."""
-        if self._adapter is None and self._weights.adapter is not None:
-            from rlrunbook.backend.vllm_sampling import snapshot_adapter
+        """This client's weights as a vLLM adapter (named by their digest, computed once), a full-parameter
+        trainer's live weights, or None for the base."""
+        if self._adapter is None and (self._weights.adapter is not None or self._weights.full):
+            from rlrunbook.backend.vllm_sampling import full_weights, snapshot_adapter
 
-            self._adapter = snapshot_adapter(self._host, self._weights)
+            make = full_weights if self._weights.full else snapshot_adapter
+            self._adapter = make(self._host, self._weights)
         return self._adapter
 
     @staticmethod

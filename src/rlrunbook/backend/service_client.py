@@ -71,18 +71,19 @@ def micro_batching(host: ModelHost, settings: LocalSettings, reference: torch.nn
     The share of the device left to sampling: an in-process sampler's caches, or a managed vLLM server's
     ``gpu_memory_utilization`` when it runs on the same GPU; none for a vLLM server reached by URL.
     """
-    if sharding.is_sharded(host.model):
-        return plan_full_micro_batching(host.model, reference, compute_dtype=settings.resolved_dtype(),
-                                        device=settings.device, numerics=settings.decoder_numerics(),
-                                        tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing)
-    reason = unsupported_reason(host.model)
-    if reason is not None:  # transformers' own forward over padded datums: no traced cost to derive a budget from
-        tokens = settings.micro_batch_tokens or None
-        return MicroBatching(tokens, False, f"{tokens or 'no'} token limit; the padded path ({reason})")
     share = SAMPLER_SHARE
     if settings.sampler == "vllm":
         external = bool(settings.vllm.url)
         share = 0.0 if external or not settings.device.startswith("cuda") else settings.vllm.gpu_memory_utilization
+    if sharding.is_sharded(host.model):
+        return plan_full_micro_batching(host.model, reference, compute_dtype=settings.resolved_dtype(),
+                                        device=settings.device, numerics=settings.decoder_numerics(),
+                                        tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing,
+                                        sampler_share=share)
+    reason = unsupported_reason(host.model)
+    if reason is not None:  # transformers' own forward over padded datums: no traced cost to derive a budget from
+        tokens = settings.micro_batch_tokens or None
+        return MicroBatching(tokens, False, f"{tokens or 'no'} token limit; the padded path ({reason})")
     return plan_micro_batching(host.model, device=settings.device, numerics=settings.decoder_numerics(),
                                tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing,
                                sampler_share=share)
@@ -161,14 +162,20 @@ class LocalServiceClient:
 
         The forward/backward/optim_step calls are the LoRA client's; its samplers sample the live weights (valid
         until the next ``optim_step``; no copies are kept). ``with_reference``: keep a frozen copy of the initial
-        weights (compute dtype, sharded) for the ``kl_coef`` term. Sampling runs in process: refused with
-        ``TINKER_LOCAL_SAMPLER=vllm``. Adapter folders (``save_state``, ``save_weights_for_sampler``) are refused;
+        weights (compute dtype, sharded) for the ``kl_coef`` term. Sampling runs in process, or with
+        ``TINKER_LOCAL_SAMPLER=vllm`` on a managed vLLM server of this client's own whose weights are replaced before
+        each new version is first sampled (``generate`` is refused). Adapter folders (``save_state``, ``save_weights_for_sampler``) are refused;
         its training state moves with ``export_training_state``/``import_training_state``. Under torchrun every
         rank makes the same training calls in the same order.
         """
-        if self.settings.sampler != "hf":
-            raise ConfigError(f"full-parameter training samples with the in-process engine (hf); "
-                              f"TINKER_LOCAL_SAMPLER={self.settings.sampler} is not supported for it.")
+        if self.settings.sampler == "generate":
+            raise ConfigError("full-parameter training samples with the in-process engine (hf) or a vLLM server "
+                              "(vllm); TINKER_LOCAL_SAMPLER=generate is not supported for it.")
+        if self.settings.sampler == "vllm" and self.settings.vllm.url:
+            raise ConfigError(
+                f"full-parameter training with the vLLM sampler replaces the server's weights after every step, so it "
+                f"starts a server of its own: unset TINKER_LOCAL_VLLM_URL ({self.settings.vllm.url}), or sample with "
+                "TINKER_LOCAL_SAMPLER=hf.")
         if self.settings.load_in_4bit:
             raise ConfigError("full-parameter training trains every weight: 4-bit (frozen) base weights cannot train; "
                               "unset load_in_4bit or train LoRA.")

@@ -210,6 +210,78 @@ def load_full_state(model: torch.nn.Module, weights: dict, optimizer: torch.opti
         api.set_optimizer_state_dict(model, optimizer, _containers(optimizer_state or {}), options=options)
 
 
+def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """This rank's shards of the float32 master weights and of the optimizer's state, as CPU copies, keyed as
+    :func:`full_state`'s (a sharded tensor's local shard in its place; AdamW's step counts whole). No collective:
+    what a sharded checkpoint writes per rank.
+
+    FSDP2 shards every weight along its first dimension in rank order (``torch.chunk``; a rank past the last chunk
+    holds an empty shard), so the ranks' shards of a tensor, concatenated in rank order, are the whole tensor
+    (:func:`rlrunbook.run.checkpoint_format.join_shards`): a sharded checkpoint loads at any world size.
+    """
+    release(model)
+    weights = {name: _local(param).detach().to("cpu", copy=True) for name, param in sharded_parameters(model).items()}
+    if optimizer is None:
+        return weights, None
+    api = _state_dict_api()
+    state = api.get_optimizer_state_dict(model, optimizer)
+    return weights, _map_tensors(state, lambda tensor: _local(tensor).detach().to("cpu", copy=True))
+
+
+def load_local_state(model: torch.nn.Module, weights: dict, optimizer: torch.optim.Optimizer | None,
+                     optimizer_state: dict | None) -> None:
+    """Load :func:`local_state`'s output, saved by this rank at this world size, into a sharded ``model`` (and
+    ``optimizer``). ``ValueError`` naming the first weight whose names or shard shapes differ. No collective."""
+    release(model)
+    params = sharded_parameters(model)
+    if weights.keys() != params.keys():
+        missing, unexpected = sorted(params.keys() - weights.keys())[:2], sorted(weights.keys() - params.keys())[:2]
+        raise ValueError(f"the saved shards do not fit this model (missing {missing}, unexpected {unexpected})")
+    for name, param in params.items():
+        if tuple(_local(param).shape) != tuple(weights[name].shape):
+            raise ValueError(f"{name}: this rank's shard is {tuple(_local(param).shape)}, the saved one "
+                             f"{tuple(weights[name].shape)}")
+    with torch.no_grad():
+        for name, param in params.items():
+            _local(param).copy_(weights[name])
+    if optimizer is None:
+        return
+    api = _state_dict_api()
+    state = {"state": {name: {key: _as_shard_of(value, params[name]) for key, value in entry.items()}
+                       for name, entry in (optimizer_state or {}).get("state", {}).items()},
+             "param_groups": (optimizer_state or {}).get("param_groups", [])}
+    api.set_optimizer_state_dict(model, optimizer, state, options=api.StateDictOptions(strict=False))
+
+
+def _as_shard_of(value, param: torch.nn.Parameter):
+    """A saved local optimizer tensor as ``param``'s shard of the whole (a sharded DTensor on its mesh); anything
+    else (a step count, a number) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(value, torch.Tensor) and isinstance(param, DTensor) and value.dim() > 0):
+        return value
+    local = _local(param)
+    return DTensor.from_local(value.to(device=local.device, dtype=local.dtype), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _map_tensors(value, fn):
+    """``value`` with ``fn`` applied to every tensor (dicts, lists and tuples walked)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, fn) for item in value)
+    return value
+
+
 def _containers(value):
     """``value`` with its dicts and lists copied (the tensors in them shared)."""
     if isinstance(value, dict):
@@ -221,13 +293,7 @@ def _containers(value):
 
 def to_cpu(value):
     """``value`` with every tensor replaced by a CPU copy (dicts, lists and tuples walked)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(item) for item in value)
-    return value
+    return _map_tensors(value, lambda tensor: tensor.detach().to("cpu", copy=True))
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
@@ -239,7 +305,5 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds of ``tensor`` (its shard, for a sharded one)."""
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = _local(tensor)
     return local.numel() * local.element_size()

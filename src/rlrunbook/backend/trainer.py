@@ -64,12 +64,15 @@ class TrainingState:
     ``adapter`` maps each trainable parameter's name (``named_parameters`` order) to its values (for
     full-parameter training: every weight, gathered); ``optimizer`` is AdamW's ``state_dict()`` (tensors and
     plain numbers only; keyed by parameter name for full-parameter training), None before the first step;
-    ``weights_version`` is informational (sampler snapshots key on it, training does not).
+    ``weights_version`` is informational (sampler snapshots key on it, training does not). ``shard`` = (rank, world):
+    ``adapter`` and ``optimizer`` hold that rank's shards of a full-parameter state sharded over ``world`` ranks
+    (``sharding.local_state``), not whole tensors.
     """
 
     adapter: dict[str, torch.Tensor]
     optimizer: dict | None
     weights_version: int
+    shard: tuple[int, int] | None = None
 
 
 def _trained_positions(item: TrainingItem, spec: LossSpec) -> int:
@@ -444,14 +447,20 @@ class Trainer:
         """AdamW's ``state_dict()`` (tensors and plain numbers only), or None before the first step."""
         return None if self._optimizer is None else self._optimizer.state_dict()
 
-    def export_state(self) -> TrainingState:
+    def export_state(self, *, sharded: bool = False) -> TrainingState:
         """A CPU copy of the adapter and the optimizer state; refused while gradients wait for ``optim_step``.
 
         Full-parameter training under torchrun: a collective (every rank calls it), and the state lands on rank 0
-        only (the other ranks get empty dicts); :meth:`import_state` reads rank 0's likewise."""
+        only (the other ranks get empty dicts); :meth:`import_state` reads rank 0's likewise. With ``sharded``,
+        each rank gets its own shards instead (``shard`` set; no gathering), what a sharded checkpoint writes."""
         if self._has_gradients:
             raise InputError("export_state with accumulated gradients not yet applied: they would be lost; "
                              "call optim_step first (checkpoints are taken between steps).")
+        if self.full_parameters and sharded and distributed.world_size() > 1:
+            weights, optimizer = sharding.local_state(self.model, self._optimizer)
+            sharding.gather(self.model)  # back in place for sampling
+            return TrainingState(weights, optimizer, self.weights_version,
+                                 shard=(distributed.rank(), distributed.world_size()))
         if self.full_parameters:  # gathered on rank 0 (empty elsewhere); a collective under torchrun
             weights, optimizer = sharding.full_state(self.model, self._optimizer)
             sharding.gather(self.model)  # back in place for sampling
@@ -483,7 +492,11 @@ class Trainer:
         self.weights_loaded(state.optimizer if with_optimizer else None, keep_optimizer=with_optimizer)
 
     def _import_full(self, state: TrainingState, with_optimizer: bool) -> None:
-        """A full state into the sharded model; under torchrun rank 0's state is the one loaded (and checked)."""
+        """A full state into the sharded model; under torchrun rank 0's state is the one loaded (and checked), or
+        each rank's own shards of a sharded state (each checks its own; every rank raises if one cannot load)."""
+        if state.shard is not None:
+            self._import_shards(state, with_optimizer)
+            return
         params = self.trained_parameters()
         problem = None
         if distributed.is_main() and params.keys() != state.adapter.keys():
@@ -501,6 +514,30 @@ class Trainer:
         self._pending_loss = 0.0
         self._optimizer = torch.optim.AdamW(list(params.values())) if keep else None
         sharding.load_full_state(self.model, state.adapter, self._optimizer, state.optimizer if keep else None)
+        self.weights_version += 1
+        sharding.gather(self.model)
+
+    def _import_shards(self, state: TrainingState, with_optimizer: bool) -> None:
+        here = (distributed.rank(), distributed.world_size())
+        keep = with_optimizer and state.optimizer is not None
+        self.model.zero_grad(set_to_none=True)
+        self._has_gradients = False
+        self._pending_loss = 0.0
+        params = self.trained_parameters()
+        self._optimizer = torch.optim.AdamW(list(params.values())) if keep else None
+        problem = None
+        if state.shard != here:
+            problem = f"rank {here[0]} of {here[1]} was given rank {state.shard[0]} of {state.shard[1]}'s shards"
+        else:
+            try:
+                sharding.load_local_state(self.model, state.adapter, self._optimizer, state.optimizer if keep else None)
+            except ValueError as error:
+                problem = str(error)
+        problems = [p for p in distributed.gather_objects(problem) if p is not None]
+        if problems:
+            self._optimizer = None
+            raise ConfigError(f"the saved shards do not load: {problems[0]}. Load a checkpoint of the run's model "
+                              "(at another world size its shards are joined into whole tensors first).")
         self.weights_version += 1
         sharding.gather(self.model)
 

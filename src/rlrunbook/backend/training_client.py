@@ -233,11 +233,12 @@ class LocalTrainingClient(ResolvedClient):
 
         return self._worker.submit(run)
 
-    def export_training_state(self) -> TrainingState:
+    def export_training_state(self, *, sharded: bool = False) -> TrainingState:
         """Local extension (no SDK counterpart): the adapter and AdamW state in memory, as they are after
         every call submitted so far. Blocks until then. For checkpoints that live outside the storage dir.
-        Full-parameter training under torchrun: a collective (every rank calls it); the state lands on rank 0."""
-        return self._worker.run(self._trainer.export_state)
+        Full-parameter training under torchrun: a collective (every rank calls it); the state lands on rank 0, or
+        with ``sharded`` each rank gets its own shards (``shard`` set), as sharded checkpoints keep them."""
+        return self._worker.run(self._trainer.export_state, sharded=sharded)
 
     def import_training_state(self, state: TrainingState, *, with_optimizer: bool = True) -> None:
         """Local extension: replace the adapter (and, with ``with_optimizer``, AdamW's state) by ``state``.

@@ -6,6 +6,14 @@ the server as a peft adapter folder written from its snapshot and loaded under a
 from the weights (so "sync after each optimizer step" is: the next sampler's snapshot differs,
 gets a new name, is written and loaded on its first sample call). The server is checked once
 when connected (:func:`rlrunbook.vllm.checks.verify_server`).
+
+A full-parameter trainer's host gets a managed server of its own (an external one is refused: its
+weights would be overwritten), started with vLLM's weight-update routes: a sampler of version v
+writes every gathered weight (compute dtype) as one safetensors file and the server reloads it in
+place before its first sample of v (:class:`rlrunbook.vllm.adapters.FullWeights`). An output layer
+tied to the embeddings is written under its own name too: without it, vLLM 0.32's in-place reload
+leaves the tied output layer computing with other values than the embeddings it reloaded (logprob
+gaps up to 0.3 after two steps of a tied copy of ``tiny-vllm``).
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ import rlrunbook
 from rlrunbook.backend.model_state import write_adapter
 from rlrunbook.backend.model_host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.lora import clone_adapter
+from rlrunbook.backend import sharding
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.scoring import teacher_forced_logprobs
-from rlrunbook.vllm.adapters import Adapter
+from rlrunbook.errors import ConfigError
+from rlrunbook.vllm.adapters import Adapter, FullWeights
 from rlrunbook.vllm.checks import served_base_model, verify_server
 from rlrunbook.vllm.client import ExternalServer, VllmClient
 from rlrunbook.vllm.engine import VllmSamplingEngine
@@ -59,6 +69,31 @@ def snapshot_adapter(host: ModelHost, weights: SamplerWeights) -> Adapter | None
     )
 
 
+def write_full_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Every parameter of ``model`` as it computes now (a sharded model: gathered, in the compute dtype) into
+    ``folder/model.safetensors``, under the checkpoint's names; an output layer tied to the embeddings is written
+    under its own name as well (see the module docstring)."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    tensors = {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise RuntimeError(f"{name} is sharded: gather the weights (sharding.gather) before writing them")
+        tensors[name] = param.detach().to("cpu").contiguous()
+    unembed = model.get_output_embeddings()
+    if unembed is not None and unembed.weight is model.get_input_embeddings().weight:
+        name = next(name for name, module in model.named_modules() if module is unembed)
+        tensors[f"{name}.weight"] = unembed.weight.detach().to("cpu").clone()  # its own storage: safetensors
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def full_weights(host: ModelHost, weights: SamplerWeights) -> FullWeights:
+    """A full-parameter trainer's live weights at ``weights.version``, as the vLLM sampler serves them."""
+    return FullWeights(version=weights.version, write=lambda folder: write_full_weights(host.model, folder))
+
+
 def _checkout() -> Path | None:
     """The source checkout this package runs from (where scripts/setup-vllm.sh puts .venv-vllm), if any."""
     root = Path(rlrunbook.__file__).resolve().parents[2]
@@ -74,11 +109,18 @@ def _base_scorer(host: ModelHost) -> Callable:
 
 
 def open_engine(
-    host: ModelHost, settings: LocalSettings, scratch: Path, log: Callable[[str], None] = print
+    host: ModelHost, settings: LocalSettings, scratch: Path, log: Callable[[str], None] = print, *,
+    weight_updates: bool = False,
 ) -> VllmSamplingEngine:
-    """Start (managed) or reach (external) a server for ``host``'s base model, check it, and wrap it in an engine."""
+    """Start (managed) or reach (external) a server for ``host``'s base model, check it, and wrap it in an engine.
+    ``weight_updates``: a managed server whose weights the engine replaces (a full-parameter trainer's)."""
     vllm = settings.vllm
     dtype = settings.resolved_dtype()
+    if vllm.url and weight_updates:
+        raise ConfigError(
+            f"full-parameter training with the vLLM sampler replaces the server's weights after every step, so it "
+            f"starts a server of its own: unset TINKER_LOCAL_VLLM_URL ({vllm.url}), or sample with "
+            "TINKER_LOCAL_SAMPLER=hf.")
     if vllm.url:
         server = ExternalServer(
             VllmClient(vllm.url), served_base_model(VllmClient(vllm.url), vllm.served_model).id
@@ -99,6 +141,7 @@ def open_engine(
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             extra_args=vllm.extra_args,
             scratch=scratch / "server",
+            weight_updates=weight_updates,
         )
         server = ManagedServer(
             launch,
@@ -156,13 +199,15 @@ class VllmSamplers:
         self._scratch: Path | None = None
 
     def engine_for(self, host: ModelHost) -> VllmSamplingEngine:
-        """The engine of ``host``'s base model, started and checked on first use."""
-        key = str(Path(host.folder).resolve())
+        """The engine of ``host``'s base model, started and checked on first use; a full-parameter trainer's host
+        gets a server of its own."""
+        full = sharding.is_sharded(host.model)
+        key = f"full:{id(host)}" if full else str(Path(host.folder).resolve())
         if key not in self._engines:
             if self._scratch is None:
                 self._scratch = Path(tempfile.mkdtemp(prefix="rlrunbook-vllm-"))
             self._engines[key] = open_engine(
-                host, self.settings, self._scratch / str(len(self._engines)), self.log
+                host, self.settings, self._scratch / str(len(self._engines)), self.log, weight_updates=full
             )
         engine = self._engines[key]
         if (

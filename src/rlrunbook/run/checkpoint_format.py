@@ -13,6 +13,17 @@ A checkpoint taken after ``k`` completed steps holds everything an exact resume 
                             (secret values redacted; ``withheld`` names them), sha256 and size of every
                             other file, and the sha256 of the manifest itself (``manifest_sha256``, format 2)
 
+A full-parameter run sharded over W ranks (torchrun) writes no ``adapter.safetensors``/``optimizer.pt``: each
+rank writes its own shards of the float32 weights and of AdamW's state, and the manifest says ``shards: W``::
+
+      shard_00000_of_00002.safetensors   rank 0's shards: ``weights/<name>``, ``optimizer/<key>/<name>``; the
+      shard_00001_of_00002.safetensors   optimizer's param_groups as JSON in the file's metadata
+
+A resume at the same world size reads each rank's own file only; any other reader (another world size, one
+process, ``eval-checkpoints``) joins the shards into whole tensors (first dimensions in rank order: how FSDP2
+shards), so the checkpoint loads anywhere. Every rank writes into one staging folder, rank 0 last, then the
+manifest and the rename as below.
+
 Nothing here unpickles: safetensors, JSON, and ``torch.load(weights_only=True)`` only.
 
 Atomicity: the files go into ``checkpoints/.tmp-step_<k>-<random>/``, each fsynced, then the folder
@@ -60,6 +71,7 @@ RNG_JSON_FILE = "rng.json"
 RNG_TENSOR_FILE = "rng.safetensors"
 SAMPLER_ADAPTERS_FILE = "sampler_adapters.safetensors"
 TEMP_PREFIX = ".tmp-"
+_SHARD_PARAM_GROUPS = "param_groups"  # the shard file's metadata key of the optimizer's param_groups (JSON)
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 
 
@@ -83,10 +95,94 @@ class Checkpoint:
     # The dotted config keys whose values the manifest withheld (secret-named, or holding a credential): a resume
     # takes each again. None for a manifest written before the list existed (then only secret-named keys were).
     withheld: tuple[str, ...] | None = None
+    # (rank, world): ``adapter`` and ``optimizer`` hold that rank's shards of a full-parameter state sharded over
+    # ``world`` ranks (see the module docstring); None: whole tensors.
+    shard: tuple[int, int] | None = None
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
+
+
+def shard_file_name(rank: int, world: int) -> str:
+    return f"shard_{rank:05d}_of_{world:05d}.safetensors"
+
+
+def sharded_staging(run_dir: str | os.PathLike[str], step: int) -> Path:
+    """The folder every rank writes its shard file into before rank 0 finishes a sharded checkpoint of ``step``
+    (one name, so each rank knows it without a message)."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"{TEMP_PREFIX}{step_dir_name(step)}-shards"
+
+
+def stage_sharded(run_dir: str | os.PathLike[str], step: int) -> Path:
+    """Rank 0, before the ranks write their shards: remove stale temp folders, refuse an existing ``step_<k>``,
+    create :func:`sharded_staging`'s folder."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    root.mkdir(exist_ok=True)
+    remove_stale_temps(root)
+    _refuse_existing(root / step_dir_name(step))
+    staging = sharded_staging(run_dir, step)
+    staging.mkdir()
+    return staging
+
+
+def write_shard(folder: Path, rank: int, world: int, weights: dict[str, torch.Tensor], optimizer: dict | None) -> str:
+    """Write one rank's shards (``sharding.local_state``'s output) into ``folder`` (fsynced); the file's name."""
+    tensors = {f"weights/{name}": t.detach().to("cpu").contiguous() for name, t in weights.items()}
+    metadata = {}
+    if optimizer is not None:
+        for name, entry in optimizer["state"].items():
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"optimizer state {name}/{key} is {type(value).__name__}, not a tensor")
+                tensors[f"optimizer/{key}/{name}"] = value.detach().to("cpu").contiguous()
+        metadata[_SHARD_PARAM_GROUPS] = json.dumps(optimizer["param_groups"], allow_nan=False)
+    name = shard_file_name(rank, world)
+    save_file(tensors, str(folder / name), metadata=metadata)
+    _fsync_file(folder / name)
+    return name
+
+
+def _read_shard(path: Path, map_location) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """One rank's (weights, optimizer state) from its shard file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(map_location)) as handle:
+        groups = (handle.metadata() or {}).get(_SHARD_PARAM_GROUPS)
+        weights, state = {}, {}
+        for key in handle.keys():
+            kind, _, rest = key.partition("/")
+            if kind == "weights" and rest:
+                weights[rest] = handle.get_tensor(key)
+            elif kind == "optimizer" and "/" in rest:
+                field, _, name = rest.partition("/")
+                state.setdefault(name, {})[field] = handle.get_tensor(key)
+            else:
+                raise ValueError(f"tensor {key!r} is neither weights/<name> nor optimizer/<key>/<name>")
+    if groups is None:
+        if state:
+            raise ValueError("optimizer tensors without their param_groups")
+        return weights, None
+    return weights, {"state": state, "param_groups": json.loads(groups)}
+
+
+def join_shards(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor of the ranks' shards of it, in rank order (FSDP2 shards along the first dimension,
+    ``torch.chunk``-wise); a tensor without dimensions (AdamW's step count) is every rank's alike: rank 0's."""
+    return shards[0].clone() if shards[0].dim() == 0 else torch.cat(shards, dim=0)
+
+
+def _joined(parts: list[tuple[dict, dict | None]]) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Whole tensors from every rank's shards (:func:`join_shards`)."""
+    names = parts[0][0].keys()
+    if any(weights.keys() != names for weights, _ in parts):
+        raise ValueError("the ranks' shard files name different weights")
+    weights = {name: join_shards([w[name] for w, _ in parts]) for name in names}
+    if parts[0][1] is None:
+        return weights, None
+    state = {name: {key: join_shards([o["state"][name][key] for _, o in parts]) for key in entry}
+             for name, entry in parts[0][1]["state"].items()}
+    return weights, {"state": state, "param_groups": parts[0][1]["param_groups"]}
 
 
 def checkpoint_dirs(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -152,13 +248,22 @@ def _write_json(path: Path, document: Any) -> None:
 
 
 def _write_payload(folder: Path, checkpoint: Checkpoint) -> list[str]:
-    """The data files of ``checkpoint`` in ``folder``; returns their names (the manifest comes after)."""
-    save_file({name: t.detach().to("cpu").contiguous() for name, t in checkpoint.adapter.items()},
-              str(folder / ADAPTER_FILE))
-    names = [ADAPTER_FILE]
-    if checkpoint.optimizer is not None:
-        torch.save(checkpoint.optimizer, folder / OPTIMIZER_FILE)
-        names.append(OPTIMIZER_FILE)
+    """The data files of ``checkpoint`` in ``folder``; returns their names (the manifest comes after). A sharded
+    checkpoint (rank 0's) writes rank 0's shard file; the other ranks' must be in ``folder`` already."""
+    if checkpoint.shard is not None:
+        rank, world = checkpoint.shard
+        write_shard(folder, rank, world, checkpoint.adapter, checkpoint.optimizer)
+        names = [shard_file_name(r, world) for r in range(world)]
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise InputError(f"a sharded checkpoint lacks the shard files {missing[:3]} of other ranks in {folder}")
+    else:
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in checkpoint.adapter.items()},
+                  str(folder / ADAPTER_FILE))
+        names = [ADAPTER_FILE]
+        if checkpoint.optimizer is not None:
+            torch.save(checkpoint.optimizer, folder / OPTIMIZER_FILE)
+            names.append(OPTIMIZER_FILE)
     rng = checkpoint.rng
     _write_json(folder / RNG_JSON_FILE, {"python": rng["python"], "numpy": rng["numpy"]})
     tensors = {"torch_cpu": rng["torch_cpu"], **{f"cuda_{i}": s for i, s in enumerate(rng["cuda"])}}
@@ -188,6 +293,7 @@ def _write_manifest(folder: Path, checkpoint: Checkpoint, names: list[str]) -> N
         "data_cursor": {"next_step": checkpoint.step, **(checkpoint.data_cursor or {})},
         "weights_version": checkpoint.weights_version,
         "has_optimizer": checkpoint.optimizer is not None,
+        **({"shards": checkpoint.shard[1]} if checkpoint.shard is not None else {}),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         # Secrets are never stored: a resume takes them again from the command line or the environment.
         "config": redact_config(checkpoint.config),
@@ -205,20 +311,30 @@ def remove_stale_temps(checkpoints_dir: Path) -> list[Path]:
     return stale
 
 
+def _refuse_existing(final: Path) -> None:
+    if final.exists():
+        raise InputError(f"checkpoint {final} exists already: a run saves each step once; "
+                         "resume into a new run directory instead of writing into an old one.")
+
+
 def save_checkpoint(run_dir: str | os.PathLike[str], checkpoint: Checkpoint) -> Path:
-    """Write ``checkpoint`` as ``<run_dir>/checkpoints/step_<k>/`` atomically (see the module docstring).
+    """Write ``checkpoint`` as ``<run_dir>/checkpoints/step_<k>/`` atomically (see the module docstring). A sharded
+    one (``checkpoint.shard`` = (0, W), rank 0's state) is finished in :func:`stage_sharded`'s folder, where the
+    other ranks wrote their shard files.
 
     An existing ``step_<k>`` is never replaced (``InputError``): a run writes each step once.
     """
     root = Path(run_dir) / CHECKPOINTS_DIR
-    root.mkdir(exist_ok=True)
-    remove_stale_temps(root)
     final = root / step_dir_name(checkpoint.step)
-    if final.exists():
-        raise InputError(f"checkpoint {final} exists already: a run saves each step once; "
-                         "resume into a new run directory instead of writing into an old one.")
-    # Not cleaned up on error: an exception here leaves what a crash would, and the next save removes it.
-    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=root))
+    if checkpoint.shard is not None:
+        temp = sharded_staging(run_dir, checkpoint.step)
+        _refuse_existing(final)
+    else:
+        root.mkdir(exist_ok=True)
+        remove_stale_temps(root)
+        _refuse_existing(final)
+        # Not cleaned up on error: an exception here leaves what a crash would, and the next save removes it.
+        temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=root))
     names = _write_payload(temp, checkpoint)
     for name in names:
         _fsync_file(temp / name)
@@ -253,8 +369,15 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
         return f"{MANIFEST_FILE} has a data_cursor that is not an object"
     if not _is_int(manifest.get("weights_version", 0)):
         return f"{MANIFEST_FILE} has a weights_version that is not a whole number"
+    shards = manifest.get("shards")
+    if shards is not None and (not _is_int(shards) or shards < 1):
+        return f"{MANIFEST_FILE} has a shard count that is not a whole number >= 1: {shards!r}"
     files = manifest.get("files")
-    required = {ADAPTER_FILE, RNG_JSON_FILE, RNG_TENSOR_FILE} | ({OPTIMIZER_FILE} if manifest["has_optimizer"] else set())
+    if shards is None:
+        required = {ADAPTER_FILE} | ({OPTIMIZER_FILE} if manifest["has_optimizer"] else set())
+    else:
+        required = {shard_file_name(rank, shards) for rank in range(shards)}
+    required |= {RNG_JSON_FILE, RNG_TENSOR_FILE}
     if not isinstance(files, dict) or not required <= files.keys():
         return f"{MANIFEST_FILE} lacks the checksums of {sorted(required)}"
     for name, expected in files.items():
@@ -315,15 +438,30 @@ def _check_rng_json(rng: Any) -> None:
                                        numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
 
 
-def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Verify and read ``folder``; ``InputError`` naming the file and the fix if anything is off."""
+def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.device = "cpu", *,
+                    shard: tuple[int, int] | None = None) -> Checkpoint:
+    """Verify and read ``folder``; ``InputError`` naming the file and the fix if anything is off.
+
+    A sharded checkpoint is read as rank ``shard`` = (rank, world)'s shards when it was written by that many
+    ranks (the returned checkpoint's ``shard``), else joined into whole tensors."""
     folder = Path(folder)
     manifest = verify_checkpoint(folder)
-    adapter = _read(folder, ADAPTER_FILE, lambda p: load_file(str(p), device=str(map_location)))
-    optimizer = None
-    if manifest["has_optimizer"]:
-        optimizer = _read(folder, OPTIMIZER_FILE,
-                          lambda p: torch.load(p, map_location=map_location, weights_only=True))
+    shards, kept = manifest.get("shards"), None
+    if shards is None:
+        adapter = _read(folder, ADAPTER_FILE, lambda p: load_file(str(p), device=str(map_location)))
+        optimizer = None
+        if manifest["has_optimizer"]:
+            optimizer = _read(folder, OPTIMIZER_FILE,
+                              lambda p: torch.load(p, map_location=map_location, weights_only=True))
+    elif shard is not None and shard[1] == shards:
+        adapter, optimizer = _read(folder, shard_file_name(*shard), lambda p: _read_shard(p, map_location))
+        kept = shard
+    else:
+        parts = [_read(folder, name, lambda p: _read_shard(p, map_location))
+                 for name in (shard_file_name(rank, shards) for rank in range(shards))]
+        adapter, optimizer = _read(folder, shard_file_name(0, shards), lambda p: _joined(parts))
+    if (optimizer is not None) != manifest["has_optimizer"]:
+        raise _corrupt(folder, f"{MANIFEST_FILE} says has_optimizer {manifest['has_optimizer']}, the files disagree")
     rng = _read(folder, RNG_JSON_FILE, lambda p: json.loads(p.read_text(encoding="utf-8")))
     tensors = _read(folder, RNG_TENSOR_FILE, lambda p: load_file(str(p)))
     _read(folder, RNG_JSON_FILE, lambda p: _check_rng_json(rng))
@@ -337,7 +475,7 @@ def load_checkpoint(folder: str | os.PathLike[str], map_location: str | torch.de
     return Checkpoint(step=manifest["step"], config=manifest["config"], adapter=adapter, optimizer=optimizer,
                       rng=rng, weights_version=int(manifest.get("weights_version", 0)), path=folder,
                       data_cursor=manifest.get("data_cursor") or None, sampler_adapters=sampler_adapters or None,
-                      withheld=_withheld(folder, manifest))
+                      withheld=_withheld(folder, manifest), shard=kept)
 
 
 def _by_step(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:

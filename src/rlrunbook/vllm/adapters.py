@@ -12,6 +12,10 @@
   base model is served by an all-zero rank-1 adapter on ``lm_head`` (it adds exactly 0), and no
   request carries id -1. Where the architecture takes no ``lm_head`` LoRA, no adapter can leave
   one behind, and the plain base name is safe.
+- **A full-parameter trainer's weights replace the base model's** (:class:`FullWeights`): its server
+  is its own, and before a version is first sampled its weights are written as safetensors and
+  reloaded in place (vLLM's ``reload_weights``), the prefix cache dropped. A restarted server
+  starts from the base model's folder again, so a version is keyed by the server's epoch too.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import itertools
 import json
 import shutil
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +44,26 @@ class Adapter:
 
     name: str
     rank: int
+    write: Callable[[Path], None]
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """One replacement of a server's weights: seconds to write the file, seconds for the server to reload it (and
+    drop its prefix cache), and the file's bytes."""
+
+    write_s: float
+    reload_s: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class FullWeights:
+    """Every weight of a full-parameter trainer at ``version`` (its weights_version, which every optimizer step
+    and state import bumps), served under the base model's name; ``write(folder)`` saves them as safetensors
+    under the checkpoint's tensor names."""
+
+    version: int
     write: Callable[[Path], None]
 
 
@@ -76,11 +101,42 @@ class AdapterSlots:
         self._loaded: OrderedDict[str, Path] = OrderedDict()
         self._loaded_epoch = -1
         self._base: tuple[int, str] | None = None  # (server epoch, the name that serves the base model)
+        self._served_version: tuple[int, int] | None = None  # (server epoch, FullWeights.version) now served
+        self.weight_syncs: list[WeightSync] = []
         self._lock = threading.Lock()
 
-    def name_for(self, adapter: Adapter | None) -> str:
+    def name_for(self, adapter: Adapter | FullWeights | None) -> str:
         """The name to sample ``adapter`` (``None``: the base model) by, loading it first if needed."""
+        if isinstance(adapter, FullWeights):
+            self._serve_weights(adapter)
+            return self._base_name()
         return self._base_name() if adapter is None else self._adapter_name(adapter)
+
+    def _serve_weights(self, weights: FullWeights) -> None:
+        """Make the server's base model compute with ``weights`` (written and reloaded once per version)."""
+        with self._lock:
+            if self._served_version == (self.server.epoch, weights.version):
+                return
+            folder = self._dir / f"{self._prefix}-weights"
+            partial = folder.with_name(folder.name + ".partial")
+            started = time.perf_counter()
+            shutil.rmtree(partial, ignore_errors=True)
+            weights.write(partial)
+            shutil.rmtree(folder, ignore_errors=True)
+            partial.rename(folder)
+            written = time.perf_counter()
+            try:
+                self.server.client.reload_weights(str(folder))
+            except VllmServerError as error:
+                raise self.server.explain(error) from None
+            self._served_version = (self.server.epoch, weights.version)
+            size = sum(f.stat().st_size for f in folder.iterdir())
+            self.weight_syncs.append(WeightSync(written - started, time.perf_counter() - written, size))
+
+    @property
+    def weight_reloads(self) -> int:
+        """How many times the server's weights were replaced."""
+        return len(self.weight_syncs)
 
     def _base_name(self) -> str:
         with self._lock:
@@ -138,8 +194,10 @@ class AdapterSlots:
                 except VllmServerError:
                     pass  # the server is gone or going: nothing is served any more
                 shutil.rmtree(self._dir / name, ignore_errors=True)
+            shutil.rmtree(self._dir / f"{self._prefix}-weights", ignore_errors=True)
             self._loaded.clear()
             self._base = None
+            self._served_version = None
 
 
 def _explain_refusal(error: VllmServerError, rank: int, server) -> Exception:

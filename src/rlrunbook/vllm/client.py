@@ -213,6 +213,24 @@ class VllmClient:
     def unload_adapter(self, name: str) -> None:
         self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
+    def reload_weights(self, folder: str) -> None:
+        """Replace the served base model's weights, in place, by the safetensors files in ``folder`` (same names
+        and shapes), then drop the prefix cache (its keys and values were computed with the old weights).
+
+        vLLM's ``reload_weights`` reached through ``/collective_rpc`` and ``/reset_prefix_cache``: routes a server
+        serves only when started with ``VLLM_SERVER_DEV_MODE=1``, as a managed server of a full-parameter client is.
+        """
+        try:
+            self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+            self._call("POST", "/reset_prefix_cache")
+        except VllmServerError as error:
+            if "HTTP 404" in str(error):
+                raise VllmServerError(
+                    f"the vLLM server at {self.base_url} cannot replace its weights ({error}): its weight-update "
+                    "routes need VLLM_SERVER_DEV_MODE=1 in its environment."
+                ) from None
+            raise
+
 
 def _error_message(body: str) -> str:
     try:

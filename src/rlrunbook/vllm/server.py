@@ -44,6 +44,7 @@ class ServerLaunch:
     gpu_memory_utilization: float  # CUDA build: the share of GPU memory the server may take
     extra_args: tuple[str, ...]
     scratch: Path  # the server's TMPDIR, caches and logs
+    weight_updates: bool = False  # serve vLLM's routes that replace the weights in place (a full-parameter trainer's)
 
 
 def server_arguments(launch: ServerLaunch, port: int, max_lora_rank: int) -> list[str]:
@@ -93,6 +94,8 @@ def server_environment(launch: ServerLaunch, base: dict[str, str]) -> dict[str, 
         TMPDIR=str(launch.scratch / "tmp"),
         VLLM_CACHE_ROOT=str(launch.scratch / "cache"),
     )
+    if launch.weight_updates:  # /collective_rpc and /reset_prefix_cache (the server listens on loopback only)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     if not launch.device.startswith("cuda"):
         # 1 GiB of KV cache by default; all cores compute (else one is reserved); no torch.compile per new shape.
         env.update(

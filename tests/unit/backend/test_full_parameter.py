@@ -193,3 +193,28 @@ def test_calls_at_awkward_points(tmp_path, world):
     if world == 1:
         assert first["gap_after_mid_step_sampling"] == 0.0, "a sampler after the step read the weights before it"
         assert "with_reference=True" in first["kl_without_reference"]
+
+
+SAMPLER_SHARE = """
+import torch
+from rlrunbook.backend import sharding
+from rlrunbook.backend.model_host import load_host
+from rlrunbook.backend.service_client import micro_batching
+from rlrunbook.backend.settings import LocalSettings
+from rlrunbook.models import resolve_model
+
+host = load_host(str(resolve_model("tiny")), LocalSettings(device="cpu", dtype=torch.float32))
+sharding.shard(host.model, torch.float32)
+for sampler in ("hf", "vllm"):
+    print(micro_batching(host, LocalSettings(device="cpu", dtype=torch.float32, sampler=sampler), None).reason)
+"""
+
+
+def test_a_vllm_server_on_the_cpu_leaves_the_trainer_the_sampling_share():
+    """The in-process sampler's share of the device is not held back when a vLLM server samples (on the CPU its
+    memory is the server process's), as for LoRA."""
+    done = subprocess.run([sys.executable, "-c", SAMPLER_SHARE], capture_output=True, text=True,
+                          env=ranks.child_env(), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf, vllm = done.stdout.strip().splitlines()[-2:]
+    assert "and 40% for sampling" in hf and "and 0% for sampling" in vllm, (hf, vllm)

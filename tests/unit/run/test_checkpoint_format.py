@@ -281,3 +281,84 @@ def test_an_rng_state_the_generators_refuse_is_refused_on_reading(saved, edit, m
     with pytest.raises(InputError, match=message):
         load_checkpoint(saved)
     assert random.getstate() == state  # checked on fresh generators: the global ones untouched
+
+
+def _full_state() -> tuple[dict[str, torch.Tensor], dict]:
+    """Whole weights and an AdamW-like state keyed by name, as ``sharding.full_state`` gives them."""
+    torch.manual_seed(0)
+    weights = {"embed.weight": torch.randn(5, 3), "norm.weight": torch.randn(3), "tiny.bias": torch.randn(1)}
+    state = {name: {"step": torch.tensor(2.0), "exp_avg": torch.randn_like(w), "exp_avg_sq": torch.rand_like(w)}
+             for name, w in weights.items()}
+    groups = [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "foreach": None,
+               "params": list(weights)}]
+    return weights, {"state": state, "param_groups": groups}
+
+
+def _rank_shards(weights: dict, optimizer: dict, rank: int, world: int) -> tuple[dict, dict]:
+    """Rank ``rank``'s shards as FSDP2 cuts them: ``torch.chunk`` along the first dimension, empty past the last
+    chunk; step counts whole."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t.clone()
+        pieces = torch.chunk(t, world, dim=0)
+        return pieces[rank].clone() if rank < len(pieces) else t[:0].clone()
+
+    state = {n: {k: cut(v) for k, v in entry.items()} for n, entry in optimizer["state"].items()}
+    return {n: cut(w) for n, w in weights.items()}, {"state": state, "param_groups": optimizer["param_groups"]}
+
+
+def _save_sharded(run_dir, step: int, world: int) -> tuple[dict, dict]:
+    """A checkpoint of ``step`` written as ``world`` ranks would: stage, ranks 1.. write, rank 0 finishes."""
+    weights, optimizer = _full_state()
+    staging = ckpt.stage_sharded(run_dir, step)
+    for rank in range(1, world):
+        ckpt.write_shard(staging, rank, world, *_rank_shards(weights, optimizer, rank, world))
+    mine, my_optimizer = _rank_shards(weights, optimizer, 0, world)
+    save_checkpoint(run_dir, Checkpoint(step=step, config={"steps": 8}, adapter=mine, optimizer=my_optimizer,
+                                        rng=capture_rng(), weights_version=step, shard=(0, world)))
+    return weights, optimizer
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sharded_checkpoint_reads_as_each_ranks_shards_or_joined_whole(run_dir, world):
+    weights, optimizer = _save_sharded(run_dir, 3, world)
+    folder = run_dir / "checkpoints" / "step_000003"
+    manifest = verify_checkpoint(folder)
+    assert manifest["shards"] == world and "adapter.safetensors" not in manifest["files"]
+    assert {ckpt.shard_file_name(r, world) for r in range(world)} <= manifest["files"].keys()
+    assert not list((run_dir / "checkpoints").glob(".tmp-*")), "the staging folder became the checkpoint"
+    for rank in range(world):  # at the same world size each rank reads its own shards only
+        loaded = load_checkpoint(folder, shard=(rank, world))
+        mine, my_optimizer = _rank_shards(weights, optimizer, rank, world)
+        assert loaded.shard == (rank, world)
+        assert all(torch.equal(loaded.adapter[n], mine[n]) for n in weights)
+        assert all(torch.equal(loaded.optimizer["state"][n][k], v)
+                   for n, entry in my_optimizer["state"].items() for k, v in entry.items())
+    for shard in (None, (0, 1), (0, world + 1)):  # anywhere else: whole tensors
+        joined = load_checkpoint(folder, shard=shard)
+        assert joined.shard is None and joined.step == 3
+        assert all(torch.equal(joined.adapter[n], w) for n, w in weights.items())
+        assert all(torch.equal(joined.optimizer["state"][n][k], v)
+                   for n, entry in optimizer["state"].items() for k, v in entry.items())
+        assert joined.optimizer["param_groups"] == optimizer["param_groups"]
+
+
+def test_a_sharded_checkpoint_missing_a_ranks_file_is_refused(run_dir):
+    weights, optimizer = _full_state()
+    staging = ckpt.stage_sharded(run_dir, 1)  # rank 1 never wrote
+    with pytest.raises(InputError, match="lacks the shard files"):
+        save_checkpoint(run_dir, Checkpoint(step=1, config={}, adapter=weights, optimizer=optimizer,
+                                            rng=capture_rng(), shard=(0, 2)))
+    assert not (run_dir / "checkpoints" / "step_000001").exists() and staging.is_dir()
+    _save_sharded(run_dir, 2, 2)  # the next save removes what the failed one left
+    assert not staging.exists()
+    folder = run_dir / "checkpoints" / "step_000002"
+    (folder / ckpt.shard_file_name(1, 2)).unlink()
+    with pytest.raises(InputError, match="shard_00001_of_00002.safetensors is missing"):
+        load_checkpoint(folder)
+
+
+def test_a_sharded_step_is_never_overwritten(run_dir):
+    _save_sharded(run_dir, 2, 2)
+    with pytest.raises(InputError, match="exists already"):
+        ckpt.stage_sharded(run_dir, 2)

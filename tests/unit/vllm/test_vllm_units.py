@@ -3,6 +3,7 @@ stop cutting, the zero adapter, adapter names, and the tier's skip/fail rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -133,6 +134,9 @@ def test_server_command_line_and_environment():
     assert "PYTHONPATH" not in env and env["HOME"] == "/h" and env["VLLM_CPU_KVCACHE_SPACE"] == "1.5"
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["TORCHDYNAMO_DISABLE"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_environment(_launch("cuda"), {})
+    assert "VLLM_SERVER_DEV_MODE" not in env  # the weight-update routes only for a full-parameter trainer's server
+    updating = dataclasses.replace(_launch("cpu"), weight_updates=True)
+    assert server_environment(updating, {})["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 def _engine(decode=None) -> VllmSamplingEngine:
@@ -208,6 +212,106 @@ def test_adapter_names_follow_the_weights(tiny_host):
     name = lambda w: snapshot_adapter(tiny_host, SamplerWeights(adapter=w)).name  # noqa: E731
     assert name(weights) == name(same) != name(moved)
     assert snapshot_adapter(tiny_host, SamplerWeights.base()) is None
+
+
+class _WeightsServer:
+    """A server stand-in that records what ``AdapterSlots`` asks of it: adapter loads and weight reloads, with
+    the tensors each reload reads from its folder."""
+
+    served_model = "base"
+
+    def __init__(self):
+        self.epoch = 0
+        self.reloaded: list[dict[str, torch.Tensor]] = []
+        self.client = self
+
+    def load_adapter(self, name: str, path: str) -> None:
+        pass
+
+    def unload_adapter(self, name: str) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+    def reload_weights(self, folder: str) -> None:
+        from safetensors.torch import load_file
+
+        self.reloaded.append(load_file(str(Path(folder) / "model.safetensors")))
+
+
+def test_full_weights_are_written_and_reloaded_once_per_version_and_after_a_restart(tmp_path):
+    from rlrunbook.vllm.adapters import AdapterSlots, FullWeights
+
+    server = _WeightsServer()
+    slots = AdapterSlots(server, tmp_path, unembed_shape=(10, 4), max_loaded=2)
+    written = []
+
+    def weights(version: int) -> FullWeights:
+        def write(folder: Path) -> None:
+            from safetensors.torch import save_file
+
+            written.append(version)
+            folder.mkdir(parents=True)
+            save_file({"w": torch.full((2,), float(version))}, str(folder / "model.safetensors"))
+        return FullWeights(version, write)
+
+    base = slots.name_for(weights(0))
+    assert base == slots.name_for(None)  # sampled under the base model's name
+    slots.name_for(weights(0))
+    slots.name_for(weights(1))
+    slots.name_for(weights(1))
+    server.epoch += 1  # a restarted server starts from the base model's folder again
+    slots.name_for(weights(1))
+    assert written == [0, 1, 1] and slots.weight_reloads == 3
+    assert all(sync.bytes > 8 and sync.write_s >= 0 and sync.reload_s >= 0 for sync in slots.weight_syncs)
+    assert [t["w"][0].item() for t in server.reloaded] == [0.0, 1.0, 1.0]
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith("-weights")], "one folder, the last version"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    slots.close()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith("-weights")]
+
+
+def test_full_weights_file_holds_every_weight_as_the_model_computes(tiny_folder, tmp_path):
+    from safetensors.torch import load_file
+
+    from rlrunbook.backend import sharding
+    from rlrunbook.backend.model_host import load_host
+    from rlrunbook.backend.vllm_sampling import write_full_weights
+
+    model = load_host(str(tiny_folder), LocalSettings(device="cpu", dtype=torch.float32)).model  # sharded below
+    write_full_weights(model, tmp_path / "w")
+    saved = load_file(str(tmp_path / "w" / "model.safetensors"))
+    params = dict(model.named_parameters())
+    assert saved.keys() == params.keys() and "model.embed_tokens.weight" in saved
+    assert all(torch.equal(saved[name], param.detach()) for name, param in params.items())
+    assert saved.keys() <= model.state_dict().keys()  # the checkpoint's names (vLLM loads them by name)
+
+    sharding.shard(model, torch.float32)
+    sharding.release(model)
+    with pytest.raises(RuntimeError, match="is sharded: gather the weights"):
+        write_full_weights(model, tmp_path / "sharded")
+    sharding.gather(model)
+    write_full_weights(model, tmp_path / "gathered")
+    gathered = load_file(str(tmp_path / "gathered" / "model.safetensors"))
+    assert gathered.keys() == saved.keys() and all(torch.equal(gathered[n], saved[n]) for n in saved)
+
+
+def test_a_tied_output_layer_is_written_under_its_own_name_too(tmp_path):
+    """vLLM reloads a tied output layer in place correctly only when the file names it (see vllm_sampling)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlrunbook.backend.vllm_sampling import write_full_weights
+
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    assert "lm_head.weight" not in dict(model.named_parameters())
+    write_full_weights(model, tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
+    assert torch.equal(saved["lm_head.weight"], model.lm_head.weight.detach())
 
 
 def test_group_rss_counts_this_process_group():

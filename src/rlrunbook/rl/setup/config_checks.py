@@ -119,9 +119,9 @@ def validate(config: TrainConfig) -> TrainConfig:
     if config.finetune == "full" and config.off_policy > 0:
         fail(f"--off-policy {config.off_policy} samples batches from past weights, and finetune full keeps no copies "
              "of past weights (a copy of every weight per batch ahead)", "Use --off-policy 0, or finetune: lora.")
-    if config.finetune == "full" and config.backend.sampler not in (None, "hf"):
-        fail(f"backend.sampler {config.backend.sampler} with finetune full: full-parameter training samples its "
-             "live (sharded, gathered) weights with the in-process engine", "Set backend.sampler: hf (or null).")
+    if config.finetune == "full" and config.backend.sampler == "generate":
+        fail("backend.sampler generate with finetune full: full-parameter training samples its live (sharded, "
+             "gathered) weights with the in-process engine or a vLLM server", "Set backend.sampler: hf or vllm.")
     config = config.replace(reward_fn=reward)
     if config.mismatch.correction is None:  # the default: correct what a lag adds, only where there is one
         resolved = "truncate" if config.off_policy > 0 else "none"

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,9 @@ from rlrunbook.run.checkpoint_format import (
     load_checkpoint,
     restore_rng,
     save_checkpoint,
+    sharded_staging,
+    stage_sharded,
+    write_shard,
 )
 from rlrunbook.run.redaction import (
     REDACTED,
@@ -99,19 +102,46 @@ class CheckpointSchedule:
         batch of step ``completed``, which may have been sampled already). ``sampler_adapters`` (an asynchronous
         run): the snapshots its next batches are sampled from, by step (rl/training/off_policy.py).
 
-        Under torchrun every rank calls it (gathering a sharded training state is a collective); rank 0 writes."""
+        Under torchrun every rank calls it: a sharded full-parameter state is written by every rank (its shards),
+        anything else by rank 0 (a LoRA adapter is every rank's alike)."""
         if not self.due(completed):
             return None
-        state = _exporter(training).export_training_state()
-        if not distributed.is_main():
+        state = _exporter(training).export_training_state(sharded=True)
+        if state.shard is None and not distributed.is_main():
             return None
-        folder = save_checkpoint(run_dir, Checkpoint(step=completed, config=self.config_record, adapter=state.adapter,
-                                                     optimizer=state.optimizer, rng=capture_rng(),
-                                                     weights_version=state.weights_version,
-                                                     data_cursor=cursor.to_dict(),
-                                                     sampler_adapters=sampler_adapters or None))
+        checkpoint = Checkpoint(step=completed, config=self.config_record, adapter=state.adapter,
+                                optimizer=state.optimizer, rng=capture_rng(), weights_version=state.weights_version,
+                                data_cursor=cursor.to_dict(), sampler_adapters=sampler_adapters or None,
+                                shard=state.shard)
+        if state.shard is None:
+            folder = save_checkpoint(run_dir, checkpoint)
+        else:  # rank 0 stages, the others write their shards into it, rank 0 writes its own and finishes
+            rank, world = state.shard
+            _together(lambda: stage_sharded(run_dir, completed) if rank == 0 else None)
+            _together(lambda: write_shard(sharded_staging(run_dir, completed), rank, world, state.adapter,
+                                          state.optimizer) if rank else None)
+            folder = _together(lambda: save_checkpoint(run_dir, checkpoint) if rank == 0 else None)
+            if folder is None:
+                return None
         log(f"[checkpoint] {folder}")
         return folder
+
+
+def _together(part: Callable[[], Any]) -> Any:
+    """``part()`` on this rank, and the ranks' outcomes shared: a rank that failed raises its own error, every
+    other rank a ``ConfigError`` naming the first failure (none goes on to wait for a rank that stopped)."""
+    error = None
+    try:
+        result = part()
+    except Exception as caught:  # noqa: BLE001 - shared with the other ranks, then raised
+        error, result = caught, None
+    failures = [f for f in distributed.gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+                if f is not None]
+    if error is not None:
+        raise error
+    if failures:
+        raise ConfigError(f"another rank could not write its part of the checkpoint: {failures[0]}")
+    return result
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -262,7 +292,7 @@ class Resume:
 
         ckpt = self.checkpoint
         _exporter(training).import_training_state(
-            TrainingState(ckpt.adapter, ckpt.optimizer, ckpt.weights_version), with_optimizer=True)
+            TrainingState(ckpt.adapter, ckpt.optimizer, ckpt.weights_version, shard=ckpt.shard), with_optimizer=True)
         restore_rng(ckpt.rng)
         return ckpt.step
 
@@ -287,7 +317,9 @@ def source_metadata(source_run: Path) -> dict[str, Any]:
 def plan_resume(path: str | Path, requested: TrainConfig, sources: Mapping[str, str] | None) -> Resume:
     """Find and verify the checkpoint, merge the config (see :func:`resumed_config`): all before a model loads."""
     folder = find_checkpoint(path)
-    checkpoint = load_checkpoint(folder)
+    layout = distributed.launch_layout()
+    # A sharded checkpoint written at this world size: each rank reads its own shards only.
+    checkpoint = load_checkpoint(folder, shard=(layout.rank, layout.world_size))
     source_run = folder.parent.parent
     if not (source_run / METADATA_FILE).is_file():
         raise ConfigError(f"checkpoint {folder} is not inside a run directory ({source_run / METADATA_FILE} is "

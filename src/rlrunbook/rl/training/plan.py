@@ -10,7 +10,7 @@ validator and the checkpoint schedule. The loop reads the plan; the modules it c
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from rlrunbook.rl.setup.config import TrainConfig
 from rlrunbook.rl.setup.config_checks import validate
 from rlrunbook.rl.setup.data_order import problem_order, split_held_out
 from rlrunbook.rl.setup.memory_plan import MemoryPlan, check_fits, plan_memory
-from rlrunbook.rl.setup.placement import placement
+from rlrunbook.rl.setup.placement import placement, resolved_sampler
 from rlrunbook.rl.setup.preflight import preflight
 from rlrunbook.rl.setup.prepare import dataset_record, prepare
 from rlrunbook.rl.setup.resume import CheckpointSchedule, Resume, plan_resume
@@ -82,6 +82,23 @@ def check_off_policy(config: TrainConfig, backend: str, world_size: int) -> None
                           "sampled from the initial weights. Use a smaller K (1 or 2 is typical) or more steps.")
 
 
+def check_full_sampler(config: TrainConfig, env: Mapping[str, str]) -> None:
+    """Refuse, before the data set loads, a sampler that full-parameter training cannot use as the environment
+    sets it: ``TINKER_LOCAL_SAMPLER=generate``, or a vLLM server of the user's (``TINKER_LOCAL_VLLM_URL``)."""
+    from rlrunbook.errors import ConfigError
+
+    if config.finetune != "full":
+        return
+    sampler, _ = resolved_sampler(config.backend, env)
+    if sampler == "generate":  # backend.sampler generate is refused with the options
+        raise ConfigError("TINKER_LOCAL_SAMPLER=generate with finetune full: full-parameter training samples with "
+                          "the in-process engine or a vLLM server. Set TINKER_LOCAL_SAMPLER=hf or vllm.")
+    if sampler == "vllm" and env.get("TINKER_LOCAL_VLLM_URL", "").strip():
+        raise ConfigError("TINKER_LOCAL_VLLM_URL with finetune full: full-parameter training replaces the vLLM "
+                          "server's weights after every step, so it starts a server of its own. Unset "
+                          "TINKER_LOCAL_VLLM_URL.")
+
+
 def judge_choice(config: TrainConfig) -> JudgeChoice:
     """The judge of a debate run (mock, or a model judge of ``judge_model``, default the policy's base model)."""
     if config.mode != "debate":
@@ -104,6 +121,7 @@ def plan_run(config: TrainConfig, *, resume_from: str | Path | None = None,
     # Log root, name, backend, device, model folders: before any model, any run directory and the data set, so
     # a model that cannot be had is named as such, not as the data set's connection error on a machine offline.
     preflight(validate(config))
+    check_full_sampler(config, os.environ)
     config, paradigm, task, problems = prepare(config)
     if resume is not None:
         resume.check_dataset(task.dataset_info(problems))

@@ -74,16 +74,39 @@ def test_a_4bit_base_with_full_training_is_refused():
 
 @pytest.mark.parametrize(("changes", "named"), [
     ({"off_policy": 1}, "--off-policy 1 samples batches from past weights"),
-    ({"backend": BackendSettings(sampler="vllm")}, "backend.sampler vllm with finetune full"),
     ({"backend": BackendSettings(sampler="generate")}, "backend.sampler generate with finetune full"),
 ])
 def test_what_full_training_cannot_do_is_refused_before_loading(changes, named):
     """Full training keeps no copies of past weights (asynchronous runs sample from them) and samples its gathered
-    live weights in process (a vLLM server or transformers' generate would need them copied out every step)."""
+    live weights in process or on a vLLM server of its own (transformers' generate has no such path)."""
     config = TrainConfig(finetune="full", **changes)
     with pytest.raises(ConfigError, match=named):
         validate(config)
     validate(config.replace(finetune="lora"))
+
+
+def test_full_training_samples_with_hf_or_vllm():
+    for sampler in ("hf", "vllm", None):
+        assert validate(TrainConfig(finetune="full", backend=BackendSettings(sampler=sampler))).finetune == "full"
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"TINKER_LOCAL_SAMPLER": "generate"}, "TINKER_LOCAL_SAMPLER=generate with finetune full"),
+    ({"TINKER_LOCAL_SAMPLER": "vllm", "TINKER_LOCAL_VLLM_URL": "http://127.0.0.1:8000"},
+     "TINKER_LOCAL_VLLM_URL with finetune full"),
+])
+def test_a_sampler_of_the_environment_full_training_cannot_use_is_refused(env, named):
+    """What the environment chooses is refused by the plan's check, before the data set loads."""
+    from rlrunbook.rl.training.plan import check_full_sampler
+
+    with pytest.raises(ConfigError, match=named):
+        check_full_sampler(TrainConfig(finetune="full"), env)
+    check_full_sampler(TrainConfig(finetune="lora"), env)
+    check_full_sampler(TrainConfig(finetune="full", backend=BackendSettings(sampler="hf")), env)
+    check_full_sampler(TrainConfig(finetune="full"), {"TINKER_LOCAL_SAMPLER": "vllm"})
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_VLLM_URL with finetune full"):
+        check_full_sampler(TrainConfig(finetune="full", backend=BackendSettings(sampler="vllm")),
+                           {"TINKER_LOCAL_VLLM_URL": "http://127.0.0.1:8000"})
 
 
 @pytest.mark.parametrize(("stated", "env", "expected"), [
