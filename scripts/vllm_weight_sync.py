@@ -97,8 +97,8 @@ def _machine() -> str:
 
 
 def report(result: dict) -> str:
-    lines = [f"{result['model']} ({result['parameters'] / 1e6:.1f}M parameters, {result['dtype']}), "
-             f"{result['rows']} rows x {result['max_tokens']} tokens per sample call; {result['machine']}",
+    lines = [(f"{result['model']} ({result['parameters'] / 1e6:.1f}M parameters, {result['dtype']}), "
+              f"{result['rows']} rows x {result['max_tokens']} tokens per sample call; {result['machine']}"),
              "version  file MiB  write s  reload s  sample s (first / again)  train step s  sampler-trainer gap"]
     for v in result["versions"]:
         step = "-" if v["train_step_s"] is None else f"{v['train_step_s']:.2f}"

@@ -22,10 +22,9 @@ from rlrunbook.backend.futures import ResolvedClient, WorkerLane
 from rlrunbook.backend.model_host import ModelHost, SamplerWeights, active_weights
 from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
-from rlrunbook.engines.base import GenerationRequest
+from rlrunbook.engines.base import GenerationRequest, SampleJob
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.noise import mix_seed
-from rlrunbook.engines.base import SampleJob
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
 from rlrunbook.errors import ConfigError, InputError
