@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from rlrunbook.allocator import keep_freed_memory
 from rlrunbook.cli.arguments import bounded_int, service_url
 from rlrunbook.cli.config_options import add_config_options, given_values
 from rlrunbook.errors import ConfigError
@@ -44,6 +45,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         os.environ["TINKER_BACKEND"] = "api"
         os.environ["TINKER_BASE_URL"] = args.service
     runs = resolve_runs(args)
+    keep_freed_memory()  # the steps' large buffers reused, not faulted in anew (rlrunbook/allocator.py)
     if getattr(args, "resume_from", None) is None:
         from rlrunbook.rl.setup.preflight import check_run_location
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlrunbook.allocator import keep_freed_memory
 from rlrunbook.errors import ConfigError
 from rlrunbook.service.deadlines import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, TenantLimits
@@ -162,27 +163,6 @@ def storage_lock(root: Path) -> Iterator[None]:
         yield
     finally:
         handle.close()
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
-
-
-def keep_freed_memory() -> str | None:
-    """Make glibc keep the memory a step frees for the next step (``MALLOC_MMAP_MAX_=0`` and a high
-    ``MALLOC_TRIM_THRESHOLD_``, as scripts/run.sh sets them) unless the environment chose: otherwise the
-    multi-GB activation buffers of every ``forward_backward`` go back to the OS and are faulted in again, which
-    made a SmolLM2-135M ``forward_backward`` through the server 8% slower than in process on the project's CPU.
-    What was set, or None (not glibc, or already chosen)."""
-    import ctypes
-
-    if os.environ.get("MALLOC_MMAP_MAX_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        done = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, -1) == 1  # -1: never trim
-    except (OSError, AttributeError):
-        return None
-    return "freed memory kept for reuse (glibc: no mmap for large blocks, no trimming)" if done else None
 
 
 async def expire_sessions(state, period_s: float, checkpoint_period_s: float = CHECKPOINT_SWEEP_S) -> None:
