@@ -48,7 +48,7 @@ class ChunkScores:
 
 class ChunkScoring(Protocol):
     def score(self, chunk: Sequence[ScoredItem], filters: SamplingFilters, with_entropy: bool,
-              with_reference: bool) -> ChunkScores: ...
+              with_reference: bool, recompute: bool | None = None) -> ChunkScores: ...
 
 
 class SharedPrefixScoring:
@@ -66,10 +66,12 @@ class SharedPrefixScoring:
         """Whether a KL reference can be scored: a reference model, or an adapter to switch off."""
         return self.reference is not None or hasattr(self.scorer.decoder.model, "disable_adapter")
 
-    def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
-        """The chunk's scores; for a sharded model, one pass of its outer unit (see backend/sharding.py)."""
+    def score(self, chunk, filters, with_entropy, with_reference, recompute: bool | None = None) -> ChunkScores:
+        """The chunk's scores; for a sharded model, one pass of its outer unit (see backend/sharding.py).
+        ``recompute``: activation checkpointing for this pass (default: ``recompute_layers``)."""
+        recompute = self.recompute_layers if recompute is None else recompute
         return sharding.outer_call(self.scorer.decoder.model, self._score, chunk, filters, with_entropy,
-                                   with_reference)
+                                   with_reference, recompute)
 
     def idle_pass(self, pad_token_id: int, with_reference: bool) -> torch.Tensor:
         """A pass over two padding tokens whose value is 0 (with the weights' graph), reading the reference too
@@ -98,8 +100,8 @@ class SharedPrefixScoring:
                 base = self.scorer.run(sequences)
                 return self.scorer.score(base.hidden, rows, targets).logprobs
 
-    def _score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
-        run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=self.recompute_layers)
+    def _score(self, chunk, filters, with_entropy, with_reference, recompute: bool) -> ChunkScores:
+        run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=recompute)
         pairs: dict[tuple[int, int], int] = {}  # (hidden row, target) -> index: each distinct pair once
         seen: list[int] = []  # pair index of every position the loss reads, datum by datum
         for i, item in enumerate(chunk):
@@ -162,7 +164,8 @@ class PaddedScoring:
                             position_ids=batch.position_ids.to(device)).logits  # [B, L, V]
         return logits, targets
 
-    def score(self, chunk, filters, with_entropy, with_reference) -> ChunkScores:
+    def score(self, chunk, filters, with_entropy, with_reference, recompute: bool | None = None) -> ChunkScores:
+        """``recompute`` is accepted for the protocol: transformers' forward keeps every activation."""
         width = max(len(item.input_tokens) for item in chunk)
         seen = torch.stack([torch.nn.functional.pad(item.mask, (0, width - len(item.mask)), value=False)
                             for item in chunk])  # [B, L]

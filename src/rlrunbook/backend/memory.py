@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -267,6 +268,42 @@ class MicroBatching:
     recompute_layers: bool
     reason: str
     cost: TokenCost | None = None  # the traced cost the choice rests on (None where none was traced)
+    # Where checkpointing was chosen because the plan's share of the device could not hold a micro-batch of the
+    # efficient size without it: the cost without it, so that a micro-batch that fits in the memory free when it
+    # runs skips it (recomputing gives the same bits: see needs_recompute). None: the choice holds for every pass.
+    plain: TokenCost | None = None
+
+
+RECOMPUTE_MARGIN = 0.1  # the share of a device's memory a pass without checkpointing leaves free
+
+
+def available_now(device: str | torch.device) -> int | None:
+    """Bytes free on ``device`` now (host memory: the kernel's MemAvailable; CUDA: the driver's free memory),
+    less ``RECOMPUTE_MARGIN`` of the device's memory; None where unknown."""
+    device = torch.device(device)
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        elif device.type == "cpu":
+            line = next(line for line in Path("/proc/meminfo").read_text().splitlines()
+                        if line.startswith("MemAvailable:"))
+            free = int(line.split()[1]) * 1024
+        else:
+            return None
+    except (OSError, StopIteration, RuntimeError, ValueError):
+        return None
+    return free - int(RECOMPUTE_MARGIN * device_memory(device))
+
+
+def needs_recompute(plain: TokenCost | None, tokens: int, device: str | torch.device) -> bool:
+    """Whether a micro-batch of ``tokens`` distinct tokens, planned with activation checkpointing, must keep it:
+    not when its cost without (``plain``) fits in the memory free on ``device`` now. Either way the pass computes
+    the same values (checkpointing recomputes a layer's forward with the same kernels), so the choice changes time
+    and peak memory, never a result."""
+    if plain is None:
+        return True
+    free = available_now(device)
+    return free is None or plain.bytes(tokens) > free
 
 
 def lora_layout(model: torch.nn.Module) -> dict:
@@ -287,7 +324,9 @@ def choose_micro_batching(config, dtype: torch.dtype, lora: dict, numerics: Nume
 
     ``tokens``: the budget a user set (``0``: no limit), or ``None`` to derive it from ``available`` and the
     traced per-token cost (:func:`token_cost`). ``checkpointing``: ``on``, ``off`` or ``auto`` (off while a
-    micro-batch of the device's ``MIN_EFFICIENT_TOKENS`` fits without it, or while a stated budget does).
+    micro-batch of the device's ``MIN_EFFICIENT_TOKENS`` fits without it, or while a stated budget does), or
+    ``planned`` (on, as a run's plan chose it). Checkpointing that ``auto`` or ``planned`` chose comes with the
+    cost without it (``plain``): a pass that fits in the memory free when it runs skips it.
     When not even a micro-batch of 256 tokens fits: ``ConfigError`` naming the ways out, or with ``refuse=False``
     that smallest micro-batch with checkpointing (a plan that does not fit, for its caller to report).
     """
@@ -301,15 +340,18 @@ def choose_micro_batching(config, dtype: torch.dtype, lora: dict, numerics: Nume
 
     if tokens is not None:
         budget = tokens or None
-        recompute = checkpointing == "on" or (
+        automatic = checkpointing == "planned" or (
             checkpointing == "auto" and budget is not None and cost(False).bytes(budget) > available)
-        return MicroBatching(budget, recompute, f"stated: {budget or 'no limit'} tokens ({where})", cost(recompute))
+        recompute = checkpointing == "on" or automatic
+        return MicroBatching(budget, recompute, f"stated: {budget or 'no limit'} tokens ({where})", cost(recompute),
+                             cost(False) if automatic else None)
     plain = cost(False)
     efficient = MIN_EFFICIENT_TOKENS.get(device_type, MIN_EFFICIENT_TOKENS["cuda"])
     if checkpointing == "off" or (checkpointing == "auto" and plain.tokens(available) >= efficient):
         chosen, recompute = plain, False
     else:
         chosen, recompute = cost(True), True
+    skippable = plain if checkpointing in ("auto", "planned") and recompute else None
     budget = chosen.tokens(available) // _BUDGET_STEP * _BUDGET_STEP
     if budget < _BUDGET_STEP and not refuse:
         return MicroBatching(_BUDGET_STEP, checkpointing != "off", f"does not fit ({where})",
@@ -320,7 +362,7 @@ def choose_micro_batching(config, dtype: torch.dtype, lora: dict, numerics: Nume
             f"{_gib(chosen.bytes(_BUDGET_STEP))} GiB more. Use a smaller model or LoRA rank, bfloat16, "
             "TINKER_LOCAL_ACTIVATION_CHECKPOINTING=on, or a device with more memory.")
     return MicroBatching(budget, recompute, f"derived: {chosen.per_token / 1024:.0f} KiB per token"
-                         f"{' with activation checkpointing' if recompute else ''} ({where})", chosen)
+                         f"{' with activation checkpointing' if recompute else ''} ({where})", chosen, skippable)
 
 
 def plan_micro_batching(model: torch.nn.Module, *, device: str, numerics: Numerics | str, tokens: int | None,

@@ -78,15 +78,22 @@ def micro_batching(host: ModelHost, settings: LocalSettings, reference: torch.nn
     if sharding.is_sharded(host.model):
         return plan_full_micro_batching(host.model, reference, compute_dtype=settings.resolved_dtype(),
                                         device=settings.device, numerics=settings.decoder_numerics(),
-                                        tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing,
+                                        tokens=settings.micro_batch_tokens, checkpointing=_checkpointing(settings),
                                         sampler_share=share)
     reason = unsupported_reason(host.model)
     if reason is not None:  # transformers' own forward over padded datums: no traced cost to derive a budget from
         tokens = settings.micro_batch_tokens or None
         return MicroBatching(tokens, False, f"{tokens or 'no'} token limit; the padded path ({reason})")
     return plan_micro_batching(host.model, device=settings.device, numerics=settings.decoder_numerics(),
-                               tokens=settings.micro_batch_tokens, checkpointing=settings.activation_checkpointing,
+                               tokens=settings.micro_batch_tokens, checkpointing=_checkpointing(settings),
                                sampler_share=share)
+
+
+def _checkpointing(settings: LocalSettings) -> str:
+    """The checkpointing choice the micro-batch planner takes: ``planned`` where a run's plan chose it (see
+    ``LocalSettings.planned_recompute``), else the setting."""
+    return "planned" if settings.planned_recompute and settings.activation_checkpointing == "auto" else (
+        settings.activation_checkpointing)
 
 
 class LocalServiceClient:
@@ -215,7 +222,8 @@ class LocalServiceClient:
                               vocab_size=host.engine.vocab_size, grad_accum_chunks=settings.grad_accum_chunks,
                               accept_zero_advantages=settings.zero_advantage_batches == "accept",
                               numerics=settings.decoder_numerics(), micro_batch_tokens=batching.tokens,
-                              recompute_layers=batching.recompute_layers, full_parameters=full, reference=reference)
+                              recompute_layers=batching.recompute_layers, full_parameters=full, reference=reference,
+                              plain_cost=batching.plain)
             self._store.write_run(record)
             return LocalTrainingClient(host, trainer, self._worker.lane(id(host)), model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,

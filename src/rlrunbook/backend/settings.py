@@ -83,7 +83,10 @@ class LocalSettings:
             device's memory and the model's traced per-token cost (rlrunbook.backend.memory); ``0`` = no limit.
         activation_checkpointing: whether decoder layers recompute their activations in backward
             (``TINKER_LOCAL_ACTIVATION_CHECKPOINTING``: ``auto`` (default: where the memory needs it), ``on``,
-            ``off``).
+            ``off``). With ``auto``, a pass that checkpointing was planned for skips it when its cost without
+            fits in the memory free as it runs (the same values either way: backend/memory.needs_recompute).
+        planned_recompute: with ``activation_checkpointing`` ``auto``, checkpointing as a run's memory plan
+            chose it (``rlrunbook train`` sets it from its plan), skipped as ``auto`` skips it.
         lora_alpha: LoRA alpha (``TINKER_LOCAL_LORA_ALPHA``, 32: scale 1 at the SDK's default rank 32).
         sampler: sampling engine (``TINKER_LOCAL_SAMPLER``): ``hf`` (default: this project's in-process
             engine over the transformers weights, the trainer's own forward, for the Llama, Qwen2,
@@ -139,6 +142,7 @@ class LocalSettings:
     grad_accum_chunks: int = 1
     micro_batch_tokens: int | None = None
     activation_checkpointing: str = "auto"
+    planned_recompute: bool = False
     lora_alpha: int = 32
     sampler: str = "hf"
     numerics: str = "invariant"

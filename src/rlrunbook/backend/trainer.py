@@ -38,6 +38,7 @@ from rlrunbook.backend import sharding
 from rlrunbook.backend.chunk_scores import ChunkScores, ChunkScoring, PaddedScoring, SharedPrefixScoring
 from rlrunbook.backend.datum_items import TrainingItem, datum_item
 from rlrunbook.backend.lora import adapter_parameters
+from rlrunbook.backend.memory import TokenCost, needs_recompute
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
 from rlrunbook.engines.decoder import Numerics, unsupported_reason
@@ -173,7 +174,8 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, vocab_size: int, grad_accum_chunks: int = 1,
                  accept_zero_advantages: bool = False, numerics: Numerics | str = "invariant",
                  micro_batch_tokens: int | None = None, recompute_layers: bool = False,
-                 full_parameters: bool = False, reference: torch.nn.Module | None = None):
+                 full_parameters: bool = False, reference: torch.nn.Module | None = None,
+                 plain_cost: TokenCost | None = None):
         self.model = model
         self.full_parameters = full_parameters  # every weight trains (the model sharded by backend/sharding.py)
         if full_parameters and (not sharding.is_sharded(model) or unsupported_reason(model) is not None):
@@ -185,6 +187,11 @@ class Trainer:
                                       if unsupported_reason(model) is None else PaddedScoring(model, pad_token_id))
         self.micro_batch_tokens = micro_batch_tokens
         self.recompute_layers = recompute_layers
+        # With recompute_layers: a micro-batch whose cost without checkpointing fits in the memory free when it
+        # runs skips it (memory.needs_recompute; same values either way). Not for a sharded model: every rank
+        # must run the same collectives, and free memory differs between ranks.
+        self.plain_cost = None if full_parameters else plain_cost
+        self.recomputed_passes = 0  # passes run with checkpointing, of the last forward_backward (a metric)
         # False (the project's default): a batch with no non-zero advantage raises NoLearningSignalError.
         # True: it is computed as the hosted service computes it, loss and gradient 0 (for unmodified recipes).
         self.accept_zero_advantages = accept_zero_advantages
@@ -290,8 +297,12 @@ class Trainer:
         sampling: list[torch.Tensor] = []
         loss_total = 0.0
         parts: list[_ChunkOutput] = []
+        self.recomputed_passes = 0
         for batch in batches:
-            part = self._chunk_loss(items[batch.start:batch.stop], spec, config, reg, mismatch)
+            recompute = self.recompute_layers and backward and needs_recompute(self.plain_cost, batch.tokens,
+                                                                                 self.device)
+            self.recomputed_passes += recompute
+            part = self._chunk_loss(items[batch.start:batch.stop], spec, config, reg, mismatch, recompute)
             if backward:
                 part.loss.backward()
                 self._has_gradients = True
@@ -333,11 +344,11 @@ class Trainer:
                 loss.backward()
 
     def _chunk_loss(self, chunk: list[TrainingItem], spec: LossSpec, config: dict[str, float], reg: RegularizerConfig,
-                    mismatch: MismatchConfig) -> _ChunkOutput:
+                    mismatch: MismatchConfig, recompute: bool | None = None) -> _ChunkOutput:
         """One forward over ``chunk``: the loss's value plus the regularizer terms, and their metrics."""
         device = self.device
         scores = self.scoring.score(chunk, mismatch.filters, with_entropy=reg.entropy_coef > 0,
-                                    with_reference=reg.kl_coef > 0)
+                                    with_reference=reg.kl_coef > 0, recompute=recompute)
         sampling = _per_datum(chunk, scores.seen_sampling_logprobs) if mismatch.stated else []
         flat_lp = scores.seen_logprobs  # (N,) row-major: datum by datum, as the inputs below
         if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward

@@ -103,6 +103,39 @@ def test_recomputing_layer_activations_changes_no_bit(tiny_lora):
         assert torch.equal(recomputed[name], grad), name
 
 
+def test_a_pass_that_fits_now_skips_the_planned_recompute(tiny_lora, monkeypatch):
+    """Checkpointing chosen by the plan (the plan's share too small) is skipped for a micro-batch whose cost
+    without it fits in the memory free when it runs, and kept for one that does not; the gradient is the same
+    bits either way."""
+    from rlrunbook.backend import memory
+
+    data = _groups(719)
+    plain = memory.TokenCost(fixed=0, per_token=1000, recompute_layers=False)
+    kept, _ = _gradients(tiny_lora, data, micro_batch_tokens=200, recompute_layers=True)
+    sizes = [batch.tokens for batch in micro_batches([d.model_input.to_ints() for d in data], 200)]
+    above = sum(size > 160 for size in sizes)
+    assert 0 < above < len(sizes), sizes
+    for free, recomputed in ((10**12, 0), (1000 * 160, above), (None, len(sizes))):
+        monkeypatch.setattr(memory, "available_now", lambda device, free=free: free)
+        model, trainer = tiny_lora(micro_batch_tokens=200, recompute_layers=True, plain_cost=plain)
+        trainer.forward_backward(data, "importance_sampling")
+        assert trainer.recomputed_passes == recomputed, (free, sizes)
+        for name, param in adapter_parameters(model).items():
+            assert torch.equal(param.grad, kept[name]), (free, name)
+    assert memory.needs_recompute(None, 1, "cpu")  # no cost without checkpointing known: keep it
+
+
+def test_the_memory_free_now_is_read_from_the_device():
+    from rlrunbook.backend import memory
+
+    free = memory.available_now("cpu")
+    total = memory.device_memory("cpu")
+    assert free is not None and -total < free < total
+    tiny = memory.TokenCost(fixed=0, per_token=1, recompute_layers=False)
+    huge = memory.TokenCost(fixed=0, per_token=2 * total, recompute_layers=False)
+    assert not memory.needs_recompute(tiny, 1, "cpu") and memory.needs_recompute(huge, 1, "cpu")
+
+
 def test_peak_memory_stays_flat_from_one_budget_of_tokens_to_eight(tiny_lora):
     """fp32 on CPU: the tensor memory a forward_backward holds at its peak (every tensor it creates, followed
     until freed) is within 10% for a batch of one budget's worth of distinct tokens and one of eight."""
@@ -126,3 +159,43 @@ def test_peak_memory_stays_flat_from_one_budget_of_tokens_to_eight(tiny_lora):
     with LiveBytes() as live:
         trainer.forward_backward(eight, "importance_sampling")
     assert live.peak > 3 * peaks[0], (live.peak, peaks)
+
+
+@pytest.mark.parametrize(("user", "planned", "expected"), [
+    (None, True, ("auto", True, "planned")),  # the plan's checkpointing: skipped where a pass fits
+    (None, False, ("off", False, "off")),
+    ("on", True, ("on", False, "on")),  # the user's: every pass recomputes
+    ("off", False, ("off", False, "off")),
+])
+def test_a_runs_plan_hands_its_checkpointing_to_the_trainer_as_skippable(monkeypatch, user, planned, expected):
+    from types import SimpleNamespace
+
+    from rlrunbook.backend import service_client
+    from rlrunbook.rl.setup import service
+    from rlrunbook.rl.setup.config import BackendSettings
+
+    made = {}
+    monkeypatch.setattr("rlrunbook.backend.create_service_client", lambda settings: made.setdefault("s", settings))
+    monkeypatch.setattr("rlrunbook.backend.backend_name", lambda: "local")
+    monkeypatch.delenv("TINKER_LOCAL_ACTIVATION_CHECKPOINTING", raising=False)
+    plan = SimpleNamespace(micro_batch_tokens=4096, recompute_layers=planned)
+    settings = service.default_service(BackendSettings(device="cpu", activation_checkpointing=user), plan)
+    assert (settings.activation_checkpointing, settings.planned_recompute,
+            service_client._checkpointing(settings)) == expected
+    assert settings.micro_batch_tokens == 4096
+
+
+def test_planned_checkpointing_comes_with_its_cost_without(tiny_folder):
+    from rlrunbook.backend import memory
+
+    model = wrap_with_lora(load_causal_lm(tiny_folder, dtype=torch.float32), rank=8, alpha=16, seed=3)
+    config, layout = model.get_base_model().config, {"lora_rank": 8, "lora_alpha": 16, "train_attn": True,
+                                                     "train_mlp": True, "train_unembed": True}
+    choose = lambda checkpointing, tokens: memory.choose_micro_batching(  # noqa: E731
+        config, torch.float32, layout, "invariant", available=10**9, device_type="cpu", tokens=tokens,
+        checkpointing=checkpointing, where="test")
+    for tokens in (None, 512):
+        planned = choose("planned", tokens)
+        assert planned.recompute_layers and planned.plain is not None and not planned.plain.recompute_layers
+        forced = choose("on", tokens)
+        assert forced.recompute_layers and forced.plain is None

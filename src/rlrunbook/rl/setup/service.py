@@ -54,9 +54,13 @@ def default_service(stated: BackendSettings, micro_batching=None, *, concurrent_
         settings = local_settings(stated)
         if concurrent_sampling:
             settings = dataclasses.replace(settings, concurrent_sampling=True)
-        if micro_batching is not None:
-            settings = dataclasses.replace(settings, micro_batch_tokens=micro_batching.micro_batch_tokens or 0,
-                                           activation_checkpointing="on" if micro_batching.recompute_layers else "off")
+        if micro_batching is not None:  # checkpointing the user chose stays; the plan's is skipped where it can be
+            chosen = settings.activation_checkpointing != "auto"
+            settings = dataclasses.replace(
+                settings, micro_batch_tokens=micro_batching.micro_batch_tokens or 0,
+                activation_checkpointing=settings.activation_checkpointing if chosen else (
+                    "auto" if micro_batching.recompute_layers else "off"),
+                planned_recompute=not chosen and micro_batching.recompute_layers)
         return create_service_client(settings=settings)
     return create_service_client()
 
