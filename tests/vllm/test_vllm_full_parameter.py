@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tinker import types
-
 from vllm_support import supervised_datum
 
 pytestmark = pytest.mark.vllm
@@ -157,7 +156,7 @@ def test_the_weight_sync_script_reports_each_version(tmp_path):
     env.pop("TINKER_LOCAL_VLLM_URL", None)
     done = subprocess.run([sys.executable, str(root / "scripts" / "vllm_weight_sync.py"), "--model", MODEL,
                            "--steps", "1", "--rows", "2", "--max-tokens", "8", "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [v["version"] for v in result["versions"]] == [0, 1]

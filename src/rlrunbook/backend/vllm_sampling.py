@@ -79,7 +79,7 @@ def write_full_weights(model: torch.nn.Module, folder: Path) -> None:
     tensors = {}
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
-            raise RuntimeError(f"{name} is sharded: gather the weights (sharding.gather) before writing them")
+            raise TypeError(f"{name} is sharded: gather the weights (sharding.gather) before writing them")
         tensors[name] = param.detach().to("cpu").contiguous()
     unembed = model.get_output_embeddings()
     if unembed is not None and unembed.weight is model.get_input_embeddings().weight:

@@ -134,7 +134,7 @@ def write_shard(folder: Path, rank: int, world: int, weights: dict[str, torch.Te
         for name, entry in optimizer["state"].items():
             for key, value in entry.items():
                 if not isinstance(value, torch.Tensor):
-                    raise ValueError(f"optimizer state {name}/{key} is {type(value).__name__}, not a tensor")
+                    raise TypeError(f"optimizer state {name}/{key} is {type(value).__name__}, not a tensor")
                 tensors[f"optimizer/{key}/{name}"] = value.detach().to("cpu").contiguous()
         metadata[_SHARD_PARAM_GROUPS] = json.dumps(optimizer["param_groups"], allow_nan=False)
     name = shard_file_name(rank, world)
@@ -150,7 +150,7 @@ def _read_shard(path: Path, map_location) -> tuple[dict[str, torch.Tensor], dict
     with safe_open(str(path), framework="pt", device=str(map_location)) as handle:
         groups = (handle.metadata() or {}).get(_SHARD_PARAM_GROUPS)
         weights, state = {}, {}
-        for key in handle.keys():
+        for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
             kind, _, rest = key.partition("/")
             if kind == "weights" and rest:
                 weights[rest] = handle.get_tensor(key)

@@ -214,7 +214,7 @@ def test_a_vllm_server_on_the_cpu_leaves_the_trainer_the_sampling_share():
     """The in-process sampler's share of the device is not held back when a vLLM server samples (on the CPU its
     memory is the server process's), as for LoRA."""
     done = subprocess.run([sys.executable, "-c", SAMPLER_SHARE], capture_output=True, text=True,
-                          env=ranks.child_env(), timeout=180)
+                          env=ranks.child_env(), timeout=180, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     hf, vllm = done.stdout.strip().splitlines()[-2:]
     assert "and 40% for sampling" in hf and "and 0% for sampling" in vllm, (hf, vllm)

@@ -191,7 +191,7 @@ def test_planned_checkpointing_comes_with_its_cost_without(tiny_folder):
     model = wrap_with_lora(load_causal_lm(tiny_folder, dtype=torch.float32), rank=8, alpha=16, seed=3)
     config, layout = model.get_base_model().config, {"lora_rank": 8, "lora_alpha": 16, "train_attn": True,
                                                      "train_mlp": True, "train_unembed": True}
-    choose = lambda checkpointing, tokens: memory.choose_micro_batching(  # noqa: E731
+    choose = lambda checkpointing, tokens: memory.choose_micro_batching(
         config, torch.float32, layout, "invariant", available=10**9, device_type="cpu", tokens=tokens,
         checkpointing=checkpointing, where="test")
     for tokens in (None, 512):
