@@ -4,7 +4,7 @@ glibc serves large blocks (above 128 KiB by default) with ``mmap`` and returns t
 buffers every step allocates anew (activations, per-call kernel scratch, KV caches) are faulted in again page by
 page each time. Set once at the start of ``rlrunbook train`` and ``rlrunbook serve`` (as ``scripts/run.sh`` and
 ``scripts/test.sh`` set ``MALLOC_MMAP_MAX_=0`` and a high ``MALLOC_TRIM_THRESHOLD_``): the mini debate's steps took
-24-25 s with it and 27-28.5 s without on the project's 2-core CPU (docs/performance.md). The cost: resident memory
+23-26 s with it and 32-39 s without on the project's 2-core CPU (docs/performance.md). The cost: resident memory
 stays at its peak instead of shrinking between steps.
 """
 
