@@ -128,7 +128,11 @@ class LocalRestClient:
         return self.get_training_run(parse_tinker_path(tinker_path).model_id)
 
     def get_weights_info_by_tinker_path(self, tinker_path: str):
-        record = self._store.read_run(parse_tinker_path(tinker_path).model_id)
+        """The run's LoRA layout of the checkpoint at ``tinker_path``; ``ModelNotFoundError`` when the run has no
+        checkpoint of that name (an encrypted export counts: its layout is the run's)."""
+        path = parse_tinker_path(tinker_path)
+        record = self._store.read_run(path.model_id)
+        self._store.existing_folder(path, encrypted_ok=True)
         return completed(types.WeightsInfoResponse(
             base_model=record.base_model, is_lora=True, lora_rank=record.lora_rank,
             train_unembed=record.train_unembed, train_mlp=record.train_mlp, train_attn=record.train_attn))

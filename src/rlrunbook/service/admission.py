@@ -6,7 +6,9 @@ equal one of the server's keys, compared in constant time; the key names the cal
 tenant sees only its own sessions, models, samplers and futures. Without a key configured every request is
 admitted (one tenant; the server then binds loopback only, see :func:`rlrunbook.service.server.check_options`).
 A ``Content-Length`` over the limit is refused with 413 before the body is read; a body sent without one is
-counted as it is read (:func:`rlrunbook.service.routes.read_body`). Keys are never logged, echoed or written.
+counted as it is read (:func:`rlrunbook.service.routes.read_body`). Several ``X-API-Key`` headers, several
+``Content-Length`` headers or one that is not digits are the caller's error (400), never read as one of them.
+Keys are never logged, echoed or written.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ async def send_json(send, status: int, body: dict) -> None:
 
 
 class Admission:
-    """ASGI middleware: 401 without a right key, 413 for a declared body over ``max_body_bytes``; the tenant of
-    the key in ``scope["state"]["tenant"]``."""
+    """ASGI middleware: 400 for ambiguous key or length headers, 401 without a right key, 413 for a declared body
+    over ``max_body_bytes``; the tenant of the key in ``scope["state"]["tenant"]``."""
 
     def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
         self.app = app
@@ -49,6 +51,16 @@ class Admission:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        keys = [value for name, value in scope["headers"] if name == b"x-api-key"]
+        lengths = [value for name, value in scope["headers"] if name == b"content-length"]
+        if len(keys) > 1:
+            await send_json(send, 400, {"detail": f"{len(keys)} X-API-Key headers: send one (TINKER_API_KEY)."})
+            return
+        if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
+            shown = ", ".join(value.decode(errors="replace")[:20] for value in lengths)
+            await send_json(send, 400, {"detail": f"Content-Length {shown!r} is not one byte count: send one "
+                                                  "Content-Length of digits, or none (a chunked body)."})
+            return
         tenant = tenant_of(None)
         if self._tenants and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"x-api-key", b"")
@@ -60,7 +72,7 @@ class Admission:
                 return
         scope.setdefault("state", {})["tenant"] = tenant
         declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+        if declared is not None and int(declared) > self.max_body_bytes:
             await send_json(send, 413, {"detail": f"request body of {declared.decode(errors='replace')[:20]} bytes "
                                                   f"exceeds this server's limit of {self.max_body_bytes} bytes "
                                                   "(rlrunbook serve --max-body-mib); send fewer datums per call."})

@@ -9,7 +9,8 @@ this server does not serve is 404 naming the method and path (the SDK's ``NotFou
 routes that cannot apply to it (``retrieve_futures``, external weights' download URLs) is 400 naming why. Every handler
 acts for the caller's tenant (``request.state.tenant``, set by :mod:`rlrunbook.service.admission`); an id of
 another tenant is 404, as an unknown one. A heartbeat of an ended session is 410, which stops the SDK's
-heartbeat loop.
+heartbeat loop; so is one of an id the server does not hold for the key (forgotten, another tenant's or never
+made: answered alike).
 
 ``GET /api/v1/rlrunbook/status`` (not an SDK route) answers what the server holds for the caller: sessions,
 models with the bytes each holds beside the shared base weights, and the resident base models.

@@ -67,8 +67,14 @@ class Sessions:
         return dump(types.CreateSessionResponse(session_id=session.session_id))
 
     def heartbeat(self, request: types.SessionHeartbeatRequest, tenant: str) -> dict:
+        """Renew the caller's active session. 410 (which stops the SDK's heartbeat loop) for an ended one, and for an
+        id the server does not hold for this key: forgotten after it ended, another key's (answered alike, so the
+        answer tells nothing about another tenant), or never made here; none of them can ever answer 200."""
         session = self.holdings.sessions.get(request.session_id)
-        if session is not None and session.tenant == tenant and session.status != "active":
+        if session is None or session.tenant != tenant:
+            raise SessionEndedError(f"no session {request.session_id!r} on this server for this key (it ended and was "
+                                    "forgotten, or was never made here): create a new tinker.ServiceClient.")
+        if session.status != "active":
             raise SessionEndedError(ended_message(session, self.holdings.session_timeout_s))
         session = self.holdings.session(request.session_id, tenant)
         session.last_heartbeat = time.monotonic()

@@ -190,6 +190,31 @@ def test_a_tenants_checkpoints_are_unknown_to_another(app_storage, models):
     assert _post(client, "/weights_info", {"tinker_path": a_path}, KEY_A).status_code == 200
 
 
+@pytest.mark.parametrize(("headers", "status", "named"), [
+    ([("x-api-key", KEY_B), ("x-api-key", KEY_A)], 400, "2 X-API-Key headers"),
+    ([("x-api-key", KEY_A), ("content-length", "12abc")], 400, "is not one byte count"),
+    ([("x-api-key", KEY_A), ("content-length", "2"), ("content-length", "2")], 400, "is not one byte count"),
+    ([("x-api-key", KEY_A)], 200, ""),
+])
+def test_ambiguous_key_or_length_headers_are_the_callers_error(app_storage, models, headers, status, named):
+    """Several keys are not read as the last one (another tenant's), nor a length that is not digits as too long."""
+    client = app_storage[0]
+    _, path = models["a"]
+    body = json.dumps({"tinker_path": path}).encode()
+    answer = client.post(API + "/weights_info", content=body,
+                         headers=[("content-type", "application/json"), *headers])
+    assert answer.status_code == status and named in answer.text, answer.text
+
+
+def test_weights_info_of_a_checkpoint_name_never_saved_is_unknown(app_storage, models):
+    client, _, root = app_storage
+    _, path = models["a"]
+    missing = path.rsplit("/", 1)[0] + "/never-saved"
+    answer = _post(client, "/weights_info", {"tinker_path": missing}, KEY_A)
+    assert answer.status_code == 404 and "never-saved" in answer.text and str(root) not in answer.text, answer.text
+    assert _post(client, "/weights_info", {"tinker_path": path}, KEY_A).status_code == 200
+
+
 def test_a_deleted_checkpoint_leaves_the_disk_and_the_listing(app_storage, models):
     client, storage, _ = app_storage
     model_id, _ = models["b"]

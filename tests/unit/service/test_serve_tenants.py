@@ -130,9 +130,16 @@ def test_a_tenant_cannot_reach_another_tenants_ids(server):
     async def as_b() -> list[str]:
         client = AsyncTinker(api_key=KEY_B, base_url=server.url, max_retries=0)
         refused = []
+        # A heartbeat of another key's session answers as one of an id never made: 410, which stops the SDK's loop.
+        gone = []
+        for sid in (session_id, "session-never-made-here"):
+            with pytest.raises(tinker.APIStatusError) as caught:
+                await client.service.session_heartbeat(session_id=sid)
+            assert caught.value.status_code == 410
+            gone.append(str(caught.value).replace(sid, "<id>"))
+        assert gone[0] == gone[1], gone
         calls = [
             client.futures.retrieve(request=types.FutureRetrieveRequest(request_id=request_id)),
-            client.service.session_heartbeat(session_id=session_id),
             client.training.forward_backward(request=types.ForwardBackwardRequest(
                 forward_backward_input=types.ForwardBackwardInput(data=DATA, loss_fn="cross_entropy"),
                 model_id=training.model_id, seq_id=99)),

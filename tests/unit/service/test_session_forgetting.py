@@ -152,6 +152,12 @@ def test_idle_sessions_end_in_one_sweep_with_one_collection_and_are_forgotten_af
                   else client.get(API + route, headers={"X-API-Key": KEY_A}))
         assert 400 <= answer.status_code < 500, (route, answer.status_code, answer.text)
         assert answer.json()["detail"], route
+    # A heartbeat of a forgotten session is 410, which stops the SDK's heartbeat loop (it retries a 404).
+    assert _post(client, "/session_heartbeat", {"session_id": sessions[0]}).status_code == 410
+    # Another key's live session answers the same, and is not kept alive by it.
+    seen = serve.holdings.sessions[live].last_heartbeat
+    assert _post(client, "/session_heartbeat", {"session_id": live}, KEY_B).status_code == 410
+    assert serve.holdings.sessions[live].last_heartbeat == seen
 
     # The run a forgotten model made is still its tenant's: listed and read by A, unknown to B.
     run = saved.split("/")[2]
