@@ -180,8 +180,9 @@ class LocalRestClient:
 
     def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None):
         """Record that the checkpoint expires ``ttl_seconds`` from now (None: never), shown as its
-        ``expires_at`` in listings. In process nothing deletes it when it passes; ``rlrunbook serve`` removes
-        it then (:meth:`~rlrunbook.backend.storage.CheckpointStore.remove_expired`)."""
+        ``expires_at`` in listings. Once it passes, the checkpoint is gone for every use but deletion; in process
+        nothing deletes its files, ``rlrunbook serve`` removes them
+        (:meth:`~rlrunbook.backend.storage.CheckpointStore.remove_expired`)."""
         parsed = parse_tinker_path(tinker_path)
         set_expiry(self._store.existing_folder(parsed, encrypted_ok=True), ttl_seconds)
         return completed(None)

@@ -16,8 +16,9 @@ a save that returned is on disk.
 Adapters are peft folders (``adapter_config.json``, ``adapter_model.safetensors``); optimizer
 state is a ``torch.save`` of tensors and plain numbers, read back with ``weights_only=True``.
 Nothing here unpickles arbitrary objects. A TTL is recorded in the checkpoint's
-``rlrunbook_checkpoint.json`` and listed as the checkpoint's ``expires_at``; in process nothing deletes a
-checkpoint when it passes (delete them with the RestClient), while ``rlrunbook serve`` removes expired ones
+``rlrunbook_checkpoint.json`` and listed as the checkpoint's ``expires_at``; once it passes the checkpoint is
+gone for every use but deletion (loads, copies, a new TTL, ``weights_info``), as on the hosted service. In process
+nothing deletes its files then (delete them with the RestClient), while ``rlrunbook serve`` removes expired ones
 (:meth:`CheckpointStore.remove_expired`).
 """
 
@@ -155,8 +156,9 @@ class CheckpointStore:
                 return True
         return False
 
-    def existing_folder(self, path: TinkerPath, *, encrypted_ok: bool = False) -> Path:
-        """The folder of a saved checkpoint; ``ModelNotFoundError`` naming the fix if it is absent.
+    def existing_folder(self, path: TinkerPath, *, encrypted_ok: bool = False, expired_ok: bool = False) -> Path:
+        """The folder of a saved checkpoint; ``ModelNotFoundError`` naming the fix if it is absent, or expired
+        (unless ``expired_ok``: deleting it).
 
         An age-encrypted export (``save_weights_external`` with recipients) counts only with ``encrypted_ok``:
         nothing in process can load it."""
@@ -164,6 +166,14 @@ class CheckpointStore:
         if folder.is_dir() and self._leads_out(folder):
             raise ConfigError(f"{path.path} holds a symbolic link that leads outside the checkpoint storage; it "
                               "cannot be read or written here.")
+        if not expired_ok and folder.is_dir():
+            try:
+                expires = expires_at(folder)
+            except (OSError, ValueError, KeyError, TypeError):  # an unreadable record is not an expiry
+                expires = None
+            if expires is not None and expires <= datetime.now(timezone.utc):
+                raise ModelNotFoundError(f"the checkpoint at {path.path} expired at {expires.isoformat()} (its TTL "
+                                         "passed): save it again, or save with a longer ttl_seconds.")
         if (folder / ADAPTER_FILE).is_file():
             return folder
         if (folder / (ADAPTER_FILE + ENCRYPTED_SUFFIX)).is_file():
@@ -216,7 +226,7 @@ class CheckpointStore:
         return sorted(found, key=lambda item: item[1].stat().st_mtime)
 
     def delete(self, path: TinkerPath) -> None:
-        shutil.rmtree(self.existing_folder(path, encrypted_ok=True))
+        shutil.rmtree(self.existing_folder(path, encrypted_ok=True, expired_ok=True))
 
     def remove_expired(self, now: datetime | None = None) -> list[TinkerPath]:
         """Remove every checkpoint whose recorded expiry (:func:`set_expiry`) is at or before ``now`` (UTC; default

@@ -213,8 +213,14 @@ def test_ttl_is_recorded_listed_and_never_deletes(local_service):
             rest.set_checkpoint_ttl_from_tinker_path(path, bad)
     folder = local_service._store.folder(parse_tinker_path(path))
     set_expiry(folder, 3600, now=datetime(2000, 1, 1, tzinfo=timezone.utc))  # long expired
-    assert expiry() == datetime(2000, 1, 1, 1, tzinfo=timezone.utc)
-    assert scores(local_service.create_training_client_from_state(path)) == scores(client), "still there"
+    assert expiry() == datetime(2000, 1, 1, 1, tzinfo=timezone.utc)  # listed with its expiry until deleted
+    for use in (lambda: local_service.create_training_client_from_state(path),  # gone, as on the hosted service
+                lambda: rest.get_weights_info_by_tinker_path(path),
+                lambda: rest.set_checkpoint_ttl_from_tinker_path(path, 7 * DAY)):
+        with pytest.raises(ModelNotFoundError, match="expired at 2000-01-01T01:00:00"):
+            use()
+    rest.delete_checkpoint_from_tinker_path(path).result()  # deleting it still works
+    assert rest.list_checkpoints(client.model_id).result().checkpoints == []
 
 
 def test_rest_async_twins_return_what_their_methods_return(local_service):
