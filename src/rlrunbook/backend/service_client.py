@@ -43,7 +43,7 @@ from rlrunbook.backend.timeline import Timeline
 from rlrunbook.backend.trainer import Trainer
 from rlrunbook.backend.training_client import LocalTrainingClient
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
-from rlrunbook.backend.vllm_sampling import VllmSamplers
+from rlrunbook.backend.vllm_sampling import VllmSamplers, refuse_users_server
 from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.errors import ConfigError, ModelNotFoundError
@@ -178,11 +178,8 @@ class LocalServiceClient:
         if self.settings.sampler == "generate":
             raise ConfigError("full-parameter training samples with the in-process engine (hf) or a vLLM server "
                               "(vllm); TINKER_LOCAL_SAMPLER=generate is not supported for it.")
-        if self.settings.sampler == "vllm" and self.settings.vllm.url:
-            raise ConfigError(
-                f"full-parameter training with the vLLM sampler replaces the server's weights after every step, so it "
-                f"starts a server of its own: unset TINKER_LOCAL_VLLM_URL ({self.settings.vllm.url}), or sample with "
-                "TINKER_LOCAL_SAMPLER=hf.")
+        if self.settings.sampler == "vllm" and self.settings.vllm.url:  # before the model loads
+            raise ConfigError(refuse_users_server(self.settings.vllm.url))
         if self.settings.load_in_4bit:
             raise ConfigError("full-parameter training trains every weight: 4-bit (frozen) base weights cannot train; "
                               "unset load_in_4bit or train LoRA.")

@@ -520,9 +520,7 @@ class Trainer:
         problem, keep = distributed.broadcast_object((problem, keep))  # every rank takes rank 0's decision
         if problem is not None:
             raise ConfigError(problem)
-        self.model.zero_grad(set_to_none=True)
-        self._has_gradients = False
-        self._pending_loss = 0.0
+        self._drop_gradients()
         self._optimizer = torch.optim.AdamW(list(params.values())) if keep else None
         sharding.load_full_state(self.model, state.adapter, self._optimizer, state.optimizer if keep else None)
         self.weights_version += 1
@@ -531,9 +529,7 @@ class Trainer:
     def _import_shards(self, state: TrainingState, with_optimizer: bool) -> None:
         here = (distributed.rank(), distributed.world_size())
         keep = with_optimizer and state.optimizer is not None
-        self.model.zero_grad(set_to_none=True)
-        self._has_gradients = False
-        self._pending_loss = 0.0
+        self._drop_gradients()
         params = self.trained_parameters()
         self._optimizer = torch.optim.AdamW(list(params.values())) if keep else None
         problem = None
@@ -552,6 +548,12 @@ class Trainer:
         self.weights_version += 1
         sharding.gather(self.model)
 
+    def _drop_gradients(self) -> None:
+        """Forget the gradients and loss accumulated for the next optimizer step (new weights are coming in)."""
+        self.model.zero_grad(set_to_none=True)
+        self._has_gradients = False
+        self._pending_loss = 0.0
+
     def parameter_names(self) -> list[str]:
         """The trained parameters in the optimizer's order (its state is keyed by position)."""
         return list(self.trained_parameters())
@@ -562,9 +564,7 @@ class Trainer:
         ``keep_optimizer`` restores ``optimizer_state`` (AdamW moments and step counts; hyperparameters
         are set again by every ``optim_step``); otherwise the optimizer starts fresh at the next step.
         """
-        self.model.zero_grad(set_to_none=True)
-        self._has_gradients = False
-        self._pending_loss = 0.0
+        self._drop_gradients()
         self._optimizer = None
         if keep_optimizer and optimizer_state is not None:
             optimizer = torch.optim.AdamW(list(self.trained_parameters().values()))

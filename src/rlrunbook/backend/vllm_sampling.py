@@ -94,6 +94,13 @@ def full_weights(host: ModelHost, weights: SamplerWeights) -> FullWeights:
     return FullWeights(version=weights.version, write=lambda folder: write_full_weights(host.model, folder))
 
 
+def refuse_users_server(url: str) -> str:
+    """Why full-parameter training cannot sample through the user's vLLM server at ``url``, and the fix."""
+    return (f"full-parameter training with the vLLM sampler replaces the server's weights after every step, so it "
+            f"starts a server of its own: unset TINKER_LOCAL_VLLM_URL ({url}), or sample with "
+            "TINKER_LOCAL_SAMPLER=hf.")
+
+
 def _checkout() -> Path | None:
     """The source checkout this package runs from (where scripts/setup-vllm.sh puts .venv-vllm), if any."""
     root = Path(rlrunbook.__file__).resolve().parents[2]
@@ -117,10 +124,7 @@ def open_engine(
     vllm = settings.vllm
     dtype = settings.resolved_dtype()
     if vllm.url and weight_updates:
-        raise ConfigError(
-            f"full-parameter training with the vLLM sampler replaces the server's weights after every step, so it "
-            f"starts a server of its own: unset TINKER_LOCAL_VLLM_URL ({vllm.url}), or sample with "
-            "TINKER_LOCAL_SAMPLER=hf.")
+        raise ConfigError(refuse_users_server(vllm.url))
     if vllm.url:
         server = ExternalServer(
             VllmClient(vllm.url), served_base_model(VllmClient(vllm.url), vllm.served_model).id
