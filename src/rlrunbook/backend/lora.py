@@ -10,6 +10,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from rlrunbook.errors import ConfigError
+from rlrunbook.lora_rank import check_lora_rank
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -25,31 +26,22 @@ def lora_target_modules(train_attn: bool, train_mlp: bool, train_unembed: bool) 
     return targets
 
 
-# The widest layer of a published dense model (Llama 3.1 405B); the run config states the same bound
-# (rlrunbook.rl.setup.limits). A rank above a layer's width is accepted below it (stand-in models run recipes
-# written for larger ones), but not one that could never be allocated.
-MAX_LORA_RANK = 16_384
-
 
 def wrap_with_lora(
     model: torch.nn.Module, *, rank: int, alpha: int, seed: int,
     train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
 ) -> torch.nn.Module:
     """Wrap ``model`` in a peft LoRA adapter named ``default``; base weights are frozen. ``rank`` is from 1 to
-    :data:`MAX_LORA_RANK` (``ConfigError`` otherwise).
+    :data:`~rlrunbook.lora_rank.MAX_LORA_RANK` (``ConfigError`` otherwise).
 
     peft initialises A randomly (seeded here, without touching the global RNG stream) and B at
     zero, so the wrapped model computes exactly what the base model does until the first step.
     """
-    if rank < 1:
-        raise ConfigError(f"LoRA rank={rank} must be >= 1.")
+    check_lora_rank(rank)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [t for t in lora_target_modules(train_attn, train_mlp, train_unembed) if t in present]
     if not targets:
         raise ConfigError(f"none of the LoRA target modules exist in {type(model).__name__}.")
-    if rank > MAX_LORA_RANK:
-        raise ConfigError(f"LoRA rank={rank} is above {MAX_LORA_RANK:,}, the widest layer of a published dense model, "
-                          f"where a higher rank adds no capacity. Use a rank of at most {MAX_LORA_RANK:,}.")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
                         target_modules=targets, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():

@@ -8,6 +8,8 @@ admitted (one tenant; the server then binds loopback only, see :func:`rlrunbook.
 A ``Content-Length`` over the limit is refused with 413 before the body is read; a body sent without one is
 counted as it is read (:func:`rlrunbook.service.routes.read_body`). Several ``X-API-Key`` headers, several
 ``Content-Length`` headers or one that is not digits are the caller's error (400), never read as one of them.
+A compressed body (any ``Content-Encoding`` but ``identity``, the SDK's zstd included) is 415: the server's
+``/client/config`` tells the SDK to send none.
 Keys are never logged, echoed or written.
 """
 
@@ -30,8 +32,8 @@ async def send_json(send, status: int, body: dict) -> None:
 
 
 class Admission:
-    """ASGI middleware: 400 for ambiguous key or length headers, 401 without a right key, 413 for a declared body
-    over ``max_body_bytes``; the tenant of the key in ``scope["state"]["tenant"]``."""
+    """ASGI middleware: 400 for ambiguous key or length headers, 415 for a compressed body, 401 without a right
+    key, 413 for a declared body over ``max_body_bytes``; the tenant of the key in ``scope["state"]["tenant"]``."""
 
     def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
         self.app = app
@@ -60,6 +62,13 @@ class Admission:
             shown = ", ".join(value.decode(errors="replace")[:20] for value in lengths)
             await send_json(send, 400, {"detail": f"Content-Length {shown!r} is not one byte count: send one "
                                                   "Content-Length of digits, or none (a chunked body)."})
+            return
+        encodings = [value.strip().lower() for name, value in scope["headers"] if name == b"content-encoding"]
+        if any(encoding not in (b"", b"identity") for encoding in encodings):
+            shown = b", ".join(encodings).decode(errors="replace")[:40]
+            await send_json(send, 415, {"detail": f"Content-Encoding {shown!r}: rlrunbook serve reads uncompressed "
+                                                  "bodies only (its /client/config answers "
+                                                  "proto_compress_fwdbwd=false); send the body as it is."})
             return
         tenant = tenant_of(None)
         if self._tenants and scope["path"] not in OPEN_PATHS:

@@ -31,9 +31,10 @@ class StorageLimitError(TenantLimitError):
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """What one tenant may hold at once: active sessions and training models not yet released (the serve options
-    ``--max-sessions`` and ``--max-models``; a session ends with its client's ``close`` or its expiry), and the
-    bytes of the checkpoints of its runs on disk (``--max-stored-bytes``)."""
+    """What one tenant may hold at once: active sessions and training models holding weights (the serve options
+    ``--max-sessions`` and ``--max-models``; a session ends with its client's ``close`` or its expiry, and a
+    model an earlier server made counts from its ``load_state`` on), and the bytes of the checkpoints of its runs
+    on disk (``--max-stored-bytes``)."""
 
     sessions: int = 64
     models: int = 16
@@ -74,7 +75,7 @@ class Holdings:
             held = sum(1 for s in self.sessions.values() if s.tenant == tenant and s.status == "active")
             limit, option, fix = self.limits.sessions, "--max-sessions", "close finished ServiceClients"
         else:
-            held = sum(1 for m in self.models.values() if m.tenant == tenant and m.status != "released")
+            held = sum(1 for m in self.models.values() if m.tenant == tenant and m.status == "live")
             limit, option, fix = self.limits.models, "--max-models", "close the ServiceClients of finished runs"
         if held >= limit:
             raise TenantLimitError(f"this key already holds {held} {kind}, the server's limit per key ({option} "

@@ -108,13 +108,14 @@ class Models:
 
     def _sequenced(self, model_id: str, seq_id: int | None, tenant: str, call: Callable[[Any], Any],
                    encode: Callable[[Any], Any], *, restores: bool = False,
-                   admit: Callable[[], None] | None = None) -> dict:
+                   admit: Callable[[], Callable[[], None] | None] | None = None) -> dict:
         """Queue ``call(local training client)`` as this model's call ``seq_id``; the body names its request id.
 
         On a model a restart left without weights only a call that ``restores`` them runs (``call(None)``);
         the others fail naming the last saved state. ``admit`` may refuse the call before it is queued with a
         :class:`TenantLimitError` (HTTP 429), which is raised; its ``seq_id`` is taken all the same, so the
-        client's later calls do not wait for it."""
+        client's later calls do not wait for it. What ``admit`` returns, if anything, is called once the call is
+        done (what it reserved is released)."""
         model = self.holdings.model(model_id, tenant)
         if seq_id is None:
             raise InputError(f"a call of model {model_id} without seq_id; the SDK numbers every call of a "
@@ -124,9 +125,10 @@ class Models:
             if known is not None:
                 return {"request_id": known, "model_id": model_id}
 
+            admitted = None
             if admit is not None:
                 try:
-                    admit()
+                    admitted = admit()
                 except TenantLimitError as error:
                     refusal = error
                     model.order.submit(seq_id, lambda: _raise(refusal))  # nobody polls it: it only takes the seq_id
@@ -141,6 +143,8 @@ class Models:
                 return call(None if model.status == "restarted" else model.client.result())
 
             future = model.order.submit(seq_id, run)
+            if admitted is not None:
+                future.add_done_callback(lambda _done: admitted())
             if seq_id > model.last_seq:
                 model.last_seq = seq_id
                 self.store.model_update(model_id, last_seq=seq_id)
@@ -159,7 +163,7 @@ class Models:
                                lambda client: client.optim_step(request.optim_params), dump)
 
     def save_weights(self, request: types.SaveWeightsRequest, tenant: str,
-                     admit: Callable[[str], None] = lambda kind: None) -> dict:
+                     admit: Callable[[str], Callable[[], None] | None] = lambda kind: None) -> dict:
         """``save_state``: the model's adapter and optimizer state under ``weights/<path>``, in its turn;
         ``admit("weights")`` may refuse it first (see :meth:`_sequenced`)."""
         model = self.holdings.model(request.model_id, tenant)
@@ -176,7 +180,7 @@ class Models:
         return self._sequenced(request.model_id, request.seq_id, tenant, call, dump, admit=lambda: admit("weights"))
 
     def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest, tenant: str,
-                                 admit: Callable[[str], None] = lambda kind: None) -> dict:
+                                 admit: Callable[[str], Callable[[], None] | None] = lambda kind: None) -> dict:
         """Named: the adapter under ``sampler_weights/<path>`` (``admit("sampler_weights")`` may refuse it first);
         nameless: a sampling session of the weights in memory (nothing written)."""
         model = self.holdings.model(request.model_id, tenant)
@@ -198,16 +202,19 @@ class Models:
         return self._sequenced(request.model_id, request.seq_id, tenant, call, dump,
                                admit=(lambda: admit("sampler_weights")) if writes else None)
 
-    def save_weights_external(self, request: types.SaveWeightsExternalRequest, tenant: str) -> dict:
+    def save_weights_external(self, request: types.SaveWeightsExternalRequest, tenant: str,
+                              admit: Callable[[str], Callable[[], None] | None] = lambda kind: None) -> dict:
         """``save_weights_external(name)``: the adapter as a peft folder under
-        ``tinker://<run>/external_weights/<name>`` (age-encrypted to the recipients given), in its turn; the
-        result is ``SaveWeightsExternalResponseInternal`` naming that path."""
+        ``tinker://<run>/external_weights/<name>`` (age-encrypted to the recipients given), in its turn
+        (``admit("external_weights")`` may refuse it first); the result is ``SaveWeightsExternalResponseInternal``
+        naming that path."""
         def call(client):
             saved = client.save_weights_external(request.path, request.ttl_seconds,
                                                   request.age_encryption_recipients).result()
             return types.SaveWeightsExternalResponseInternal(path=saved.path)
 
-        return self._sequenced(request.model_id, request.seq_id, tenant, call, dump)
+        return self._sequenced(request.model_id, request.seq_id, tenant, call, dump,
+                               admit=lambda: admit("external_weights"))
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str,
                      check_path: Callable[[str], None] = lambda path: None) -> dict:
@@ -225,7 +232,9 @@ class Models:
                 load = client.load_state_with_optimizer if request.optimizer else client.load_state
                 return load(request.path)
 
-            return self._sequenced(request.model_id, request.seq_id, tenant, call, dump, restores=True)
+            # A restarted model holds no weights and counts toward no limit until this call gives it some.
+            room = (lambda: self.holdings.check_room(tenant, "models")) if model.status == "restarted" else None
+            return self._sequenced(request.model_id, request.seq_id, tenant, call, dump, restores=True, admit=room)
         if request.session_id is None or request.model_seq_id is None:
             raise InputError("load_weights needs model_id and seq_id (load_state), or session_id and model_seq_id "
                              "(create_training_client_from_state).")

@@ -14,8 +14,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlrunbook.errors import RlrunbookError
+from rlrunbook.errors import InputError, RlrunbookError
 from rlrunbook.service.futures import SeqOrder
+
+DEFAULT_PROJECT = "default"  # the project of a session whose client names none
+MAX_PROJECT_ID_CHARS = 128
+
+
+def check_project_id(project_id: str) -> str:
+    """``project_id`` if it is a name a session may be filed under (1 to 128 printable characters), else
+    ``InputError`` (400) naming the rule."""
+    if not 0 < len(project_id) <= MAX_PROJECT_ID_CHARS or not project_id.isprintable():
+        raise InputError(f"project_id {project_id[:40]!r}: a project is named by 1 to {MAX_PROJECT_ID_CHARS} "
+                         "printable characters.")
+    return project_id
 
 
 class UnknownIdError(RlrunbookError, LookupError):
@@ -47,6 +59,9 @@ class Session:
     status: str = "active"  # | "finished" | "expired"
     ended: float | None = None  # time.monotonic() when it ended (or when a restart found it ended)
     polls: int = 0  # its client's long polls open now (retrieve_future): it is alive while one waits
+    display_name: str | None = None
+    project_id: str = DEFAULT_PROJECT  # the project its client named, else the default one
+    finish_reason: str | None = None  # what its client said on close: "success", "errored" or "interrupted"
 
 
 @dataclass

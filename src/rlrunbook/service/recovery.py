@@ -14,7 +14,7 @@ import time
 
 from rlrunbook.service.futures import SeqOrder
 from rlrunbook.service.holdings import Holdings
-from rlrunbook.service.records import Model, Sampler, Session, order_thread_name
+from rlrunbook.service.records import DEFAULT_PROJECT, Model, Sampler, Session, order_thread_name
 from rlrunbook.service.store import ServeStore
 
 RESTARTED = ("rlrunbook serve restarted while this request was pending; its result is lost. Calls of a "
@@ -32,7 +32,10 @@ def restore(holdings: Holdings, store: ServeStore) -> dict[str, int]:
         status = row["status"]
         holdings.sessions[row["session_id"]] = Session(row["session_id"], row["tenant"], row["user_metadata"],
                                                        created=row["created"], status=status,
-                                                       ended=None if status == "active" else now)
+                                                       ended=None if status == "active" else now,
+                                                       display_name=row["display_name"],
+                                                       project_id=row["project_id"] or DEFAULT_PROJECT,
+                                                       finish_reason=row["finish_reason"])
     for row in store.models():
         status = "restarted" if row["status"] == "live" else row["status"]
         if status != row["status"]:

@@ -6,7 +6,8 @@ an unknown id is 404; a queued call answers its request id at once and ``/retrie
 ``ForwardBackwardOutput`` and ``SampleResponse``, JSON for the rest, and a failure as 200
 ``{"error": ..., "category": "user"|"server"}``, which the SDK raises as ``RequestFailedError``. A route
 this server does not serve is 404 naming the method and path (the SDK's ``NotFoundError``); one of the SDK's
-routes that cannot apply to it (``retrieve_futures``, external weights' download URLs) is 400 naming why. Every handler
+routes that cannot apply to it (``retrieve_futures``, external weights' download URLs, those of
+:data:`NOT_OFFERED`) is 400 naming why. Every handler
 acts for the caller's tenant (``request.state.tenant``, set by :mod:`rlrunbook.service.admission`); an id of
 another tenant is 404, as an unknown one. A heartbeat of an ended session is 410, which stops the SDK's
 heartbeat loop; so is one of an id the server does not hold for the key (forgotten, another tenant's or never
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import pydantic
 from starlette.concurrency import run_in_threadpool
@@ -55,6 +57,25 @@ class WeightsInfoRequest(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid")
     tinker_path: str
+
+
+class FinishSessionRequest(pydantic.BaseModel):
+    """``ServiceClient.close(status, detail)``'s body: why the client is done (older SDKs send none)."""
+
+    class Reason(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        type: Literal["success", "errored", "interrupted"]
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    reason: Reason | None = None
+    detail: str | None = None
+
+
+class AssignProjectRequest(pydantic.BaseModel):
+    """``RestClient.assign_session_project``'s body."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    project_id: str
 
 
 class CheckpointTtlRequest(pydantic.BaseModel):
@@ -183,8 +204,34 @@ async def healthz(request: Request, serve: ServeState) -> Response:
 
 
 async def finish_session(request: Request, serve: ServeState) -> Response:
-    await read_body(request)
-    return JSONResponse(serve.finish(request.path_params["session_id"], request.state.tenant))
+    finish = await read_json(request, FinishSessionRequest)  # an empty body: no reason given
+    reason = finish.reason.type if finish.reason is not None else None
+    return JSONResponse(serve.finish(request.path_params["session_id"], request.state.tenant, reason))
+
+
+async def search_sessions(request: Request, serve: ServeState) -> Response:
+    body = await read_json(request, types.SessionSearchRequest)
+    return JSONResponse(await run_in_threadpool(serve.search_sessions, body, request.state.tenant))
+
+
+async def assign_session_project(request: Request, serve: ServeState) -> Response:
+    body = await read_json(request, AssignProjectRequest)
+    await run_in_threadpool(serve.assign_session_project, request.path_params["session_id"], body.project_id,
+                            request.state.tenant)
+    return JSONResponse(None)
+
+
+async def checkpoint_storage_usage(request: Request, serve: ServeState) -> Response:
+    project = request.query_params.get("project_id")
+    return JSONResponse(await run_in_threadpool(serve.checkpoint_storage_usage, project, request.state.tenant))
+
+
+async def whoami(request: Request, serve: ServeState) -> Response:
+    """``tinker auth login``'s check of a key: which tenant of this server it is (its digest, never the key)."""
+    tenant = request.state.tenant
+    return JSONResponse({"key_id": 0, "name": tenant, "note": "a key of rlrunbook serve (--api-key)",
+                         "details": {"org_details": {"name": "rlrunbook serve"},
+                                     "user_details": {"email": ""}}})
 
 
 async def sampler_info(request: Request, serve: ServeState) -> Response:
@@ -272,6 +319,26 @@ def _publication(method: str):
 RETRIEVE_FUTURES_REFUSED = (
     "rlrunbook serve does not serve /retrieve_futures: its /client/config answers sample_use_retrieve_futures="
     "false, so the SDK polls each sample with /retrieve_future; a client that ignores the config must do the same.")
+NOT_OFFERED = {  # (method, path): why this server cannot serve it; each answered 400 (not retried)
+    ("POST", "/auth/token"): "rlrunbook serve takes the API key itself (X-API-Key); its /client/config answers "
+                             "pjwt_auth_enabled=false, so the SDK exchanges no token.",
+    ("DELETE", "/auth/apikey/me"): "rlrunbook serve's keys are set when it starts (--api-key or "
+                                   "RLRUNBOOK_SERVE_API_KEY); the operator removes one by restarting without it.",
+    ("POST", "/create_custom_loss"): "custom losses run in the client here: /client/config answers "
+                                     "custom_loss_server_side=false, and the SDK sends forward + cross_entropy.",
+    ("POST", "/join_sampling_session"): "/client/config answers sample_join_sampling_session=false: a sampling "
+                                        "client is made with /create_sampling_session.",
+    ("POST", "/cancel_future"): "/client/dynamic_config answers sample_cancel_enabled=false: an abandoned sample "
+                                "finishes, and its session's expiry releases what it held.",
+    ("GET", "/sessions/{session_id}/trace_export"): "rlrunbook serve builds no Perfetto traces of sessions; "
+                                                    "`rlrunbook serve` logs each call, and a run's own records "
+                                                    "are in its log folder.",
+    ("GET", "/billing/usage/events"): "rlrunbook serve bills nothing; "
+                                      "AdminClient.get_current_checkpoint_storage_usage() answers what your "
+                                      "checkpoints hold on its disk.",
+    ("GET", "/audit"): "rlrunbook serve keeps no audit log of organisation events; it has no organisations, only "
+                       "the keys it was started with.",
+}
 EXTERNAL_URLS_REFUSED = (
     "rlrunbook serve hands out no download URLs for external weights: the files stay in the server's storage. "
     "Read them on the server's machine (LocalRestClient(...).get_external_weights_urls(path) with "
@@ -312,6 +379,7 @@ def routes() -> list[Route]:
         ("/retrieve_future", retrieve_future), ("/weights_info", weights_info),
         ("/save_weights_external", direct(types.SaveWeightsExternalRequest, "save_weights_external")),
         ("/copy_weights", copy_weights), ("/retrieve_futures", _refused(RETRIEVE_FUTURES_REFUSED)),
+        ("/sessions/search", search_sessions),
     ]
     get = [
         ("/healthz", healthz), ("/get_server_capabilities", capabilities),
@@ -322,6 +390,7 @@ def routes() -> list[Route]:
         ("/checkpoints", _listing("user_checkpoints", 100)),
         ("/sessions", _listing("list_sessions", 20)),
         ("/sessions/{session_id}", _tenant_call("get_session", "session_id")),
+        ("/billing/usage/checkpoints/current", checkpoint_storage_usage), ("/auth/apikey/me", whoami),
     ]
     checkpoint = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
     table = [Route(api + path, answer(handler), methods=["POST"]) for path, handler in post]
@@ -331,6 +400,9 @@ def routes() -> list[Route]:
               Route(api + checkpoint + "/publish", answer(_publication("publish")), methods=["POST"]),
               Route(api + checkpoint + "/publish", answer(_publication("unpublish")), methods=["DELETE"]),
               Route(api + checkpoint + "/external_weights_urls", answer(_refused(EXTERNAL_URLS_REFUSED)),
-                    methods=["GET"])]
+                    methods=["GET"]),
+              Route(api + "/sessions/{session_id}/project", answer(assign_session_project), methods=["PUT"])]
+    table += [Route(api + path, answer(_refused(reason)), methods=[method])
+              for (method, path), reason in NOT_OFFERED.items()]
     every = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
     return [*table, Route("/{path:path}", answer(not_served), methods=every)]

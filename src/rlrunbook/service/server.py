@@ -168,7 +168,8 @@ def storage_lock(root: Path) -> Iterator[None]:
 async def expire_sessions(state, period_s: float, checkpoint_period_s: float = CHECKPOINT_SWEEP_S) -> None:
     """Every ``period_s``: end the sessions whose heartbeats stopped (their models' memory freed by one
     collection per sweep) and forget those ended longer than the grace period; every ``checkpoint_period_s``:
-    remove the checkpoints whose TTL has passed."""
+    remove the checkpoints whose TTL has passed, and drop from the store the results delivered long enough ago
+    (:meth:`~rlrunbook.service.store.ServeStore.sweep`)."""
     loop = asyncio.get_running_loop()
     next_checkpoints = loop.time()
     while True:
@@ -184,6 +185,10 @@ async def expire_sessions(state, period_s: float, checkpoint_period_s: float = C
         if loop.time() < next_checkpoints:
             continue
         next_checkpoints = loop.time() + checkpoint_period_s
+        try:
+            await asyncio.to_thread(state.drop_old_results)
+        except Exception:
+            logger.exception("dropping delivered results from the store failed")
         try:
             removed = await asyncio.to_thread(state.remove_expired_checkpoints)
         except Exception:

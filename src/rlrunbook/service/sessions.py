@@ -27,7 +27,14 @@ from tinker import types
 from rlrunbook.backend import LocalServiceClient
 from rlrunbook.service.futures import FutureRegistry
 from rlrunbook.service.holdings import Holdings
-from rlrunbook.service.records import Session, SessionEndedError, dump, ended_message
+from rlrunbook.service.records import (
+    DEFAULT_PROJECT,
+    Session,
+    SessionEndedError,
+    check_project_id,
+    dump,
+    ended_message,
+)
 from rlrunbook.service.store import ServeStore
 
 DEFAULT_SESSION_TIMEOUT_S = 300.0  # the SDK heartbeats every 10 s; five minutes of silence ends a session
@@ -59,10 +66,12 @@ class Sessions:
 
     def create_session(self, request: types.CreateSessionRequest, tenant: str) -> dict:
         session = Session(session_id=f"session-{secrets.token_urlsafe(16)}", tenant=tenant,
-                          user_metadata=dict(request.user_metadata or {}))
+                          user_metadata=dict(request.user_metadata or {}), display_name=request.display_name,
+                          project_id=check_project_id(request.project_id or DEFAULT_PROJECT))
         with self.holdings.lock:
             self.holdings.check_room(tenant, "sessions")
-            self.store.add_session(session.session_id, tenant, session.user_metadata)
+            self.store.add_session(session.session_id, tenant, session.user_metadata, session.created,
+                                   session.display_name, session.project_id)
             self.holdings.sessions[session.session_id] = session
         return dump(types.CreateSessionResponse(session_id=session.session_id))
 
@@ -80,9 +89,12 @@ class Sessions:
         session.last_heartbeat = time.monotonic()
         return dump(types.SessionHeartbeatResponse())
 
-    def finish(self, session_id: str, tenant: str) -> dict:
-        """The SDK's ``ServiceClient`` closed: its models and samplers are released now (checkpoints stay)."""
-        if self._end(self.holdings.session(session_id, tenant), "finished", time.monotonic()):
+    def finish(self, session_id: str, tenant: str, reason: str | None = None) -> dict:
+        """The SDK's ``ServiceClient`` closed, saying why (``reason``: ``success``, ``errored``, ``interrupted``;
+        None from clients that do not say): its models and samplers are released now (checkpoints stay)."""
+        session = self.holdings.session(session_id, tenant)
+        session.finish_reason = reason
+        if self._end(session, "finished", time.monotonic()):
             self.collect()
         return {}
 
@@ -144,7 +156,7 @@ class Sessions:
                 model.status = "released"
             for sampler in samplers:
                 sampler.client = None
-        self.store.set_session_status(session.session_id, status)
+        self.store.set_session_status(session.session_id, status, session.finish_reason)
         released = False
         for model in models:
             self.store.model_update(model.model_id, status="released")

@@ -16,6 +16,7 @@ body of the response; a queued call's body carries the request id the SDK then p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 from tinker import types
@@ -27,10 +28,16 @@ from rlrunbook.service.futures import FutureRegistry
 from rlrunbook.service.holdings import DEFAULT_FORGET_AFTER_S, Holdings, StorageLimitError, TenantLimits
 from rlrunbook.service.models import Models
 from rlrunbook.service.ownership import Ownership
-from rlrunbook.service.records import dump
+from rlrunbook.service.records import DEFAULT_PROJECT, dump
 from rlrunbook.service.recovery import restore
 from rlrunbook.service.samplers import Samplers
-from rlrunbook.service.session_lookup import get_session, list_sessions
+from rlrunbook.service.session_lookup import (
+    assign_session_project,
+    get_session,
+    list_sessions,
+    owner_of,
+    search_sessions,
+)
 from rlrunbook.service.sessions import DEFAULT_SESSION_TIMEOUT_S, Sessions, Swept
 from rlrunbook.service.sharing import Sharing
 from rlrunbook.service.store import ServeStore
@@ -56,6 +63,7 @@ class ServeState:
         self.sharing = Sharing(store, service._store)
         self.base_models = base_models if base_models is not None else BaseModels.from_option(None)
         self.ownership = Ownership(store, self.sharing)
+        self._queued_save_bytes: dict[str, int] = {}  # by tenant: what its admitted saves not yet done will write
 
     @property
     def session_timeout_s(self) -> float:
@@ -81,9 +89,10 @@ class ServeState:
     def heartbeat(self, request: types.SessionHeartbeatRequest, tenant: str) -> dict:
         return self.sessions.heartbeat(request, tenant)
 
-    def finish(self, session_id: str, tenant: str) -> dict:
-        """The SDK's ``ServiceClient`` closed: its models and samplers are released now (checkpoints stay)."""
-        return self.sessions.finish(session_id, tenant)
+    def finish(self, session_id: str, tenant: str, reason: str | None = None) -> dict:
+        """The SDK's ``ServiceClient`` closed (``reason``: what it said): its models and samplers are released now
+        (checkpoints stay)."""
+        return self.sessions.finish(session_id, tenant, reason)
 
     def expire_idle(self, now: float | None = None) -> list[str]:
         """End every active session whose last heartbeat is older than the timeout; the ids ended."""
@@ -94,6 +103,11 @@ class ServeState:
         period (:meth:`Sessions.sweep`); ``now`` is ``time.monotonic()``'s clock."""
         return self.sessions.sweep(now)
 
+    def drop_old_results(self) -> int:
+        """Drop from the store the results delivered more than 10 minutes ago and those unclaimed for a week, as
+        a start does; how many."""
+        return self.store.sweep()
+
     def list_sessions(self, limit: int, offset: int, tenant: str) -> dict:
         """The caller's sessions, newest first (:mod:`rlrunbook.service.session_lookup`)."""
         return list_sessions(self.holdings, limit, offset, tenant)
@@ -101,6 +115,48 @@ class ServeState:
     def get_session(self, session_id: str, tenant: str) -> dict:
         """The caller's session: its models' and samplers' ids and its user metadata."""
         return get_session(self.holdings, session_id, tenant)
+
+    def search_sessions(self, request: types.SessionSearchRequest, tenant: str) -> dict:
+        """The caller's sessions matching ``request``, one page (:func:`~rlrunbook.service.session_lookup.search_sessions`)."""
+        runs = self._runs_by_session(tenant)
+        return search_sessions(self.holdings, request, tenant,
+                               lambda session_id: self._checkpoint_usage(runs.get(session_id, [])))
+
+    def assign_session_project(self, session_id: str, project_id: str, tenant: str) -> None:
+        assign_session_project(self.holdings, session_id, project_id, self.store.set_session_project, tenant)
+
+    def checkpoint_storage_usage(self, project_id: str | None, tenant: str) -> dict:
+        """``CurrentCheckpointStorageUsageResponse``: the caller's checkpoints on disk, one item per project (the
+        project of the session whose run saved them), or of ``project_id`` only."""
+        runs = self._runs_by_session(tenant)
+        projects: dict[str, list[str]] = {}
+        with self.holdings.lock:
+            for session_id, run_ids in runs.items():
+                session = self.holdings.sessions.get(session_id)
+                project = session.project_id if session is not None else DEFAULT_PROJECT  # a forgotten session's
+                projects.setdefault(project, []).extend(run_ids)
+        if project_id is not None:
+            projects = {project_id: projects.get(project_id, [])}
+        items = []
+        for project, run_ids in sorted(projects.items()):
+            count, stored = self._checkpoint_usage(run_ids)
+            items.append(types.CurrentCheckpointStorageUsageItem(
+                project_id=project, org_user_urn=owner_of(tenant), checkpoint_count=count, size_bytes=stored,
+                size_gigabytes=stored / 1e9))
+        return dump(types.CurrentCheckpointStorageUsageResponse(data=items))
+
+    def _runs_by_session(self, tenant: str) -> dict[str, list[str]]:
+        """The run ids of ``tenant``'s training models by the session that made them (``<session>:train:<n>``)."""
+        runs: dict[str, list[str]] = {}
+        for row in self.store.runs():
+            if row["tenant"] == tenant:
+                runs.setdefault(row["model_id"].rsplit(":train:", 1)[0], []).append(row["run_id"])
+        return runs
+
+    def _checkpoint_usage(self, run_ids: list[str]) -> tuple[int, int]:
+        """How many checkpoints the runs hold on disk, and their bytes."""
+        folders = [folder for run in run_ids for _, folder in self.service._store.checkpoints(run)]
+        return len(folders), sum(folder_size(folder) for folder in folders)
 
     # -- training models ----------------------------------------------------------------------------------
     def create_model(self, request: types.CreateModelRequest, tenant: str) -> dict:
@@ -125,28 +181,38 @@ class ServeState:
 
     def stored_bytes(self, tenant: str) -> int:
         """The bytes on disk of every checkpoint of ``tenant``'s runs (what ``--max-stored-bytes`` bounds)."""
-        store = self.service._store
-        runs = {row["run_id"] for row in self.store.runs() if row["tenant"] == tenant}
-        return sum(folder_size(folder) for run in runs for _, folder in store.checkpoints(run))
+        return self._checkpoint_usage([row["run_id"] for row in self.store.runs() if row["tenant"] == tenant])[1]
 
-    def _admit_save(self, model_id: str, kind: str, tenant: str) -> None:
-        """``StorageLimitError`` (429) when ``tenant``'s checkpoints plus this save would exceed the limit; the
-        save is expected to write as much as the model's run's last checkpoint of ``kind`` (nothing known before
-        its first)."""
+    def _admit_save(self, model_id: str, kind: str, tenant: str) -> Callable[[], None]:
+        """Admit a save of ``model_id``'s ``kind`` checkpoint, or ``StorageLimitError`` (429) when ``tenant``'s
+        checkpoints on disk, plus what its admitted saves not yet done will write, plus this save would exceed the
+        limit. A save is expected to write as much as the run's last checkpoint of ``kind`` (nothing known before
+        its first). The admitted bytes count until the save is done: call the function returned then."""
         limit = self.holdings.limits.stored_bytes
-        used = self.stored_bytes(tenant)
-        runs = [row["run_id"] for row in self.store.runs() if row["model_id"] == model_id and row["tenant"] == tenant]
-        same_kind = [folder for _, folder in self.service._store.checkpoints(runs[-1])
-                     if folder.parent.name == kind] if runs else []
-        expected = folder_size(same_kind[-1]) if same_kind else 0
-        if used + expected > limit:
-            raise StorageLimitError(
-                f"this key's checkpoints hold {used:,} bytes; this save (about {expected:,} more) would pass the "
-                f"server's limit per key (--max-stored-bytes {limit:,}). Delete checkpoints you no longer need "
-                "(RestClient.delete_checkpoint_from_tinker_path), or ask the operator to raise the limit.")
+        with self.holdings.lock:
+            used, queued = self.stored_bytes(tenant), self._queued_save_bytes.get(tenant, 0)
+            runs = [row["run_id"] for row in self.store.runs()
+                    if row["model_id"] == model_id and row["tenant"] == tenant]
+            same_kind = [folder for _, folder in self.service._store.checkpoints(runs[-1])
+                         if folder.parent.name == kind] if runs else []
+            expected = folder_size(same_kind[-1]) if same_kind else 0
+            if used + queued + expected > limit:
+                waiting = f" and its saves still queued about {queued:,} more" if queued else ""
+                raise StorageLimitError(
+                    f"this key's checkpoints hold {used:,} bytes{waiting}; this save (about {expected:,} more) would "
+                    f"pass the server's limit per key (--max-stored-bytes {limit:,}). Delete checkpoints you no "
+                    "longer need (RestClient.delete_checkpoint_from_tinker_path), or ask the operator to raise it.")
+            self._queued_save_bytes[tenant] = queued + expected
+
+        def done() -> None:
+            with self.holdings.lock:
+                self._queued_save_bytes[tenant] -= expected
+
+        return done
 
     def save_weights_external(self, request: types.SaveWeightsExternalRequest, tenant: str) -> dict:
-        return self.models.save_weights_external(request, tenant)
+        return self.models.save_weights_external(
+            request, tenant, lambda kind: self._admit_save(request.model_id, kind, tenant))
 
     def load_weights(self, request: types.LoadWeightsRequest, tenant: str) -> dict:
         """``load_state`` of a model, or a new model made from a checkpoint (:meth:`Models.load_weights`); a

@@ -35,7 +35,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sessions (
   session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created REAL NOT NULL, last_heartbeat REAL NOT NULL,
-  status TEXT NOT NULL, user_metadata TEXT NOT NULL);
+  status TEXT NOT NULL, user_metadata TEXT NOT NULL, display_name TEXT, project_id TEXT,
+  finish_reason TEXT);
 CREATE TABLE IF NOT EXISTS models (
   model_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, tenant TEXT NOT NULL, base_model TEXT NOT NULL,
   lora TEXT NOT NULL, run_id TEXT, last_saved TEXT, status TEXT NOT NULL, created REAL NOT NULL,
@@ -95,6 +96,11 @@ class ServeStore:
             elif int(found[0]) != SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} has schema {found[0]}, this rlrunbook reads {SCHEMA_VERSION}; "
                                    "serve from another --storage folder.")
+            # A store written before the sessions' names and projects: the columns are added (empty).
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+            for column in ("display_name", "project_id", "finish_reason"):
+                if column not in columns:
+                    self._db.execute(f"ALTER TABLE sessions ADD COLUMN {column} TEXT")
             # A store written before the runs table: its models' runs become rows of it (idempotent).
             self._db.execute("INSERT OR IGNORE INTO runs SELECT run_id, tenant, model_id, created FROM models "
                              "WHERE run_id IS NOT NULL")
@@ -112,21 +118,28 @@ class ServeStore:
             return self._db.execute(sql, args).fetchall()
 
     # -- sessions -------------------------------------------------------------------------------
-    def add_session(self, session_id: str, tenant: str, user_metadata: dict[str, str]) -> None:
-        now = time.time()
-        self._write("INSERT INTO sessions VALUES (?, ?, ?, ?, 'active', ?)",
-                    (session_id, tenant, now, now, json.dumps(user_metadata)))
+    def add_session(self, session_id: str, tenant: str, user_metadata: dict[str, str], created: float,
+                    display_name: str | None = None, project_id: str | None = None) -> None:
+        self._write("INSERT INTO sessions (session_id, tenant, created, last_heartbeat, status, user_metadata, "
+                    "display_name, project_id) VALUES (?, ?, ?, ?, 'active', ?, ?, ?)",
+                    (session_id, tenant, created, created, json.dumps(user_metadata), display_name, project_id))
 
     def sessions(self) -> list[dict[str, Any]]:
-        rows = self._read("SELECT session_id, tenant, created, last_heartbeat, status, user_metadata FROM sessions")
+        rows = self._read("SELECT session_id, tenant, created, last_heartbeat, status, user_metadata, display_name, "
+                          "project_id, finish_reason FROM sessions")
         return [{"session_id": r[0], "tenant": r[1], "created": r[2], "last_heartbeat": r[3], "status": r[4],
-                 "user_metadata": json.loads(r[5])} for r in rows]
+                 "user_metadata": json.loads(r[5]), "display_name": r[6], "project_id": r[7],
+                 "finish_reason": r[8]} for r in rows]
+
+    def set_session_project(self, session_id: str, project_id: str) -> None:
+        self._write("UPDATE sessions SET project_id=? WHERE session_id=?", (project_id, session_id))
 
     def heartbeat(self, session_id: str, when: float) -> None:
         self._write("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (when, session_id))
 
-    def set_session_status(self, session_id: str, status: str) -> None:
-        self._write("UPDATE sessions SET status=? WHERE session_id=?", (status, session_id))
+    def set_session_status(self, session_id: str, status: str, finish_reason: str | None = None) -> None:
+        self._write("UPDATE sessions SET status=?, finish_reason=? WHERE session_id=?",
+                    (status, finish_reason, session_id))
 
     # -- models ---------------------------------------------------------------------------------
     def add_model(self, model_id: str, session_id: str, tenant: str, base_model: str, lora: dict) -> None:

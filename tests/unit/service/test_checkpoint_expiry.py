@@ -128,8 +128,8 @@ def test_a_deleted_checkpoint_leaves_disk_and_its_models_record(app):
 
 
 def test_the_servers_sweep_looks_for_expired_checkpoints_on_its_own_period():
-    """``rlrunbook serve``'s sweep loop removes expired checkpoints every ``checkpoint_period_s`` (sessions every
-    ``period_s``), and goes on after a failure."""
+    """``rlrunbook serve``'s sweep loop removes expired checkpoints and drops delivered results from the store
+    every ``checkpoint_period_s`` (sessions every ``period_s``), and goes on after a failure."""
     import asyncio
 
     from rlrunbook.service.server import expire_sessions
@@ -139,7 +139,13 @@ def test_the_servers_sweep_looks_for_expired_checkpoints_on_its_own_period():
         session_timeout_s = 1.0
 
         def __init__(self):
-            self.sweeps = self.checkpoint_sweeps = 0
+            self.sweeps = self.checkpoint_sweeps = self.result_sweeps = 0
+
+        def drop_old_results(self):
+            self.result_sweeps += 1
+            if self.result_sweeps == 2:
+                raise OSError("the store is busy: logged, and the next sweep comes")
+            return 0
 
         def sweep(self):
             self.sweeps += 1
@@ -159,3 +165,27 @@ def test_the_servers_sweep_looks_for_expired_checkpoints_on_its_own_period():
 
     asyncio.run(run())
     assert state.sweeps >= 20 and 4 <= state.checkpoint_sweeps <= 7
+    assert state.result_sweeps == state.checkpoint_sweeps
+
+
+def test_delivered_results_leave_the_store_while_the_server_runs(app):
+    """A result delivered more than 10 minutes ago leaves ``serve.sqlite3`` at the next sweep, not only at the next
+    start; one delivered just now stays (the SDK may poll again if a reply was lost)."""
+    import time
+
+    from rlrunbook.service.store import KEEP_DELIVERED_S
+
+    client, serve, _storage = app
+    session = _post(client, "/create_session", types.CreateSessionRequest(
+        tags=[], user_metadata={}, sdk_version="test").model_dump(mode="json")).json()["session_id"]
+    rids = []
+    for seq in range(2):
+        create = types.CreateModelRequest(session_id=session, model_seq_id=seq, base_model="tiny",
+                                          lora_config=types.LoraConfig(rank=4))
+        rid = _post(client, "/create_model", create.model_dump(mode="json")).json()["request_id"]
+        assert _post(client, "/retrieve_future", {"request_id": rid}).status_code == 200
+        rids.append(rid)
+    serve.store._write("UPDATE futures SET delivered=? WHERE request_id=?",
+                       (time.time() - KEEP_DELIVERED_S - 1, rids[0]))
+    assert serve.drop_old_results() == 1
+    assert serve.store.future(rids[0]) is None and serve.store.future(rids[1]) is not None

@@ -166,3 +166,36 @@ def test_a_published_checkpoint_is_readable_by_another_tenant_until_unpublished_
             rest_b.get_weights_info_by_tinker_path(weights).result()
     finally:
         server.stop()
+
+
+@pytest.mark.filterwarnings("ignore:RestClient.search_sessions is experimental")
+def test_the_sdks_account_calls_answer_for_the_callers_own_sessions(server):
+    """search_sessions, assign_session_project, the storage usage of AdminClient, the key check of `tinker auth
+    login` and a close's reason, through the unmodified SDK; a trace export is refused naming why."""
+    import httpx
+    from tinker.cli.auth_api import TinkerAuthApi
+
+    service = tinker.ServiceClient(base_url=server.url, api_key=KEY_A, display_name="account sweep 7")
+    training = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    training.save_state("account-kept").result()
+    session = _session_of(training)
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
+
+    found = rest.search_sessions(types.SessionSearchRequest(display_name="SWEEP 7")).result()
+    assert [summary.session_id for summary in found.sessions] == [session]
+    assert found.sessions[0].checkpoints_count == 1 and found.sessions[0].status.type == "active"
+    rest.assign_session_project(session, "account-tests").result()
+    usage = tinker.AdminClient(base_url=server.url, api_key=KEY_A).get_current_checkpoint_storage_usage(
+        "account-tests").result()
+    assert [(item.project_id, item.checkpoint_count) for item in usage.data] == [("account-tests", 1)]
+    assert usage.data[0].size_bytes == found.sessions[0].checkpoint_storage_bytes > 0
+    other = tinker.RestClient(base_url=server.url, api_key=KEY_B)
+    assert other.search_sessions(types.SessionSearchRequest(display_name="sweep 7")).result().sessions == []
+    with pytest.raises(tinker.BadRequestError, match="no Perfetto traces"):
+        rest.export_session_trace(session).result()
+    with httpx.Client() as http:
+        assert TinkerAuthApi(http, base_url=server.url).get_self_api_key(KEY_A).name.startswith("key-")
+
+    service.close("errored").result()
+    closed = rest.search_sessions(types.SessionSearchRequest(session_id=session)).result().sessions[0]
+    assert closed.status.type == "client_finished" and closed.status.reason.type == "errored"

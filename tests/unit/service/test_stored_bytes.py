@@ -85,3 +85,30 @@ def test_a_save_past_the_keys_stored_bytes_is_refused_until_a_delete_makes_room(
     saved = _poll_once(client, _save(client, model_a, "three", 4, KEY_A), KEY_A)
     assert saved["path"].endswith("/weights/three") and (storage / run / "weights" / "three").is_dir()
     assert serve.stored_bytes(tenant_of(KEY_A)) == 2 * size
+
+
+def test_saves_still_queued_count_toward_the_limit_until_they_are_done(app):
+    """Two saves queued behind a call not yet sent: the first is admitted and holds its expected bytes, so the
+    second is refused though nothing new is on disk yet; once the first is done its bytes are on disk and no longer
+    held twice."""
+    from rlrunbook.service.holdings import TenantLimits
+    from rlrunbook.service.store import tenant_of
+
+    client, serve, _storage = app
+    tenant = tenant_of(KEY_A)
+    model = _model(client, KEY_A)
+    _poll_once(client, _save(client, model, "one", 1, KEY_A), KEY_A)
+    size = serve.stored_bytes(tenant)
+    serve.holdings.limits = TenantLimits(stored_bytes=2 * size + size // 2)  # room for one more, not two
+
+    queued = _save(client, model, "two", 3, KEY_A)  # waits for seq_id 2
+    assert queued.status_code == 200, queued.text
+    refused = _save(client, model, "three", 4, KEY_A)
+    assert refused.status_code == 429, refused.text
+    assert "still queued about" in refused.json()["detail"]
+    assert serve.stored_bytes(tenant) == size  # nothing written by either
+
+    step = types.OptimStepRequest(model_id=model, seq_id=2, adam_params=types.AdamParams(learning_rate=0.0))
+    _poll_once(client, _post(client, "/optim_step", step.model_dump(mode="json"), KEY_A), KEY_A)
+    assert _poll_once(client, queued, KEY_A)["path"].endswith("/weights/two")
+    assert serve.stored_bytes(tenant) == 2 * size and serve._queued_save_bytes[tenant] == 0

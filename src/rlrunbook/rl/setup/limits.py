@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlrunbook.adam_params import MAX_LEARNING_RATE  # the backend refuses a step above it too
+from rlrunbook.lora_rank import MAX_LORA_RANK  # so does the backend's LoRA wrapping
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed and the sampler's seed mixing (engines.noise) take int64 seeds
 MAX_ROLLOUTS = 65_536  # rows sampled in one step: 100x the "hundreds of rows a step" this project is built for
 MAX_STEPS = 1_000_000  # optimizer steps: years of the planned runs' step times
 MAX_TOKENS = 1_048_576  # 2^20 tokens per completion or prompt: beyond any published model's context window
-MAX_LORA_RANK = 16_384  # the widest layer of a published dense model (Llama 3.1 405B); more adds no capacity
 MAX_SUMMARY_WORDS = 100_000  # 50x CNN/DailyMail's longest article
 MAX_HELD_OUT = 1_000_000  # validation problems: more than any of the data sets the tasks read
 MAX_SAMPLING_ROUNDS = 64  # dynamic sampling rounds a step; a step still tied after 64 draws is better skipped
