@@ -464,6 +464,17 @@ def _tenant_cases() -> list[Case]:
             session_id=w.a.session, model_seq_id=52, base_model="tiny").model_dump(mode="json"))),
         as_b("heartbeat-a-session", lambda w: Req("POST", "/session_heartbeat", {"session_id": w.a.session})),
         as_b("finish-a-session", lambda w: Req("POST", f"/sessions/{w.a.session}/finish", {})),
+        as_b("session-of-a", lambda w: Req("GET", f"/sessions/{w.a.session}")),
+        as_b("project-of-a-session", lambda w: Req("PUT", f"/sessions/{w.a.session}/project",
+                                                   {"project_id": "taken"})),
+        as_b("search-a-session-id", lambda w: Req("POST", "/sessions/search", {"session_id": w.a.session}), "200"),
+        as_b("search-everything", lambda w: Req("POST", "/sessions/search", {"owner": {"type": "accessible"}}), "200"),
+        as_b("search-a-owner", lambda w: Req("POST", "/sessions/search", {"owner": {
+            "type": "user", "owner_urns": ["rlrunbook:" + w.a.key[:4], "rlrunbook:open"]}}), "200"),
+        as_b("storage-usage", lambda w: Req("GET", "/billing/usage/checkpoints/current"), "200"),
+        as_b("storage-usage-of-a-project", lambda w: Req("GET", "/billing/usage/checkpoints/current?project_id="
+                                                              "default"), "200"),
+        as_b("whoami", lambda w: Req("GET", "/auth/apikey/me"), "200"),
     ]
     cases += [
         Case("tenant-a-training_run-of-b", lambda w: Req("GET", f"/training_runs/{w.b.run}")),
@@ -554,6 +565,8 @@ def _body_builders() -> dict[str, Callable[[World], dict]]:
             mode="json"),
         "load_weights": lambda w: types.LoadWeightsRequest(model_id=w.a.scratch, seq_id=w.seq(w.a.scratch),
                                                            path=w.a.path, optimizer=False).model_dump(mode="json"),
+        "sessions/search": lambda w: {"display_name": "x", "limit": 5, "owner": {"type": "own"}, "cursor": {
+            "last_created_at": "2026-11-28T00:00:00Z", "last_session_id": w.a.session}},
     }
 
 
@@ -589,6 +602,14 @@ WRONG = [
     ("optim_step", "adam_params.learning_rate", "1e400"), ("optim_step", "adam_params.learning_rate", "true"),
     ("load_weights", "path", 5), ("load_weights", "optimizer", "maybe"), ("load_weights", "path", None),
     ("load_weights", "seq_id", 10 ** 400),
+    ("sessions/search", "limit", 0), ("sessions/search", "limit", 10 ** 9), ("sessions/search", "cursor", "x"),
+    ("sessions/search", "cursor.last_created_at", "yesterday"),
+    ("sessions/search", "cursor.last_created_at", "2026-11-28T00:00:00"),  # no time zone
+    ("sessions/search", "owner.type", "admin"), ("sessions/search", "statuses", []),
+    ("sessions/search", "statuses", [{"type": "client_finished", "reasons": ["bored"]}]),
+    ("sessions/search", "display_name", ""), ("sessions/search", "project_ids", "p"),
+    ("sessions/search", "project_ids", ["never-used"]), ("sessions/search", "user_metadata", {"k": 1}),
+    ("sessions/search", "owner", {"type": "user", "owner_urns": []}),
 ]
 MISSING = [("save_weights", "model_id"), ("create_model", "base_model"), ("create_model", "session_id"),
            ("create_sampling_session", "session_id"), ("asample", "prompt"), ("optim_step", "adam_params"),
