@@ -10,7 +10,9 @@ What it does that ``generate`` does not, and why:
   answer) compute the shared part once: keys and values of every prefix seen under the current
   weights stay in a pool (:class:`~rlrunbook.prefix_tree.TokenTrie` + :class:`~rlrunbook.engines.layouts.SlotStore`),
   dropped when the weights change. The output layer runs only for rows still sampling; finished
-  rows leave the batch when the running ones fit a batch of half the size.
+  rows leave the batch when the running ones fit a batch of half the size. A decode step on the CPU reads a
+  prompt prefix that several rows hold once per group of rows, not once per row
+  (:mod:`~rlrunbook.engines.prefix_sharing`: the same bits).
 - **Static shapes.** The decode step reads a per-row KV cache of fixed capacity through a window
   rounded up to 64 columns, with the batch padded to a power of two: on CUDA each (rows, window)
   shape is captured once as a CUDA graph and replayed (:mod:`rlrunbook.engines.graphs`). The capacity
@@ -44,6 +46,7 @@ from rlrunbook.engines.filters import apply_filters
 from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
 from rlrunbook.engines.pinned_adapter import PinnedAdapter
+from rlrunbook.engines.prefix_sharing import common_prefixes
 from rlrunbook.engines.stops import DecodeBatch, StopTracker
 from rlrunbook.engines.token_draw import StepDraws
 from rlrunbook.errors import GenerationLeakError
@@ -127,6 +130,8 @@ class HFSamplingEngine(InProcessEngine):
     ``sync_every``: decode steps drawn on the device between reads of their tokens (see :meth:`_sample_rows`);
     ``fused_draw``: draw each step in one kernel (:func:`~rlrunbook.kernels.ops.seeded_draw`), else by the eager
     reference :func:`~rlrunbook.engines.token_draw.draw_tokens` (the same bits, many more operations).
+    ``share_prefixes``: a fused decode step reads a prompt prefix that several rows hold once per group of rows
+    (:mod:`~rlrunbook.engines.prefix_sharing`; the same bits), else once per row (for comparisons).
     """
 
     name = "hf"
@@ -135,7 +140,7 @@ class HFSamplingEngine(InProcessEngine):
                  max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
                  decode_batch: DecodeBatch | None = None, numerics: Numerics | str = "invariant",
                  prefix_cache_tokens: int = 65536, cuda_graphs: bool | None = None, sync_every: int = SYNC_EVERY,
-                 fused_draw: bool = True):
+                 fused_draw: bool = True, share_prefixes: bool = True):
         super().__init__(pad_token_id=pad_token_id, vocab_size=vocab_size, max_context=max_context,
                          max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.decoder = Decoder(model, numerics)
@@ -150,6 +155,7 @@ class HFSamplingEngine(InProcessEngine):
             raise ValueError(f"sync_every={sync_every}: the drawn tokens must be read back every >= 1 steps")
         self.sync_every = sync_every  # under the fixed-order numerics; other numerics read every step
         self.fused_draw = fused_draw  # the draw in one kernel (False: the eager reference, for comparisons)
+        self.share_prefixes = share_prefixes  # decode attention reads a shared prompt prefix once per group
         self.host_reads = 0  # device-to-host reads of the decode loop (one per block of sync_every steps)
         self.cache_rebuilds = 0  # times the decode caches were dropped for a larger capacity
         self._dropped_captures = 0  # graphs captured, then dropped with their caches
@@ -287,6 +293,9 @@ class HFSamplingEngine(InProcessEngine):
             cache.keys[layer][: len(prompts), :width] = pool.store.keys[layer][slots]
             cache.values[layer][: len(prompts), :width] = pool.store.values[layer][slots]
         cache.lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], device=device)
+        if self.share_prefixes:  # rows copied from the same slots hold the same bits: read them once a step
+            paths = [slots[row, : len(prompt)].tolist() for row, prompt in enumerate(prompts)]
+            cache.share_prefixes(common_prefixes(paths, cache.rows))
         return cache
 
     def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor, needed: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.attention import attend, recompute_pays, score_elements
+from rlrunbook.engines.prefix_sharing import DecodeParts, Sharing, decode_parts, kept_rows
 from rlrunbook.engines.row_batches import HEADS_PER_BATCH, group_rows
 from rlrunbook.kernels import fused
 from rlrunbook.prefix_tree import Row
@@ -174,6 +175,8 @@ class RowCache:
         self._all_valid = torch.ones(1, capacity, dtype=torch.bool, device=device)
         self._positions = torch.arange(capacity, device=device)  # the fused kernel's key positions and validity
         self._valid_bytes = torch.ones(capacity, dtype=torch.uint8, device=device)
+        self.sharing = Sharing.none(rows)
+        self._parts: DecodeParts | None = None
 
     @property
     def rows(self) -> int:
@@ -202,13 +205,26 @@ class RowCache:
                       scale: float) -> torch.Tensor:
         """:meth:`attend` in one fused call (no gradient, CPU): ``qkv`` ``[rows, (H + 2 Hkv) D]`` holds each row's
         queries, key and value side by side; the same bits as :meth:`attend` with the ``fixed`` core."""
+        parts = self._parts
+        plan = None if parts is None else (parts.order, parts.starts, parts.reload)
         return fused.cached_attention(qkv, self.keys[layer], self.values[layer], self.lengths, self._positions,
-                                      self._valid_bytes, self.window, heads, kv_heads, head_dim, scale)
+                                      self._valid_bytes, self.window, heads, kv_heads, head_dim, scale, plan)
+
+    def share_prefixes(self, sharing: Sharing) -> None:
+        """Declare which rows hold copies of another row's leading entries (:mod:`rlrunbook.engines.prefix_sharing`):
+        the fused decode step then reads each shared prefix once per part. The caller guarantees the copies (rows
+        filled from the same slots of the prefix pool); the chain's :meth:`attend` reads every row as before."""
+        if len(sharing.order) != self.rows:
+            raise ValueError(f"sharing of {len(sharing.order)} rows for a cache of {self.rows}")
+        self.sharing = sharing
+        kv_heads = self.keys[0].shape[2]
+        self._parts = decode_parts(sharing, kv_heads, torch.get_num_threads()) if sharing.any else None
 
     def reset(self) -> None:
         """Forget every row (the buffers are reused; stale entries are never read past ``lengths``)."""
         self.lengths.zero_()
         self.window = self.capacity
+        self.share_prefixes(Sharing.none(self.rows))
 
     def copy_rows_to(self, other: RowCache, rows: torch.Tensor) -> None:
         """Put rows ``rows`` of this cache into the first ``len(rows)`` rows of ``other`` (same capacity; it may
@@ -220,3 +236,4 @@ class RowCache:
         other.lengths.zero_()
         other.lengths[:count] = self.lengths[rows]
         other.window = self.window
+        other.share_prefixes(kept_rows(self.sharing, rows.tolist(), other.rows))

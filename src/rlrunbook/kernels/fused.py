@@ -159,12 +159,18 @@ def lora_linears(x: torch.Tensor, group: LoraLinears) -> torch.Tensor:
 @_profiled
 def cached_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      key_positions: torch.Tensor, key_valid: torch.Tensor, window: int, heads: int, kv_heads: int,
-                     head_dim: int, scale: float) -> torch.Tensor:
+                     head_dim: int, scale: float,
+                     parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step over per-row caches (:class:`rlrunbook.engines.layouts.RowCache`): each row's key and value
     (the heads after its ``heads`` query heads in ``[R, (H + 2 Hkv) D]`` ``qkv``) stored at cache index
     ``lengths[r]`` of ``keys``/``values`` (``[R, capacity, Hkv, D]``), then its queries over the first ``window``
-    entries: ``[R, H * D]`` (rows strided as ``qkv``'s). ``key_positions`` (int64) and ``key_valid`` (uint8) hold at least ``window``
-    entries."""
+    entries: ``[R, H * D]`` (rows strided as ``qkv``'s). ``key_positions`` (int64) and ``key_valid`` (uint8) hold at
+    least ``window`` entries.
+
+    ``parts`` (int64 ``order``, ``starts``, ``reload``; :class:`rlrunbook.engines.prefix_sharing.DecodeParts`): rows
+    whose caches hold copies of one prefix read it once per part, with the same bits. The caller guarantees the
+    copies: a row that does not hold at indices below ``reload[r]`` what its part's first row holds gets that
+    row's keys there."""
     rows = qkv.shape[0]
     if (qkv.stride(-1) != 1 or keys.shape[0] != rows or keys.stride() != values.stride() or keys[0].stride(0)
             != kv_heads * head_dim or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or window > keys.shape[1]):
@@ -172,9 +178,18 @@ def cached_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     t = _same_dtype(qkv, keys, values)
     # the kernel writes each query's output where the query sits in its row (q's strides): rows as wide as qkv's
     out = torch.empty(rows, qkv.stride(0), dtype=qkv.dtype)
+    order = starts = reload = None
+    count = 0
+    if parts is not None:
+        order, starts, reload = parts
+        count = starts.numel() - 1
+        if (order.numel() != rows or reload.numel() != rows or int(starts[-1]) != rows
+                or any(t.dtype != torch.int64 or not t.is_contiguous() for t in parts)):
+            raise ValueError(f"cached_attention: parts for {order.numel()} rows ({int(starts[-1])} in parts, "
+                             f"{reload.numel()} reload lengths) over a cache of {rows} rows")
     if rows:
         _check(load_library().cached_attention(
             _ptr(qkv), qkv.stride(0), _ptr(keys), _ptr(values), keys.stride(0), _ptr(lengths), _ptr(key_positions),
-            _ptr(key_valid), _ptr(out), rows, window, heads, kv_heads, head_dim, t, scale, _threads()),
-            "cached_attention")
+            _ptr(key_valid), _ptr(out), rows, window, heads, kv_heads, head_dim, t, scale, _ptr(order), _ptr(starts),
+            _ptr(reload), count, _threads()), "cached_attention")
     return out[:, :heads * head_dim]

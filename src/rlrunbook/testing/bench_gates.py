@@ -14,6 +14,10 @@ benchmark never passes by having no gate.
   shape (absolute times swing up to 2x between runs on shared cores: the gate catches what noise cannot make).
 - custom loss (``test_bench_custom_loss.py``): a custom loss that computes ``cross_entropy`` takes at most 1.15x
   its time (the docs' claim: the same time).
+- decode attention (``test_bench_decode_attention.py``, CPU): the time of a step grows with the positions read, no
+  window costing more than 2x its share of the positions (a cache-aliasing cliff made 512 positions cost 5.7x 448;
+  a head's keys and values outgrowing the core's L2 cache, as past ~768 positions at SmolLM2's heads on a 512 KiB
+  L2, costs up to ~1.7x), and reading a shared prefix once per group is never slower than once per row.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ PEER_TARGETS: dict[str, float] = {"cuda": 0.25}  # rlrunbook / TRL step time, pe
 PEER_REGRESSION = 1.15
 RL_STEP_REGRESSION = 2.5
 CUSTOM_LOSS_MAX_RATIO = 1.15
+WINDOW_COST_MAX = 2.0  # ms per position of any window over the median of all windows' ms per position
 UPDATE_ENV = "RLRUNBOOK_UPDATE_BENCH_BASELINE"
 
 
@@ -78,3 +83,22 @@ def custom_loss_failures(ratio: float) -> list[str]:
         return [f"forward_backward_custom took {ratio:.3f}x the time of cross_entropy on the same batch (the claim: "
                 f"the same time; the gate: <= {CUSTOM_LOSS_MAX_RATIO:g}x)"]
     return []
+
+
+def decode_attention_failures(own_ms: Mapping[int, float], shared_ms: Mapping[int, float]) -> list[str]:
+    """The fused decode attention's gate, from ms per call by window (positions read), each row reading its own
+    cache (``own_ms``) and a shared prefix read once per group (``shared_ms``)."""
+    failures = []
+    for name, timings in (("own", own_ms), ("shared", shared_ms)):
+        per_position = sorted(ms / window for window, ms in timings.items())
+        typical = per_position[len(per_position) // 2]
+        for window, ms in sorted(timings.items()):
+            if ms / window > WINDOW_COST_MAX * typical:
+                failures.append(f"decode attention ({name} prefixes) over {window} positions took {ms:.3g} ms, "
+                                f"{ms / window / typical:.2f}x the median time per position (limit "
+                                f"{WINDOW_COST_MAX}x): a layout whose stride aliases in the cache?")
+    for window in sorted(own_ms.keys() & shared_ms.keys()):
+        if shared_ms[window] > own_ms[window]:
+            failures.append(f"decode attention over {window} positions: reading the shared prefix once per group "
+                            f"({shared_ms[window]:.3g} ms) is slower than once per row ({own_ms[window]:.3g} ms)")
+    return failures

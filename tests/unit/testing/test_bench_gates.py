@@ -3,8 +3,9 @@ gate holds on the device it runs on, and a device with neither fails instead of 
 
 from __future__ import annotations
 
-from rlrunbook.testing.bench_gates import (CUSTOM_LOSS_MAX_RATIO, UPDATE_ENV, custom_loss_failures, decode_failures,
-                                           device_kind, peer_failures, regression_failures)
+from rlrunbook.testing.bench_gates import (CUSTOM_LOSS_MAX_RATIO, UPDATE_ENV, custom_loss_failures,
+                                           decode_attention_failures, decode_failures, device_kind, peer_failures,
+                                           regression_failures)
 
 CPU_PEER = {"ratio": 0.473, "machine": "x86_64"}
 
@@ -52,3 +53,15 @@ def test_the_custom_loss_takes_the_time_of_cross_entropy():
 
 def test_devices_are_gated_by_kind():
     assert device_kind("cuda:1") == "cuda" and device_kind("cpu") == "cpu"
+
+
+def test_the_decode_attention_gate_catches_a_window_costlier_than_its_positions_and_slower_sharing():
+    own = {384: 0.55, 448: 0.64, 512: 0.76, 576: 0.93}
+    shared = {384: 0.40, 448: 0.48, 512: 0.58, 576: 0.72}
+    assert decode_attention_failures(own, shared) == []
+    # the measured cliff before the stride fix: 512 positions 4.35 ms, 6.8x the median ms per position
+    (failure,) = decode_attention_failures({**own, 512: 4.35}, {**shared, 512: 0.58})
+    assert "own prefixes) over 512 positions took 4.35 ms" in failure and "limit 2.0x" in failure
+    assert decode_attention_failures({**own, 1024: 2.9}, {**shared, 1024: 2.2}) == []  # L2 outgrown: 1.9x, allowed
+    (failure,) = decode_attention_failures(own, {**shared, 448: 0.70})
+    assert "over 448 positions" in failure and "(0.7 ms) is slower than once per row (0.64 ms)" in failure

@@ -28,6 +28,10 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
                   const uint8_t *kvalid, void *out, float *lse, int64_t R, int64_t T, int64_t S, int64_t H,
                   int64_t Hkv, int64_t D, int64_t q_row, int64_t k_row, int64_t pos_rows, int tq, int tk,
                   float scale, int nthreads);
+int attention_fwd_parts(const void *q, const void *k, const void *v, const int64_t *qpos, const int64_t *kpos,
+                        const uint8_t *kvalid, void *out, float *lse, int64_t R, int64_t S, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t q_row, int64_t k_row, int tq, int tk, float scale, const int64_t *order,
+                        const int64_t *starts, const int64_t *reload, int64_t parts, int nthreads);
 
 #define SMALL_K 64 /* as rlrunbook/kernels/ops.py: products over at most this many terms are sequential */
 
@@ -195,10 +199,13 @@ int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const
 /* One decode step of R rows over their caches (RowCache): row r's new key and value (in QKV's row, after its H
  * query heads: Hkv key heads, then Hkv value heads, each of size D) are written at cache index lengths[r], then
  * its queries attend over the first S cache entries (attention_fwd, positions 0..S-1 all valid, the query at
- * position lengths[r]). Out [R, H * D]; Kc, Vc [R, capacity, Hkv, D] with row stride c_row. */
+ * position lengths[r]). Out [R, H * D]; Kc, Vc [R, capacity, Hkv, D] with row stride c_row. With order (not
+ * NULL), rows that hold copies of one prefix read it once per part (attention_fwd_parts: order, starts, reload,
+ * parts), with the same bits. */
 int cached_attention(const void *QKV, int64_t qkv_row, void *Kc, void *Vc, int64_t c_row, const int64_t *lengths,
                      const int64_t *kpos, const uint8_t *kvalid, void *out, int64_t R, int64_t S, int64_t H,
-                     int64_t Hkv, int64_t D, int t, float scale, int nthreads) {
+                     int64_t Hkv, int64_t D, int t, float scale, const int64_t *order, const int64_t *starts,
+                     const int64_t *reload, int64_t parts, int nthreads) {
   size_t e = esize(t), width = (size_t)(Hkv * D) * e;
   for (int64_t r = 0; r < R; r++) {
     const char *row = (const char *)QKV + (size_t)(r * qkv_row) * e;
@@ -208,8 +215,10 @@ int cached_attention(const void *QKV, int64_t qkv_row, void *Kc, void *Vc, int64
   }
   float *lse = malloc((size_t)(R * H + 1) * sizeof(float));
   if (!lse) return 1;
-  int status = attention_fwd(QKV, Kc, Vc, lengths, kpos, kvalid, out, lse, R, 1, S, H, Hkv, D, qkv_row, c_row, 1,
-                             t, t, scale, nthreads);
+  int status = order ? attention_fwd_parts(QKV, Kc, Vc, lengths, kpos, kvalid, out, lse, R, S, H, Hkv, D, qkv_row,
+                                           c_row, t, t, scale, order, starts, reload, parts, nthreads)
+                     : attention_fwd(QKV, Kc, Vc, lengths, kpos, kvalid, out, lse, R, 1, S, H, Hkv, D, qkv_row, c_row,
+                                     1, t, t, scale, nthreads);
   free(lse);
   return status;
 }
