@@ -22,6 +22,7 @@ Memory: the plan is three int64 vectors of at most ``rows + 1`` entries; plannin
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ def common_prefixes(sequences: Sequence[Sequence[int]], rows: int, min_shared: i
     and come last."""
     order = sorted(range(len(sequences)), key=lambda i: (tuple(sequences[i]), i))
     reload = [0] * rows
-    for previous, row in zip(order, order[1:], strict=False):
+    for previous, row in pairwise(order):
         common = _common(sequences[previous], sequences[row])
         reload[row] = common if common >= min_shared else 0
     return Sharing(tuple(order) + tuple(range(len(sequences), rows)), tuple(reload))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Literal
 
 import pydantic
 from starlette.concurrency import run_in_threadpool
@@ -60,15 +59,21 @@ class WeightsInfoRequest(pydantic.BaseModel):
 
 
 class FinishSessionRequest(pydantic.BaseModel):
-    """``ServiceClient.close(status, detail)``'s body: why the client is done (older SDKs send none)."""
+    """``ServiceClient.close(status, detail)``'s body: why the client is done. Read leniently: older SDKs send no
+    body, and a reason or field this server does not know must not make a client's close fail (it is recorded as
+    no reason)."""
 
     class Reason(pydantic.BaseModel):
-        model_config = pydantic.ConfigDict(extra="forbid")
-        type: Literal["success", "errored", "interrupted"]
+        model_config = pydantic.ConfigDict(extra="ignore")
+        type: str | None = None
 
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="ignore")
     reason: Reason | None = None
     detail: str | None = None
+
+    def known_reason(self) -> str | None:
+        reason = self.reason.type if self.reason is not None else None
+        return reason if reason in ("success", "errored", "interrupted") else None
 
 
 class AssignProjectRequest(pydantic.BaseModel):
@@ -205,8 +210,7 @@ async def healthz(request: Request, serve: ServeState) -> Response:
 
 async def finish_session(request: Request, serve: ServeState) -> Response:
     finish = await read_json(request, FinishSessionRequest)  # an empty body: no reason given
-    reason = finish.reason.type if finish.reason is not None else None
-    return JSONResponse(serve.finish(request.path_params["session_id"], request.state.tenant, reason))
+    return JSONResponse(serve.finish(request.path_params["session_id"], request.state.tenant, finish.known_reason()))
 
 
 async def search_sessions(request: Request, serve: ServeState) -> Response:

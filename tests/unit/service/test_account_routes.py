@@ -205,6 +205,17 @@ def test_a_compressed_body_is_refused_naming_the_client_config(app, encoding):
     assert "proto_compress_fwdbwd=false" in answer.json()["detail"]
 
 
+def test_a_close_with_a_reason_or_field_unknown_here_still_closes(app):
+    client, serve = app
+    for body in ({"reason": {"type": "preempted", "by": "scheduler"}, "detail": "x", "trace_id": 7},
+                 {"reason": None}):
+        session = _session(client)
+        answer = _post(client, f"/sessions/{session}/finish", body)
+        assert answer.status_code == 200, answer.text
+        assert serve.holdings.sessions[session].status == "finished"
+        assert serve.holdings.sessions[session].finish_reason is None
+
+
 def test_names_projects_and_finish_reasons_survive_a_restart(tmp_path):
     from starlette.testclient import TestClient
 
