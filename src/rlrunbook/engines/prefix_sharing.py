@@ -22,9 +22,9 @@ Memory: the plan is three int64 vectors of at most ``rows + 1`` entries; plannin
 from __future__ import annotations
 
 import math
-from itertools import pairwise
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
