@@ -284,17 +284,19 @@ class HFSamplingEngine(InProcessEngine):
         cache = self._cache(_bucket(len(prompts)), capacity)
         width = max(len(p) for p in prompts)
         slots = torch.zeros(len(prompts), width, dtype=torch.long)
+        paths = []
         for row, prompt in enumerate(prompts):
             path, existing = pool.trie.insert(prompt)
             assert existing == len(prompt), "prefill must have put every prompt in the pool"
             slots[row, : len(prompt)] = torch.tensor(path) - 1
+            paths.append(path)
         slots = slots.to(device)
         for layer in range(len(cache.keys)):
             cache.keys[layer][: len(prompts), :width] = pool.store.keys[layer][slots]
             cache.values[layer][: len(prompts), :width] = pool.store.values[layer][slots]
         cache.lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], device=device)
-        if self.share_prefixes:  # rows copied from the same slots hold the same bits: read them once a step
-            paths = [slots[row, : len(prompt)].tolist() for row, prompt in enumerate(prompts)]
+        # Rows copied from the same slots hold the same bits: the fused CPU step reads such a prefix once per group.
+        if self.share_prefixes and device.type == "cpu":
             cache.share_prefixes(common_prefixes(paths, cache.rows))
         return cache
 

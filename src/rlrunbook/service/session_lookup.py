@@ -39,14 +39,20 @@ def get_session(holdings: Holdings, session_id: str, tenant: str) -> dict:
     """The body of ``GetSessionResponse`` for the caller's session ``session_id`` (ended ones included);
     ``UnknownIdError`` (404) for another tenant's or an unknown one."""
     with holdings.lock:
-        session = holdings.sessions.get(session_id)
-        if session is None or session.tenant != tenant:
-            raise UnknownIdError(f"no session {session_id!r} on this server; rest_client.list_sessions() lists "
-                                 "yours.")
+        session = _own_session(holdings, session_id, tenant)
         models = sorted((m.model_id for m in holdings.models.values() if m.session_id == session_id), key=_seq)
         samplers = sorted((s.sampler_id for s in holdings.samplers.values() if s.session_id == session_id), key=_seq)
     return dump(types.GetSessionResponse(training_run_ids=models, sampler_ids=samplers,
                                          user_metadata=dict(session.user_metadata) or None))
+
+
+def _own_session(holdings: Holdings, session_id: str, tenant: str) -> Session:
+    """The caller's session ``session_id``, ended ones included (the caller holds ``holdings.lock``);
+    ``UnknownIdError`` (404) for another tenant's or an unknown one."""
+    session = holdings.sessions.get(session_id)
+    if session is None or session.tenant != tenant:
+        raise UnknownIdError(f"no session {session_id!r} on this server; rest_client.list_sessions() lists yours.")
+    return session
 
 
 def _seq(model_or_sampler_id: str) -> tuple[int, str]:
@@ -101,10 +107,7 @@ def assign_session_project(holdings: Holdings, session_id: str, project_id: str,
     """File the caller's session ``session_id`` (ended ones included) under ``project_id``."""
     project_id = check_project_id(project_id)
     with holdings.lock:
-        session = holdings.sessions.get(session_id)
-        if session is None or session.tenant != tenant:
-            raise UnknownIdError(f"no session {session_id!r} on this server; rest_client.list_sessions() lists "
-                                 "yours.")
+        session = _own_session(holdings, session_id, tenant)
         store_update(session_id, project_id)
         session.project_id = project_id
 
