@@ -21,6 +21,11 @@ samplers of its weights share one) and the worker takes lanes in turn, one call 
 within a lane calls run in submission order, and a client that queued many calls does not hold back
 another client's one call behind all of them. With one lane (one training client) that is plain FIFO.
 
+A batchable call may also name a ``merge`` key and function: calls at the head of other lanes with the same
+``merge`` key join its batch (the samplers of several training clients of one base model, decoded as one batch
+with an adapter per row), and ``merge_fn`` gets them grouped by batch key. Each lane still runs its calls in
+submission order: a call joins only from the front of its lane.
+
 The futures are the SDK's own ``AwaitableConcurrentFuture``: ``.result()`` blocks, ``await`` works
 in any event loop (also one already running), because the work never runs on the caller's thread.
 """
@@ -53,6 +58,8 @@ class _Task:
     batch_fn: Callable[[list[Any]], list[Any]] | None = None
     rows: int = 1
     name: str = ""  # what the call is, for the timeline
+    merge: Hashable | None = None  # batchable across lanes: same merge key → one call of merge_fn
+    merge_fn: Callable[[list[list[Any]]], list[list[Any]]] | None = None
 
 
 def _current_cuda_device() -> int | None:
@@ -119,10 +126,18 @@ class OrderedWorker:
         return self._enqueue(_Task(Future(), run=lambda: fn(*args, **kwargs), name=call_name(fn)), lane)
 
     def submit_batchable(self, key: Hashable, item: Any, batch_fn: Callable[[list[Any]], list[Any]],
-                         rows: int = 1, *, lane: Hashable = None) -> AwaitableConcurrentFuture:
-        """Queue ``item``; consecutive items of one lane with the same ``key`` are handed to ``batch_fn`` together."""
+                         rows: int = 1, *, lane: Hashable = None, merge: Hashable | None = None,
+                         merge_fn: Callable[[list[list[Any]]], list[list[Any]]] | None = None
+                         ) -> AwaitableConcurrentFuture:
+        """Queue ``item``; consecutive items of one lane with the same ``key`` are handed to ``batch_fn`` together.
+
+        ``merge`` (with ``merge_fn``): items at the head of other lanes with the same ``merge`` key join the batch,
+        whatever their ``key``; a batch of several keys goes to ``merge_fn`` as one list of items per key (in the
+        order the keys joined), which returns one list of results per key."""
+        if (merge is None) != (merge_fn is None):
+            raise ValueError("submit_batchable: merge and merge_fn go together")
         return self._enqueue(_Task(Future(), key=key, item=item, batch_fn=batch_fn, rows=rows,
-                                   name=call_name(batch_fn)), lane)
+                                   name=call_name(batch_fn), merge=merge, merge_fn=merge_fn), lane)
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -160,17 +175,28 @@ class OrderedWorker:
             del self._lanes[lane]
             self._turns.remove(lane)
 
+    def _joins(self, task: _Task, first: _Task) -> bool:
+        return task.key == first.key or (first.merge is not None and task.merge == first.merge)
+
     def _take_batch(self, first: _Task, lane: Hashable) -> list[_Task]:
         batch, rows = [first], first.rows
         deadline = time.monotonic() + self.batch_window_s
         with self._cv:
             while True:
                 queue = self._lanes.get(lane)
-                while queue and queue[0].key == first.key and rows + queue[0].rows <= self.max_batch_rows:
+                while queue and self._joins(queue[0], first) and rows + queue[0].rows <= self.max_batch_rows:
                     task = queue.popleft()
                     batch.append(task)
                     rows += task.rows
                 self._drop_if_empty(lane)
+                if first.merge is not None:  # the heads of the other lanes that merge with it
+                    for other in list(self._turns):
+                        waiting = self._lanes[other]
+                        while waiting and waiting[0].merge == first.merge and rows + waiting[0].rows <= self.max_batch_rows:
+                            task = waiting.popleft()
+                            batch.append(task)
+                            rows += task.rows
+                        self._drop_if_empty(other)
                 if queue or rows >= self.max_batch_rows:
                     return batch  # the lane's next task is different: order must be kept
                 remaining = deadline - time.monotonic()
@@ -201,9 +227,22 @@ class OrderedWorker:
                 self._resolve(batch, lambda: [task.run()])
             else:
                 self.batches_run += 1
-                self._resolve(batch, lambda: task.batch_fn([t.item for t in batch]))
+                self._resolve(batch, lambda: self._run_batch(batch))
             if self.timeline is not None:
                 self.timeline.record(self.name, task.name, start, time.perf_counter(), len(batch))
+
+    @staticmethod
+    def _run_batch(batch: list[_Task]) -> list[Any]:
+        """One call for the batch's items: ``batch_fn`` where they share a key, else ``merge_fn`` by key."""
+        first = batch[0]
+        keys = list(dict.fromkeys(task.key for task in batch))
+        if len(keys) == 1:
+            return first.batch_fn([task.item for task in batch])
+        groups = [[task for task in batch if task.key == key] for key in keys]
+        results = first.merge_fn([[task.item for task in group] for group in groups])
+        by_task = {id(task): result for group, answers in zip(groups, results, strict=True)
+                   for task, result in zip(group, answers, strict=True)}
+        return [by_task[id(task)] for task in batch]
 
     def _resolve(self, tasks: list[_Task], compute: Callable[[], list[Any]]) -> None:
         live = [t for t in tasks if t.future.set_running_or_notify_cancel()]
@@ -261,8 +300,10 @@ class WorkerLane:
         return self.worker._submit(self.key, fn, *args, **kwargs)
 
     def submit_batchable(self, key: Hashable, item: Any, batch_fn: Callable[[list[Any]], list[Any]],
-                         rows: int = 1) -> AwaitableConcurrentFuture:
-        return self.worker.submit_batchable(key, item, batch_fn, rows, lane=self.key)
+                         rows: int = 1, *, merge: Hashable | None = None,
+                         merge_fn: Callable[[list[list[Any]]], list[list[Any]]] | None = None
+                         ) -> AwaitableConcurrentFuture:
+        return self.worker.submit_batchable(key, item, batch_fn, rows, lane=self.key, merge=merge, merge_fn=merge_fn)
 
     def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         return self.submit(fn, *args, **kwargs).result()

@@ -81,10 +81,14 @@ def clone_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in adapter_parameters(model).items()}
 
 
+def is_lora_tensor(name: str) -> bool:
+    """Whether parameter ``name`` is a LoRA factor."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of every LoRA factor, trainable or not (an adapter loaded for inference is frozen)."""
-    return {name: p.detach().clone() for name, p in model.named_parameters()
-            if ".lora_A." in name or ".lora_B." in name}
+    return {name: p.detach().clone() for name, p in model.named_parameters() if is_lora_tensor(name)}
 
 
 @contextmanager

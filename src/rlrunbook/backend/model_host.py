@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from rlrunbook import distributed, pending_signal
 from rlrunbook.backend import sharding
-from rlrunbook.backend.lora import clone_adapter, load_adapter
+from rlrunbook.backend.lora import clone_adapter, is_lora_tensor, load_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.base import SamplingEngine
 from rlrunbook.engines.decoder import unsupported_reason
@@ -39,6 +40,16 @@ class ModelHost:
     model: torch.nn.Module
     engine: SamplingEngine
     vllm: object | None = None
+    # The resident base weights this host's model computes with (hosts of one value hold the same tensors), or
+    # None where its weights are its own: samplers of hosts over one base may be decoded as one batch.
+    shared_base: int | None = None
+
+    @functools.cached_property
+    def adapter_layout(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """The model's LoRA tensors by name, shape and dtype: snapshots of hosts of one layout fit each other's
+        engines (empty for a model without an adapter)."""
+        return tuple((name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in self.model.named_parameters()
+                     if is_lora_tensor(name))
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -143,7 +154,8 @@ def host_over(resident: ResidentModel, name: str, settings: LocalSettings, *, ow
         engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(),
                                   cuda_graphs=settings.cuda_graphs and not own_weights,
                                   prefix_cache_tokens=settings.prefix_cache_tokens, **common)
-    return ModelHost(name, resident.folder, tokenizer, model, engine)
+    shared = None if own_weights or not resident.shareable else id(resident)
+    return ModelHost(name, resident.folder, tokenizer, model, engine, shared_base=shared)
 
 
 def load_host(base_model: str, settings: LocalSettings) -> ModelHost:

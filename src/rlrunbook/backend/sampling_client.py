@@ -9,9 +9,10 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest, SampleJob
 from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.hf import MAX_ADAPTERS, AdapterJobs
 from rlrunbook.engines.noise import mix_seed
 from rlrunbook.engines.scoring import teacher_forced_logprobs
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
@@ -54,6 +56,28 @@ def _client_from_handle(**fields: str | None) -> LocalSamplingClient:
 
 
 StopConditions = tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]  # (token-id sequences, strings)
+
+
+class _Queued(NamedTuple):
+    """A sample request waiting on its worker: the job, whether prompt logprobs were asked for, and its client."""
+
+    job: SampleJob
+    prompt_logprobs: bool
+    client: LocalSamplingClient
+
+
+def _sample_together(groups: list[list[_Queued]]) -> list[list[types.SampleResponse]]:
+    """The requests of several samplers of one base model (one list per sampler's weights, as the worker groups
+    them), decoded as one batch with each row's own adapter (:meth:`rlrunbook.engines.hf.HFSamplingEngine.
+    sample_adapters`, at most ``MAX_ADAPTERS`` per call): each gets what its sampler gets alone."""
+    engine = groups[0][0].client._host.engine
+    completions: list[list[list]] = []
+    for start in range(0, len(groups), MAX_ADAPTERS):
+        part = groups[start:start + MAX_ADAPTERS]
+        completions += engine.sample_adapters([
+            AdapterJobs(group[0].client._weights.adapter, group[0].client._weights.key, [q.job for q in group])
+            for group in part])
+    return [group[0].client._respond(group, results) for group, results in zip(groups, completions, strict=True)]
 
 
 def resolve_stop_conditions(stop: object, eos_token_ids: list[int]) -> StopConditions:
@@ -219,7 +243,21 @@ class LocalSamplingClient(ResolvedClient):
         key = (id(self._host), id(self._weights), request.max_tokens, request.filters, request.stop,
                request.stop_strings, include_prompt_logprobs and self._host.vllm is not None)
         worker = self._model_worker if include_prompt_logprobs and self._host.vllm is not None else self._worker
-        return worker.submit_batchable(key, (job, include_prompt_logprobs), self._sample_batch, rows=num_samples)
+        merge = self._merge_key(request)
+        return worker.submit_batchable(key, _Queued(job, include_prompt_logprobs, self), self._sample_batch,
+                                       rows=num_samples, merge=merge,
+                                       merge_fn=None if merge is None else _sample_together)
+
+    def _merge_key(self, request: GenerationRequest) -> Hashable | None:
+        """What another sampler's requests must share for one batch with this one's, each row with its own adapter
+        (the base weights in memory, the LoRA layout, the request's settings); ``None`` where this sampler's are
+        not batched with others (vLLM, full-parameter weights, an engine without adapter batches)."""
+        host = self._host
+        if (host.vllm is not None or self._weights.full or host.shared_base is None
+                or not hasattr(host.engine, "sample_adapters")):
+            return None
+        return ("adapters", host.shared_base, host.adapter_layout, request.max_tokens, request.filters, request.stop,
+                request.stop_strings)
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int,
                            sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,
@@ -237,25 +275,38 @@ class LocalSamplingClient(ResolvedClient):
             return pin(self._weights.adapter, self._weights.key)
         return active_weights(self._host, self._weights, self._live_version())
 
-    def _sample_batch(self, items: list[tuple[SampleJob, bool]]) -> list[types.SampleResponse]:
+    def _sample_batch(self, items: list[_Queued]) -> list[types.SampleResponse]:
         """One engine call for every queued request that shares these weights and settings."""
-        jobs = [job for job, _ in items]
+        jobs = [item.job for item in items]
         if self._host.vllm is None:
             with self._computing_with_weights():
                 results = self._host.engine.sample_jobs(jobs, weights_key=self._weights.key)
-                prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
+            return self._respond(items, results)
         else:  # a vLLM server samples this client's snapshot written as an adapter (the live model untouched), or
             # a full-parameter trainer's live weights, written while they are gathered
             with self._computing_with_weights() if self._weights.full else nullcontext():
                 results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
             prompt_lps = [None] * len(items)
-            if any(want for _, want in items):  # in process: these calls run on the model's own worker
+            if any(item.prompt_logprobs for item in items):  # in process: these calls run on the model's own worker
                 with self._computing_with_weights():
-                    prompt_lps = [self._prompt_logprobs(job.prompt) if want else None for job, want in items]
+                    prompt_lps = [self._prompt_logprobs(item.job.prompt) if item.prompt_logprobs else None
+                                  for item in items]
+        return self._respond(items, results, prompt_lps)
+
+    def _respond(self, items: list[_Queued], results: list[list], prompt_lps: list | None = None
+                 ) -> list[types.SampleResponse]:
+        """The responses to ``items`` (this sampler's requests) from their completions; the prompt logprobs asked
+        for are computed here, under these weights, unless given."""
+        if prompt_lps is None:
+            prompt_lps = [None] * len(items)
+            if any(item.prompt_logprobs for item in items):
+                with self._computing_with_weights():
+                    prompt_lps = [self._prompt_logprobs(item.job.prompt) if item.prompt_logprobs else None
+                                  for item in items]
         responses = [self._response(completions, prompt_lp)
                      for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
         if self._sample_log is not None:
-            self._sample_log.record(jobs, responses, [want for _, want in items])
+            self._sample_log.record([item.job for item in items], responses, [item.prompt_logprobs for item in items])
         return responses
 
     def _vllm_adapter(self):

@@ -56,7 +56,7 @@ from rlrunbook.engines.lora_groups import (
     add_group_updates,
     group_factors,
 )
-from rlrunbook.engines.pinned_adapter import PinnedAdapter
+from rlrunbook.engines.pinned_adapter import PinnedAdapter, RowAdapters
 from rlrunbook.engines.sharded_layers import is_sharded, through
 from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
@@ -223,6 +223,9 @@ class Decoder:
         # Where set (a sampling engine's call), LoRA factors and whether the adapter is on are read from these
         # engine-owned copies, not from the modules the trainer updates (engines/pinned_adapter.py).
         self.pinned: PinnedAdapter | None = None
+        # Where set (a decode step of several samplers' rows), each row's LoRA factors come from its slot's pinned
+        # copies instead (engines/pinned_adapter.py RowAdapters); passes that compute no gradient only.
+        self.row_adapters: RowAdapters | None = None
         self._fused = FusedPass(self)
 
     # Passes that record no gradient go through the fused kernels (engines/fused_pass.py) where they apply;
@@ -231,8 +234,10 @@ class Decoder:
 
     def adapter_state(self) -> tuple:
         """What decides which adapters a pass adds, for caches keyed by it (captured graphs)."""
-        if self.pinned is not None:
-            return ("pinned", self.pinned.enabled)
+        if self.row_adapters is not None:
+            return ("rows", tuple(map(id, self.row_adapters.slots)), self.row_adapters.bounds)
+        if self.pinned is not None:  # a graph reads the buffers of the pinned copy it was captured over
+            return ("pinned", id(self.pinned), self.pinned.enabled)
         lora = next((m for m in self.model.modules() if hasattr(m, "lora_A")), None)
         return ("live", lora is not None and bool(lora.disable_adapters))
 
@@ -311,10 +316,17 @@ class Decoder:
         finally:
             self._fixed_depth -= 1
 
+    def _factor_source(self) -> tuple:
+        """Where the LoRA factors of a pass come from now: the live modules, one pinned copy, or several."""
+        if self.row_adapters is not None:
+            return tuple(map(id, self.row_adapters.slots))
+        return (id(self.pinned),)
+
     def per_call(self, cache: dict, modules: Sequence[torch.nn.Module], build: Callable[[], object]):
         """``build()`` for a projection group, kept in ``cache`` for the rest of the current :meth:`weights_fixed`
-        block (one sampling call); outside a block it is built on every use."""
-        key = tuple(map(id, modules))
+        block (one sampling call; per source of LoRA factors: one call may prefill each sampler's prompts with its
+        own adapter, then decode their rows together); outside a block it is built on every use."""
+        key = (tuple(map(id, modules)), self._factor_source())
         if self._fixed_depth:
             epoch, value = cache.get(key, (None, None))
             if epoch == self._epoch:
@@ -332,19 +344,31 @@ class Decoder:
             if self.numerics.float64_matmuls or not stackable(bases):
                 return None
             weight, bias = stacked_weights(bases)
-            factors = group_factors(modules, self.pinned) if self.grouped_adapters and self._fixed_depth else None
+            factors = (group_factors(modules, self.pinned)
+                       if self.grouped_adapters and self._fixed_depth and self.row_adapters is None else None)
             return _GroupPlan(weight, bias, [b.out_features for b in bases], bases, factors)
 
         return self.per_call(self._plans, modules, build)
 
     def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """A peft LoRA module's output from its base layer's ``result`` on input ``x``."""
+        """A peft LoRA module's output from its base layer's ``result`` on input ``x`` (with :attr:`row_adapters`,
+        each slot's rows with that slot's factors: the bits each would get alone, the products being row-wise)."""
+        rows = self.row_adapters
+        if rows is None:
+            return self._adapters_added(module, result, x, self.pinned)
+        if torch.is_grad_enabled() or x.shape[0] != rows.bounds[-1]:
+            raise RuntimeError(f"several adapters over {rows.bounds[-1]} rows in a pass of {x.shape[0]} rows "
+                               f"(grad {torch.is_grad_enabled()}): only a decode step computes them")
+        return torch.cat([self._adapters_added(module, result[span], x[span], slot) for slot, span in rows.spans()])
+
+    def _adapters_added(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
+                        pinned: PinnedAdapter | None) -> torch.Tensor:
         result_dtype = result.dtype
-        for name in adapter_names(module, self.pinned):
+        for name in adapter_names(module, pinned):
             if name in getattr(module, "lora_variant", {}):
                 raise ConfigError(f"LoRA variant {type(module.lora_variant[name]).__name__} (DoRA, ...) "
                                   "is not supported by this engine; use plain LoRA.")
-            a, b = adapter_weights(module, name, self.pinned)
+            a, b = adapter_weights(module, name, pinned)
             scaling = module.scaling[name]
             if self.numerics.float64_matmuls:
                 delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling

@@ -74,11 +74,12 @@ class FusedPass:
             bases = [getattr(m, "base_layer", m) for m in modules]
             if not stackable(bases):
                 return None
-            adapters = [_adapter(m, decoder.pinned) for m in modules]
-            if any(a is _UNFUSABLE for a in adapters):
+            sources = [decoder.pinned] if decoder.row_adapters is None else decoder.row_adapters.slots
+            slots = [[_adapter(m, source) for m in modules] for source in sources]
+            if any(a is _UNFUSABLE for adapters in slots for a in adapters):
                 return None
             weight, bias = stacked_weights(bases)
-            return fused.LoraLinears.prepare(weight, bias, [b.out_features for b in bases], adapters)
+            return fused.LoraLinears.prepare(weight, bias, [b.out_features for b in bases], *slots)
 
         return decoder.per_call(self._groups, modules, build)
 
@@ -86,7 +87,8 @@ class FusedPass:
         """The projections' outputs side by side, ``[N, sum of out_features]``."""
         group = self.group(modules)
         if group is not None:
-            return fused.lora_linears(x, group)
+            rows = self.decoder.row_adapters
+            return fused.lora_linears(x, group, None if rows is None else rows.bounds)
         outputs = self.decoder.linears(modules, x)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 

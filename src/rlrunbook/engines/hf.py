@@ -37,6 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +46,7 @@ from rlrunbook.engines.decoder import Decoder, Numerics
 from rlrunbook.engines.filters import apply_filters
 from rlrunbook.engines.in_process import InProcessEngine
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
-from rlrunbook.engines.pinned_adapter import PinnedAdapter
+from rlrunbook.engines.pinned_adapter import PinnedAdapter, RowAdapters
 from rlrunbook.engines.prefix_sharing import common_prefixes
 from rlrunbook.engines.stops import DecodeBatch, StopTracker
 from rlrunbook.engines.token_draw import StepDraws
@@ -57,6 +58,8 @@ _WINDOW_STEP = 64  # the decode step reads cache columns in multiples of this
 SYNC_EVERY = 8  # decode steps between reads of the drawn tokens (stops are found there)
 PREFILL_TOKENS = 16384  # most prompt tokens one prefill pass computes (its activations grow with them)
 CAPACITY_FLOOR = 256  # the smallest decode cache capacity (positions); larger ones are 2^k or 1.5 x 2^k
+MAX_ADAPTERS = 8  # most samplers' adapters one call decodes together (each keeps a pinned copy and a prefix pool)
+_POOL_SPACING = 1 << 40  # pool slot ids of adapter s are offset by s times this: no two adapters' rows share
 
 
 def _bucket(rows: int) -> int:
@@ -120,6 +123,25 @@ class _PrefixPool:
             self.store.values[layer][slot] = cache.values[layer][row_index, position]
 
 
+@dataclass(frozen=True)
+class AdapterJobs:
+    """One sampler's share of a call that decodes several samplers' rows together (:meth:`HFSamplingEngine.
+    sample_adapters`): its snapshot's LoRA tensors by parameter name (``None``: the base model), the key naming
+    that snapshot (as :meth:`HFSamplingEngine.pinned_weights` takes them) and its jobs."""
+
+    adapter: Mapping[str, torch.Tensor] | None
+    key: Hashable
+    jobs: Sequence[SampleJob]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one adapter slot's rows of a call get their LoRA factors and cached prefixes."""
+
+    pinned: PinnedAdapter | None  # None: the decoder's current state (the live model, or what the caller pinned)
+    key: Hashable | None  # the weights' key for the prefix pool (None: no reuse)
+
+
 class HFSamplingEngine(InProcessEngine):
     """Batched sampling from a (possibly LoRA-wrapped) transformers causal LM of a supported family.
 
@@ -132,6 +154,12 @@ class HFSamplingEngine(InProcessEngine):
     reference :func:`~rlrunbook.engines.token_draw.draw_tokens` (the same bits, many more operations).
     ``share_prefixes``: a fused decode step reads a prompt prefix that several rows hold once per group of rows
     (:mod:`~rlrunbook.engines.prefix_sharing`; the same bits), else once per row (for comparisons).
+
+    :meth:`sample_adapters` decodes the rows of several samplers of one base model (different LoRA snapshots of
+    one layout) as one batch, each row with its own adapter (as S-LoRA and Punica batch adapters): the base
+    weights are read once per decode step for all of them, and each row's results are the ones its sampler
+    gets alone. Each adapter slot keeps a pinned copy of its factors and a prefix pool of its own (memory: at
+    most :data:`MAX_ADAPTERS` of each). On CUDA such a batch decodes without captured graphs.
     """
 
     name = "hf"
@@ -145,8 +173,9 @@ class HFSamplingEngine(InProcessEngine):
                          max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.decoder = Decoder(model, numerics)
         self.prefix_cache_tokens = prefix_cache_tokens
-        self._pool: _PrefixPool | None = None
+        self._pools: list[_PrefixPool] = []  # per adapter slot of a call (one: every call of one sampler)
         self._pinned: PinnedAdapter | None = None
+        self._slot_pins: list[PinnedAdapter] = []  # slots of sample_adapters (the first is _pinned)
         self._caches: dict[int, RowCache] = {}  # by rows, all of capacity self._capacity
         self._capacity = 0
         self._graphs = None
@@ -172,8 +201,9 @@ class HFSamplingEngine(InProcessEngine):
     @model.setter
     def model(self, model: torch.nn.Module) -> None:
         self.decoder = Decoder(model, self.decoder.numerics)
-        self._pool = None
+        self._pools = []
         self._pinned = None
+        self._slot_pins = []
         self._drop_caches()
         self._capacity = 0
 
@@ -218,20 +248,82 @@ class HFSamplingEngine(InProcessEngine):
         if not jobs:
             return []
         rows, request = self.seeded_rows(jobs)
+        completions = self._sample_all(rows, [0] * len(rows), request, [_Source(None, weights_key)])
+        return split_by_job(jobs, completions)
+
+    def sample_adapters(self, groups: Sequence[AdapterJobs]) -> list[list[list[Completion]]]:
+        """Sample several samplers' jobs, each with its own adapter snapshot, decoding their rows as one batch.
+
+        Every group's jobs must share ``max_tokens``, filters and stops with every other group's; each adapter
+        must fit the model's LoRA layout (the samplers of training clients made alike over this engine's base
+        weights). Returns, per group, per job, the completions: bitwise what :meth:`sample_jobs` gives the group
+        alone under :meth:`pinned_weights` of its adapter (a row's numbers depend on its tokens and its adapter
+        only). At most :data:`MAX_ADAPTERS` groups."""
+        if not 0 < len(groups) <= MAX_ADAPTERS:
+            raise ValueError(f"sample_adapters: {len(groups)} adapters in one call; 1 to {MAX_ADAPTERS}")
+        while len(self._slot_pins) < len(groups):
+            if not self._slot_pins:
+                self._pinned = self._pinned or PinnedAdapter(self.decoder.model)
+                self._slot_pins.append(self._pinned)
+            else:
+                self._slot_pins.append(PinnedAdapter(self.decoder.model))
+        rows: list[tuple[list[int], int]] = []
+        row_slots: list[int] = []
+        requests = []
+        for slot, group in enumerate(groups):
+            if not group.jobs:
+                continue
+            group_rows, request = self.seeded_rows(group.jobs)
+            rows += group_rows
+            row_slots += [slot] * len(group_rows)
+            requests.append(request)
+        if not rows:
+            return [[] for _ in groups]
+        request = requests[0]
+        if any((r.max_tokens, r.filters, r.stop, r.stop_strings) != (request.max_tokens, request.filters, request.stop,
+                                                                     request.stop_strings) for r in requests):
+            raise ValueError("sample_adapters: every sampler's jobs must share max_tokens, filters and stops")
+        for pin, group in zip(self._slot_pins, groups):
+            pin.load(group.adapter, group.key)
+        sources = [_Source(pin, group.key) for pin, group in zip(self._slot_pins, groups)]
+        completions = self._sample_all(rows, row_slots, request, sources)
+        results, cursor = [], 0
+        for group in groups:
+            count = sum(job.num_samples for job in group.jobs)
+            results.append(split_by_job(group.jobs, completions[cursor:cursor + count]))
+            cursor += count
+        return results
+
+    def _sample_all(self, rows: list[tuple[list[int], int]], row_slots: list[int], request: GenerationRequest,
+                    sources: Sequence[_Source]) -> list[Completion]:
+        """Every row's completion, in batches of at most ``max_batch_rows`` (``row_slots``: each row's source)."""
         completions: list[Completion] = []
         with self.decoder.weights_fixed():  # the weights cannot change during one sampling call
             for start in range(0, len(rows), self.max_batch_rows):
-                completions += self._sample_rows(rows[start:start + self.max_batch_rows], request, weights_key)
-        return split_by_job(jobs, completions)
+                end = start + self.max_batch_rows
+                completions += self._sample_rows(rows[start:end], row_slots[start:end], request, sources)
+        return completions
 
     # -- one batched call -------------------------------------------------------------------------
-    def _pool_for(self, weights_key: Hashable | None, needed: int) -> _PrefixPool:
-        if self._pool is None:
-            self._pool = _PrefixPool(self.decoder, self.device)
-        pool = self._pool
+    def _pool_for(self, slot: int, weights_key: Hashable | None, needed: int) -> _PrefixPool:
+        while len(self._pools) <= slot:
+            self._pools.append(_PrefixPool(self.decoder, self.device))
+        pool = self._pools[slot]
         if weights_key is None or pool.key != weights_key or len(pool.trie) + needed > self.prefix_cache_tokens:
             pool.reset(weights_key)
         return pool
+
+    @contextmanager
+    def _factors_of(self, source: _Source) -> Iterator[None]:
+        """Inside the block the decoder computes with ``source``'s adapter (``pinned`` None: as it is)."""
+        if source.pinned is None:
+            yield
+            return
+        previous, self.decoder.pinned = self.decoder.pinned, source.pinned
+        try:
+            yield
+        finally:
+            self.decoder.pinned = previous
 
     def _prefill(self, pool: _PrefixPool, prompts: list[tuple[int, ...]]) -> torch.Tensor:
         """Compute what the pool lacks of ``prompts``; return each prompt's next-token logits ``[P, V]``."""
@@ -278,34 +370,52 @@ class HFSamplingEngine(InProcessEngine):
         cache.reset()
         return cache
 
-    def _new_cache(self, pool: _PrefixPool, prompts: list[list[int]], capacity: int) -> RowCache:
-        """A decode cache holding each row's prompt keys/values, copied from the pool."""
+    def _new_cache(self, pools: Sequence[_PrefixPool], row_slots: list[int], prompts: list[list[int]],
+                   capacity: int) -> RowCache:
+        """A decode cache holding each row's prompt keys/values, copied from its adapter slot's pool (the rows of a
+        slot are consecutive)."""
         device = self.device
         cache = self._cache(_bucket(len(prompts)), capacity)
         width = max(len(p) for p in prompts)
-        slots = torch.zeros(len(prompts), width, dtype=torch.long)
         paths = []
-        for row, prompt in enumerate(prompts):
-            path, existing = pool.trie.insert(prompt)
-            assert existing == len(prompt), "prefill must have put every prompt in the pool"
-            slots[row, : len(prompt)] = torch.tensor(path) - 1
-            paths.append(path)
-        slots = slots.to(device)
-        for layer in range(len(cache.keys)):
-            cache.keys[layer][: len(prompts), :width] = pool.store.keys[layer][slots]
-            cache.values[layer][: len(prompts), :width] = pool.store.values[layer][slots]
+        for slot, pool in enumerate(pools):
+            first = next((i for i, s in enumerate(row_slots) if s == slot), None)
+            if first is None:
+                continue
+            last = first + row_slots.count(slot)
+            slots = torch.zeros(last - first, width, dtype=torch.long)
+            for row in range(first, last):
+                path, existing = pool.trie.insert(prompts[row])
+                assert existing == len(prompts[row]), "prefill must have put every prompt in the pool"
+                slots[row - first, : len(path)] = torch.tensor(path) - 1
+                paths.append([slot * _POOL_SPACING + node for node in path])
+            slots = slots.to(device)
+            for layer in range(len(cache.keys)):
+                cache.keys[layer][first:last, :width] = pool.store.keys[layer][slots]
+                cache.values[layer][first:last, :width] = pool.store.values[layer][slots]
         cache.lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], device=device)
         # Rows copied from the same slots hold the same bits: the fused CPU step reads such a prefix once per group.
         if self.share_prefixes and device.type == "cpu":
             cache.share_prefixes(common_prefixes(paths, cache.rows))
         return cache
 
-    def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor, needed: int) -> torch.Tensor:
+    def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor, needed: int,
+              adapters: tuple[RowAdapters, RowAdapters] | None = None) -> torch.Tensor:
         """One decode step of every cache row; logits ``[len(running), V]`` of the running rows. ``needed`` is the
-        longest row's length plus one, which the caller knows (no read of ``cache.lengths``)."""
+        longest row's length plus one, which the caller knows (no read of ``cache.lengths``). ``adapters``: each
+        cache row's adapter and each running row's, where the rows are several samplers' (else the decoder's own
+        state)."""
         started = time.perf_counter()
         cache.window = min(cache.capacity, -(-needed // _WINDOW_STEP) * _WINDOW_STEP)
-        if self._graphs_enabled():
+        if adapters is not None:
+            try:
+                self.decoder.row_adapters = adapters[0]
+                hidden = self.decoder.hidden(tokens, cache.lengths, cache)[running]
+                self.decoder.row_adapters = adapters[1]  # the output layer may carry an adapter too
+                logits = self.decoder.logits(hidden)
+            finally:
+                self.decoder.row_adapters = None
+        elif self._graphs_enabled():
             logits = self._graph_runner().step(cache, tokens)[running]
         else:
             logits = self.decoder.logits(self.decoder.hidden(tokens, cache.lengths, cache)[running])  # [running, V]
@@ -319,21 +429,37 @@ class HFSamplingEngine(InProcessEngine):
         return draws.read(rows, columns, flag)
 
     @torch.no_grad()
-    def _sample_rows(self, rows: list[tuple[list[int], int]], request: GenerationRequest,
-                     weights_key: Hashable | None) -> list[Completion]:
+    def _sample_rows(self, rows: list[tuple[list[int], int]], row_slots: list[int], request: GenerationRequest,
+                     sources: Sequence[_Source]) -> list[Completion]:
         """Decode in blocks of ``sync_every`` steps: within a block every row that was running at its start is
         drawn and fed on the device (a row that stops inside the block runs on to its end; what it drew past its
         stop is dropped), and the block's draws are read back once, at its end, where stops are found and the batch
         shrinks. Rows' results do not depend on the rows beside them (the fixed-order numerics), so they are those
-        of a step-by-step loop."""
+        of a step-by-step loop.
+
+        ``row_slots[i]`` (not decreasing) is row ``i``'s index in ``sources``: each slot's prompts are prefilled
+        with its adapter into its pool, and with more than one slot each decode step computes each row with its
+        own adapter (:class:`~rlrunbook.engines.pinned_adapter.RowAdapters`)."""
         device = self.device
         prompts = [prompt for prompt, _ in rows]
-        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-        pool = self._pool_for(weights_key, sum(len(p) for p in distinct) + len(rows) * request.max_tokens)
-        first_logits = torch.cat([self._prefill(pool, part) for part in prefill_parts(distinct)])
-        index = {p: i for i, p in enumerate(distinct)}
-        logits = first_logits[torch.tensor([index[tuple(p)] for p in prompts], device=device)]  # [R, V]
-        cache = self._new_cache(pool, prompts, max(len(p) for p in prompts) + request.max_tokens)
+        pools: list[_PrefixPool] = []
+        index: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its row of the prefill logits
+        parts = []
+        for slot, source in enumerate(sources):
+            mine = [p for p, s in zip(prompts, row_slots) if s == slot]
+            distinct = list(dict.fromkeys(tuple(p) for p in mine))
+            pool = self._pool_for(slot, source.key, sum(len(p) for p in distinct) + len(mine) * request.max_tokens)
+            pools.append(pool)
+            with self._factors_of(source):
+                parts += [self._prefill(pool, part) for part in prefill_parts(distinct) if part]
+            index.update({(slot, p): len(index) + i for i, p in enumerate(distinct)})
+        first_logits = torch.cat(parts)
+        logits = first_logits[torch.tensor([index[s, tuple(p)] for p, s in zip(prompts, row_slots)], device=device)]
+        cache = self._new_cache(pools, row_slots, prompts, max(len(p) for p in prompts) + request.max_tokens)
+        # A call of several samplers (sample_adapters) decodes each row with its slot's adapter, even where this
+        # batch holds one slot's rows only; one sampler's call computes with the decoder's own state.
+        per_row = any(source.pinned is not None for source in sources)
+        slot_pins = [source.pinned for source in sources]
         lengths = [len(p) for p in prompts] + [0] * (cache.rows - len(prompts))  # cache.lengths, known on the host
         seeds = torch.tensor([seed for _, seed in rows], dtype=torch.int64, device=device)
         tracker = StopTracker(len(rows), request.stop, request.stop_strings, self.decode_batch)
@@ -348,6 +474,13 @@ class HFSamplingEngine(InProcessEngine):
         step = 0
         while True:
             width = min(every, request.max_tokens - step)
+            adapters = None
+            if per_row:  # a padding row computes with the last slot's adapter, so the slots stay in row order
+                last = row_slots[-1]
+                cache_slots = [last if i >= len(in_cache) or in_cache[i] is None else row_slots[in_cache[i]]
+                               for i in range(cache.rows)]
+                adapters = (RowAdapters.of_rows(slot_pins, cache_slots),
+                            RowAdapters.of_rows(slot_pins, [cache_slots[i] for i in live]))
             running = [in_cache[i] for i in live]
             # One host-to-device copy per block: the cache rows drawn, their seeds' rows, the rows fed, the first feed.
             fed = [0] * cache.rows
@@ -364,7 +497,7 @@ class HFSamplingEngine(InProcessEngine):
             for column in range(width):
                 if step + column:
                     needed = max(lengths) + 1
-                    logits = self._step(cache, feed, live_index, needed)
+                    logits = self._step(cache, feed, live_index, needed, adapters)
                     cache.lengths.add_(fed_mask)
                     for i in live:
                         lengths[i] += 1
@@ -384,18 +517,18 @@ class HFSamplingEngine(InProcessEngine):
             step += width
             if step == request.max_tokens:
                 break
-            cache, in_cache, lengths = self._retire(pool, cache, in_cache, prompts, tracker, lengths)
+            cache, in_cache, lengths = self._retire(pools, row_slots, cache, in_cache, prompts, tracker, lengths)
             live = [i for i, row in enumerate(in_cache) if row is not None and tracker.ends[row] is None]
             if not live:
                 break
-        self._retire(pool, cache, in_cache, prompts, tracker, lengths, final=True)
+        self._retire(pools, row_slots, cache, in_cache, prompts, tracker, lengths, final=True)
         return [Completion(tokens=tracker.generated[r][:tracker.kept(r)], logprobs=sampled[r][:tracker.kept(r)],
                            policy_logprobs=policy[r][:tracker.kept(r)],
                            stop_reason="length" if tracker.ends[r] is None else "stop")
                 for r in range(len(rows))]
 
-    def _retire(self, pool: _PrefixPool, cache: RowCache, in_cache: list[int | None], prompts: list[list[int]],
-                tracker: StopTracker, lengths: list[int], final: bool = False
+    def _retire(self, pools: Sequence[_PrefixPool], row_slots: list[int], cache: RowCache, in_cache: list[int | None],
+                prompts: list[list[int]], tracker: StopTracker, lengths: list[int], final: bool = False
                 ) -> tuple[RowCache, list[int | None], list[int]]:
         """Shrink the batch once the running rows fit half of it (or at the end, ``final``); ``lengths`` are the
         cache rows' lengths (``cache.lengths`` as the host knows them), returned for the cache returned.
@@ -409,9 +542,11 @@ class HFSamplingEngine(InProcessEngine):
         if running and _bucket(len(running)) >= cache.rows:
             return cache, in_cache, lengths
         leaving = [i for i in occupied if i not in running]
-        if leaving and pool.key is not None and self.prefix_cache_tokens > 0:
-            pool.absorb(cache, leaving, [prompts[in_cache[i]] + tracker.generated[in_cache[i]][:-1] for i in leaving],
-                        self.prefix_cache_tokens)
+        for slot, pool in enumerate(pools):  # each row's keys and values go to its own adapter's pool
+            mine = [i for i in leaving if row_slots[in_cache[i]] == slot]
+            if mine and pool.key is not None and self.prefix_cache_tokens > 0:
+                pool.absorb(cache, mine, [prompts[in_cache[i]] + tracker.generated[in_cache[i]][:-1] for i in mine],
+                            self.prefix_cache_tokens)
         if not running:
             return cache, [None] * cache.rows, lengths
         smaller = self._cache(_bucket(len(running)), cache.capacity)

@@ -15,7 +15,9 @@ flag: peft's ``disable_adapter()``, a switch on the shared modules, is the train
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from bisect import bisect_left
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -76,3 +78,24 @@ class PinnedAdapter:
     def factors(self, module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, B)`` of adapter ``name`` of ``module``, as pinned."""
         return self._factors[(id(module), name)]
+
+
+@dataclass(frozen=True)
+class RowAdapters:
+    """Several adapters in one pass (the samplers of several training clients of one base model, decoded as one
+    batch): rows ``bounds[s]`` to ``bounds[s + 1]`` compute with ``slots[s]``, each slot an engine's
+    :class:`PinnedAdapter` over the same model (the same LoRA layout, another snapshot)."""
+
+    slots: tuple[PinnedAdapter, ...]
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def of_rows(cls, slots: Sequence[PinnedAdapter], row_slots: Sequence[int]) -> RowAdapters:
+        """Rows in slot order: ``row_slots[i]`` is row ``i``'s slot, never less than the row before's."""
+        if any(b < a for a, b in zip(row_slots, row_slots[1:])) or (row_slots and not 0 <= row_slots[-1] < len(slots)):
+            raise ValueError(f"rows' slots {list(row_slots)[:16]} are not in order of {len(slots)} slots")
+        return cls(tuple(slots), tuple(bisect_left(row_slots, s) for s in range(len(slots))) + (len(row_slots),))
+
+    def spans(self) -> list[tuple[PinnedAdapter, slice]]:
+        """Each slot with its rows."""
+        return [(slot, slice(self.bounds[s], self.bounds[s + 1])) for s, slot in enumerate(self.slots)]

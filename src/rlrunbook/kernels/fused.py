@@ -99,24 +99,36 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+Adapter = tuple[torch.Tensor, torch.Tensor, float]  # LoRA (A [r, in], B [out, r], scaling)
+
+
 @dataclass(frozen=True)
 class LoraLinears:
     """A projection group prepared for :func:`lora_linears`: the stacked base weight ``[N, K]`` (and bias), each
-    projection's output columns, and its one LoRA adapter ``(A, B, scaling)`` or ``None``."""
+    projection's output columns, and per adapter slot each projection's LoRA adapter ``(A, B, scaling)`` or
+    ``None`` (one slot: one adapter for every row; several: see :func:`lora_linears`'s ``bounds``)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
-    adapters: tuple[tuple[torch.Tensor, torch.Tensor, float] | None, ...]
+    slots: tuple[tuple[Adapter | None, ...], ...]
     adapter_dtype: torch.dtype
     _args: tuple  # the C arrays and the adapters' storage code, built once
 
+    @property
+    def adapters(self) -> tuple[Adapter | None, ...]:
+        """The first slot's adapters (the only slot of a one-adapter group)."""
+        return self.slots[0]
+
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int],
-                adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None]) -> LoraLinears | None:
+                *slots: Sequence[Adapter | None]) -> LoraLinears | None:
         """The prepared group, or ``None`` where these kernels cannot compute it as the decoder's chain does
-        (mixed or unsupported dtypes, non-contiguous factors, a float32 model with bfloat16 factors)."""
-        present = [a for a in adapters if a is not None]
+        (mixed or unsupported dtypes, non-contiguous factors, a float32 model with bfloat16 factors). Each of
+        ``slots`` gives one adapter per projection (``None``: none); at least one slot."""
+        if not slots or any(len(adapters) != len(sizes) for adapters in slots):
+            raise ValueError(f"LoraLinears.prepare: {len(slots)} slots of adapters for {len(sizes)} projections")
+        present = [a for adapters in slots for a in adapters if a is not None]
         adapter_dtype = present[0][0].dtype if present else weight.dtype
         if (weight.dtype not in DTYPES or weight.device.type != "cpu" or weight.stride(-1) != 1
                 or adapter_dtype not in DTYPES or (weight.dtype == torch.float32 and adapter_dtype != torch.float32)):
@@ -125,26 +137,36 @@ class LoraLinears:
             if a.dtype != adapter_dtype or b.dtype != adapter_dtype or not (a.is_contiguous() and b.is_contiguous()):
                 return None
         count = len(sizes)
+        flat = [adapters[p] for p in range(count) for adapters in slots]  # projection p, slot s at p * S + s
         cols = (ctypes.c_int64 * (count + 1))(*[sum(sizes[:i]) for i in range(count + 1)])
-        a_ptrs = (ctypes.c_void_p * count)(*[None if a is None else a[0].data_ptr() for a in adapters])
-        b_ptrs = (ctypes.c_void_p * count)(*[None if a is None else a[1].data_ptr() for a in adapters])
-        ranks = (ctypes.c_int64 * count)(*[0 if a is None else a[0].shape[0] for a in adapters])
-        scalings = (ctypes.c_float * count)(*[0.0 if a is None else a[2] for a in adapters])
+        a_ptrs = (ctypes.c_void_p * len(flat))(*[None if a is None else a[0].data_ptr() for a in flat])
+        b_ptrs = (ctypes.c_void_p * len(flat))(*[None if a is None else a[1].data_ptr() for a in flat])
+        ranks = (ctypes.c_int64 * len(flat))(*[0 if a is None else a[0].shape[0] for a in flat])
+        scalings = (ctypes.c_float * len(flat))(*[0.0 if a is None else a[2] for a in flat])
         bias32 = None if bias is None else bias.detach().float().contiguous()
         code = 0 if adapter_dtype == torch.float32 else 1
-        return cls(weight, bias32, tuple(sizes), tuple(adapters), adapter_dtype,
+        return cls(weight, bias32, tuple(sizes), tuple(tuple(adapters) for adapters in slots), adapter_dtype,
                    (cols, a_ptrs, b_ptrs, ranks, scalings, code))
 
 
 @_profiled
-def lora_linears(x: torch.Tensor, group: LoraLinears) -> torch.Tensor:
+def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | None = None) -> torch.Tensor:
     """The group's outputs side by side (``[M, N]``, ``x``'s dtype): the base product over the stacked weights,
-    then each adapter's update added in peft's order (see ``c/fused.c``)."""
+    then each adapter's update added in peft's order (see ``c/fused.c``).
+
+    ``bounds`` (``S + 1`` ints from 0 to ``M``, not decreasing) cuts the rows into the group's ``S`` slots: rows
+    ``bounds[s]`` to ``bounds[s + 1]`` get slot ``s``'s adapters, with the bits a one-slot group of those adapters
+    gives them. ``None``: a one-slot group's adapters for every row."""
     x = _contiguous_rows(x)
     if x.dtype != group.weight.dtype:
         raise TypeError(f"lora_linears: input {x.dtype}, weights {group.weight.dtype}")
     m, k = x.shape
     n = group.weight.shape[0]
+    count = len(group.slots)
+    bounds = (0, m) if bounds is None and count == 1 else bounds
+    if (bounds is None or len(bounds) != count + 1 or bounds[0] != 0 or bounds[-1] != m
+            or any(b < a for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"lora_linears: row bounds {bounds} do not cut {m} rows into {count} slots")
     out = torch.empty(m, n, dtype=x.dtype)
     if m and n:
         cols, a_ptrs, b_ptrs, ranks, scalings, adapter_code = group._args
@@ -152,7 +174,7 @@ def lora_linears(x: torch.Tensor, group: LoraLinears) -> torch.Tensor:
         _check(load_library().lora_linears(
             _ptr(x), t, x.stride(0), m, k, _ptr(group.weight), group.weight.stride(0), _ptr(group.bias), n,
             _ptr(out), t, n, len(group.sizes), cols, a_ptrs, b_ptrs, ranks, scalings,
-            adapter_code, _threads()), "lora_linears")
+            adapter_code, count, (ctypes.c_int64 * (count + 1))(*bounds), _threads()), "lora_linears")
     return out
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from rlrunbook.backend.futures import OrderedWorker
 
 
@@ -51,6 +53,42 @@ def test_a_batch_takes_only_its_own_lanes_calls():
     assert [future.result(timeout=30) for future in futures] == ["a0", "a1", "a2", "b0", "b1"]
     worker.shutdown()
     assert batches == [["a0", "a1", "a2"], ["b0", "b1"]]
+
+
+def test_calls_that_merge_join_from_the_head_of_other_lanes_and_keep_each_lanes_order():
+    """Lanes a and b queue calls of one merge key (different batch keys); c queues one of another merge key, and
+    b's third call is a plain call: one merged batch takes a's calls and b's first two, grouped by batch key; b's
+    last sample waits behind b's plain call, as its lane's order says."""
+    worker, ran = OrderedWorker(), []
+
+    def batch(items: list[str]) -> list[str]:
+        ran.append(list(items))
+        return [f"{item}!" for item in items]
+
+    def merged(groups: list[list[str]]) -> list[list[str]]:
+        ran.append([list(group) for group in groups])
+        return [[f"{item}+" for item in group] for group in groups]
+
+    a, b, c = worker.lane("a"), worker.lane("b"), worker.lane("c")
+    with worker.hold():
+        futures = [a.submit_batchable("ka", f"a{i}", batch, merge="m", merge_fn=merged) for i in range(2)]
+        futures += [b.submit_batchable("kb", f"b{i}", batch, merge="m", merge_fn=merged) for i in range(2)]
+        futures.append(b.submit(_record, ran, "b-plain"))
+        futures.append(b.submit_batchable("kb", "b2", batch, merge="m", merge_fn=merged))
+        futures.append(c.submit_batchable("kc", "c0", batch, merge="other", merge_fn=merged))
+    results = [future.result(timeout=30) for future in futures]
+    worker.shutdown()
+    assert results == ["a0+", "a1+", "b0+", "b1+", "b-plain", "b2!", "c0!"]
+    assert ran == [[["a0", "a1"], ["b0", "b1"]], "b-plain", ["c0"], ["b2"]]
+
+
+def test_merge_and_its_function_go_together():
+    worker = OrderedWorker()
+    try:
+        with pytest.raises(ValueError, match="go together"):
+            worker.submit_batchable("k", 1, lambda items: items, merge="m")
+    finally:
+        worker.shutdown()
 
 
 def test_a_lane_submitting_while_another_runs_is_served_next():

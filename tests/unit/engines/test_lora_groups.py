@@ -67,9 +67,9 @@ def test_factors_are_built_once_per_block_and_rebuilt_for_new_weights(tiny_folde
     with torch.no_grad():
         with decoder.weights_fixed():
             before = _decode_logits(decoder, ids)
-            factors = decoder._plans[tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj)))][1].factors
+            factors = decoder._plans[(tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj))), decoder._factor_source())][1].factors
             _decode_logits(decoder, ids)
-            assert decoder._plans[tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj)))][1].factors is factors
+            assert decoder._plans[(tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj))), decoder._factor_source())][1].factors is factors
         a_q.add_(1.0)  # an optimizer step between sampling calls
         plain = _decode_logits(decoder, ids)
         with decoder.weights_fixed():

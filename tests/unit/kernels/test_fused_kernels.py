@@ -90,6 +90,42 @@ def test_lora_linears_give_the_chain_bits(rows, width, sizes, rank, pair, with_b
     assert torch.equal(fused.lora_linears(x, group), _lora_chain(x, weight, bias, sizes, adapters))
 
 
+@settings(max_examples=30, deadline=None)
+@given(cuts=st.lists(st.integers(0, 5), min_size=1, max_size=4), width=st.sampled_from([24, 65]),
+       sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3), ranks=st.lists(st.sampled_from([1, 4, 16]),
+       min_size=4, max_size=4), dtype=st.sampled_from([torch.float32, torch.bfloat16]), absent=st.integers(-1, 3),
+       seed=st.integers(0, 2**16))
+def test_lora_linears_of_several_slots_give_each_slot_its_own_adapters_bits(cuts, width, sizes, ranks, dtype, absent,
+                                                                          seed):
+    """Rows cut into slots (some empty), each slot its own adapters (one slot with none): every slot's rows are what
+    a one-slot group of its adapters gives them alone."""
+    slots = len(cuts)
+    bounds = [0]
+    for rows in cuts:
+        bounds.append(bounds[-1] + rows)
+    x = _values(seed, (bounds[-1], width), dtype)
+    weight = _values(seed + 1, (sum(sizes), width), dtype) / 8
+    per_slot = [[None if s == absent else (_values(seed + 10 * s + i, (ranks[s], width), dtype) / 4,
+                                           _values(seed + 10 * s + 5 + i, (size, ranks[s]), dtype), 2.0 + s)
+                 for i, size in enumerate(sizes)] for s in range(slots)]
+    group = fused.LoraLinears.prepare(weight, None, sizes, *per_slot)
+    mixed = fused.lora_linears(x, group, bounds)
+    for s in range(slots):
+        rows = slice(bounds[s], bounds[s + 1])
+        alone = fused.lora_linears(x[rows], fused.LoraLinears.prepare(weight, None, sizes, per_slot[s]))
+        assert torch.equal(mixed[rows], alone)
+        assert torch.equal(alone, _lora_chain(x[rows], weight, None, sizes, per_slot[s]))
+
+
+def test_lora_linears_refuse_bounds_that_do_not_cut_the_rows_into_the_slots():
+    weight = torch.randn(8, 16)
+    group = fused.LoraLinears.prepare(weight, None, [8], [None], [None])
+    x = torch.randn(5, 16)
+    for bounds in (None, (0, 5), (0, 2, 4), (1, 2, 5), (0, 4, 2, 5)):
+        with pytest.raises(ValueError, match="row bounds"):
+            fused.lora_linears(x, group, bounds)
+
+
 def test_lora_linears_refuse_what_the_chain_computes_otherwise():
     """A float32 model with bfloat16 factors (the chain rounds the input to bfloat16 first): left to the chain."""
     weight = torch.randn(8, 16)

@@ -171,25 +171,33 @@ NO_CONTRACT static void add_update(void *C, int tc, int64_t ldc, int64_t M, int6
 }
 
 /* C [M, N] = X @ W^T (+ bias), W the stacked base weights of P projections (their outputs are C's columns
- * cols[p] .. cols[p + 1]); then each projection p with an adapter (A[p] [ranks[p], K], B[p]
- * [cols[p+1] - cols[p], ranks[p]], storage type ta; A[p] NULL: none) adds peft's update
+ * cols[p] .. cols[p + 1]); then each projection p with an adapter adds peft's update
  * round(round(round(round(X) @ A^T) @ B^T) * scaling) to its columns (rounding to ta each step, the sum rounded
- * to C's type tc): the decoder's fixed-numerics linears with one LoRA adapter per projection. */
+ * to C's type tc): the decoder's fixed-numerics linears with one LoRA adapter per projection.
+ * Several adapters in one pass: the rows are cut into S slots, slot s being rows bounds[s] .. bounds[s + 1], and
+ * slot s's rows take adapter p * S + s (A [ranks[.], K], B [cols[p+1] - cols[p], ranks[.]], storage type ta;
+ * A NULL: none). Every product is computed in a fixed order per element, so a row's bits do not depend on the
+ * rows or slots beside it: a slot's rows get what a pass of that adapter alone gives them. */
 int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const void *W, int64_t ldw,
                  const float *bias, int64_t N, void *C, int tc, int64_t ldc, int P, const int64_t *cols,
                  const void *const *A, const void *const *B, const int64_t *ranks, const float *scalings, int ta,
-                 int nthreads) {
+                 int S, const int64_t *bounds, int nthreads) {
   if (product(X, tx, ldx, W, tx, ldw, bias, C, tc, ldc, M, N, K, nthreads)) return 1;
   for (int p = 0; p < P; p++) {
-    if (!A[p]) continue;
-    int64_t r = ranks[p], cols_p = cols[p + 1] - cols[p];
-    char *u = malloc((size_t)(M * r + 1) * esize(ta)), *v = malloc((size_t)(M * cols_p + 1) * esize(ta));
-    int failed = !u || !v || product(X, tx, ldx, A[p], ta, K, NULL, u, ta, r, M, r, K, nthreads) ||
-                 product(u, ta, r, B[p], ta, r, NULL, v, ta, cols_p, M, cols_p, r, nthreads);
-    if (!failed) add_update(C, tc, ldc, M, cols[p], cols_p, v, ta, scalings[p]);
-    free(u);
-    free(v);
-    if (failed) return 1;
+    for (int s = 0; s < S; s++) {
+      int64_t at = p * S + s, first = bounds[s], rows = bounds[s + 1] - bounds[s];
+      if (!A[at] || rows <= 0) continue;
+      int64_t r = ranks[at], cols_p = cols[p + 1] - cols[p];
+      const char *x = (const char *)X + (size_t)(first * ldx) * esize(tx);
+      char *c = (char *)C + (size_t)(first * ldc) * esize(tc);
+      char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = malloc((size_t)(rows * cols_p + 1) * esize(ta));
+      int failed = !u || !v || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads) ||
+                   product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads);
+      if (!failed) add_update(c, tc, ldc, rows, cols[p], cols_p, v, ta, scalings[at]);
+      free(u);
+      free(v);
+      if (failed) return 1;
+    }
   }
   return 0;
 }
