@@ -39,7 +39,7 @@ PARTS=(
   "scale|8|one step of the h100-rlvr shape (1.5B config, random weights): peak memory vs the plan, phases, decode ms/step, MFU"
   "full|8|one full-parameter step of the h100-rlvr-full shape (1.5B config, random weights, every weight trained, KL reference): peak memory vs the plan, phases, MFU"
   "invariance|4|scripts/invariance_check.py on smollm2-135m bf16: batch compositions bitwise, sampler vs trainer, default vs native time"
-  "speed|8|the speed targets (scripts/speed_check.py): decode ms/step (smollm2 16x64, 1.5B shape 64x256), forward_backward MFU (1.5B shape), mini debate s/step (4 steps), rlrunbook vs TRL GRPOTrainer (1.5B shape, 16x4x256), then one h100-rlvr step until the budget"
+  "speed|8|the speed targets (scripts/speed_check.py): decode ms/step (smollm2 16x64, 1.5B shape 64x256), forward_backward MFU (1.5B shape), mini debate s/step (4 steps), rlrunbook vs TRL GRPOTrainer (1.5B shape, 16x4x256), 4 serve clients sampling at once vs one (smollm2), then one h100-rlvr step until the budget"
 )
 ARCHIVE_LIMIT_BYTES=$((15 * 1024 * 1024))
 
@@ -148,7 +148,7 @@ part_full() {  # GPU_CHECK_SCALE_ARGS as for scale
 # The whole h100-rlvr step goes last: until it fits its target it is what the budget stops, after the rest is measured.
 part_speed() {
   local size=${GPU_CHECK_SPEED_SIZE:-gpu} name
-  for name in decode-smollm2 decode-1.5b mfu debate peer; do
+  for name in decode-smollm2 decode-1.5b mfu debate peer clients; do
     step "speed-$name" gated "$py" scripts/speed_check.py "$name" --out "$work" --size "$size"
   done
   # shellcheck disable=SC2086

@@ -242,6 +242,7 @@ SPEED_TARGETS = (
     ("rlvr", "one whole h100-rlvr step", "<=", 45.0, "s"),
     ("debate", "mini debate", "<=", 3.0, "s/step"),
     ("peer", "rlrunbook step / TRL GRPOTrainer step, 1.5B shape", "<=", 0.25, "x"),
+    ("clients", "4 serve clients sampling at once / one client, tokens/s", ">=", 3.0, "x"),
 )
 
 

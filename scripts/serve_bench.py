@@ -54,19 +54,20 @@ class Workload:
     def __init__(self, service, model: str, seed: int):
         peer = _peer()
         self.peer = peer
+        self.shape = peer.peer_shape()  # RLRUNBOOK_PEER_SHAPE, else 4 prompts x 4 samples x 64 tokens
         self.training = service.create_lora_training_client(model, rank=peer.RANK, seed=seed,
                                                             train_unembed=False).result()
         self.tokenizer = self.training.get_tokenizer()
-        self.prompts = _prompts(self.tokenizer)
+        self.prompts = _prompts(self.tokenizer)[:self.shape.prompts]
         self.step_index = 0
 
     def sample(self):
         from tinker import types
 
         sampler = self.training.save_weights_and_get_sampling_client().result()
-        params = types.SamplingParams(max_tokens=self.peer.MAX_TOKENS, temperature=1.0, top_p=1.0,
+        params = types.SamplingParams(max_tokens=self.shape.max_tokens, temperature=1.0, top_p=1.0,
                                       seed=self.step_index)
-        futures = [sampler.sample(types.ModelInput.from_ints(p), self.peer.SAMPLES, params) for p in self.prompts]
+        futures = [sampler.sample(types.ModelInput.from_ints(p), self.shape.samples, params) for p in self.prompts]
         return [future.result().sequences for future in futures]
 
     def datums(self, groups):

@@ -21,6 +21,9 @@ Steps (``--size gpu``, the default; ``SIZES`` holds both sizes):
   generation, steps interleaved in one process) on a folder of the 1.5B config with random weights and a tokenizer
   covering its vocabulary (``save_random_model``), 16 prompts x 4 samples x 256 tokens, 2 timed steps. Without TRL
   it says so and, at ``--size gpu``, fails.
+- ``clients``: ``tests/benchmarks/test_bench_adapter_batches.py``: 4 LoRA training clients of SmolLM2-135M, each
+  sampler asking 16 samples x 64 new tokens at once (their rows decoded as one batch, each with its own adapter),
+  against one client alone: the ratio of tokens/s (also against the same requests one client after another).
 - ``rlvr``: ``scripts/scale_check.py`` without its decode benchmark: one whole ``h100-rlvr`` step, its phases and
   peaks against the plan; arguments after ``--`` go to it (``--device-memory 80GiB``). Stopped by the part's
   budget (SIGINT), it records how long the step had run.
@@ -61,6 +64,8 @@ SIZES: dict[str, dict[str, dict]] = {
                                   "--model", "tiny", "--backend-device", "cpu"], "device": "cpu"}},
     "peer": {"gpu": {"model": QWEN, "prompts": 16, "samples": 4, "tokens": 256, "steps": 2, "device": "cuda"},
              "tiny": {"model": "tiny", "prompts": 2, "samples": 2, "tokens": 4, "steps": 1, "device": "cpu"}},
+    "clients": {"gpu": {"model": "smollm2-135m", "shape": "4x16x64", "device": "cuda"},
+                "tiny": {"model": "tiny", "shape": "2x2x4", "device": "cpu"}},
     "rlvr": {"gpu": {"args": []},
              "tiny": {"args": ["--device", "cpu", "--model", "tiny", "--groups", "2", "--samples", "2",
                                 "--prompt", "16", "--new", "4"]}},
@@ -99,6 +104,14 @@ def load_model(name: str, device: str):
             return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), config
     model = load_causal_lm(resolve_model(name), dtype=dtype, device=device)
     return model, model.config
+
+
+def _bench_info(path: Path) -> dict:
+    """The first benchmark's ``extra_info`` of a ``--benchmark-json`` file; empty where none ran (the file is then
+    missing or empty)."""
+    text = path.read_text() if path.exists() else ""
+    benchmarks = json.loads(text).get("benchmarks", []) if text.strip() else []
+    return benchmarks[0]["extra_info"] if benchmarks else {}
 
 
 def _write(out: Path, name: str, report: dict) -> None:
@@ -220,7 +233,7 @@ def peer(name: str, out: Path, size: str, _rest: list[str]) -> int:
         code = int(pytest.main(["-m", "benchmark", str(ROOT / "tests" / "benchmarks" / "test_bench_peer.py"),
                                 "-p", "no:cacheprovider", "-q", "-s", "--benchmark-enable",
                                 f"--benchmark-json={found}", f"--rootdir={ROOT}"]))
-        info = json.loads(found.read_text())["benchmarks"][0]["extra_info"] if found.exists() else {}
+        info = _bench_info(found)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     ratio = info.get("ratio_rlrunbook_over_trl")
@@ -231,6 +244,31 @@ def peer(name: str, out: Path, size: str, _rest: list[str]) -> int:
     if ratio is not None:
         print(f"rlrunbook {info['rlrunbook_s_per_step']} s/step, TRL GRPOTrainer {info['trl_s_per_step']} s/step: "
               f"ratio {ratio} (target <= 0.25)")
+    return code
+
+
+def clients(name: str, out: Path, size: str, _rest: list[str]) -> int:
+    import pytest
+
+    s = SIZES[name][size]
+    count, rows, tokens = s["shape"].split("x")
+    shape = f"{count} clients x {rows} samples x {tokens} new tokens, {s['model']}, LoRA r32 each"
+    scratch = Path(tempfile.mkdtemp(prefix="speed-clients-"))
+    try:
+        os.environ.update({"RLRUNBOOK_BENCH_MODELS": s["model"], "RLRUNBOOK_BENCH_DEVICE": s["device"],
+                           "RLRUNBOOK_CLIENTS_SHAPE": s["shape"]})
+        found = scratch / "bench.json"
+        code = int(pytest.main(["-m", "benchmark", str(ROOT / "tests" / "benchmarks" / "test_bench_adapter_batches.py"),
+                                "-p", "no:cacheprovider", "-q", "-s", "--benchmark-enable",
+                                f"--benchmark-json={found}", f"--rootdir={ROOT}"]))
+        info = _bench_info(found)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    _write(out, name, {"size": size, "shape": shape, "value": info.get("together_vs_one_client"),
+                       "unit": "x one client's tokens/s", "exit": code,
+                       **{key: info.get(key) for key in ("tokens_per_s_one_client", "tokens_per_s_together",
+                                                         "tokens_per_s_one_after_another")},
+                       **device_facts(s["device"])})
     return code
 
 
@@ -256,7 +294,8 @@ def rlvr(name: str, out: Path, size: str, rest: list[str]) -> int:
     return 0
 
 
-STEPS = {"decode-smollm2": decode, "decode-1.5b": decode, "mfu": mfu, "debate": debate, "peer": peer, "rlvr": rlvr}
+STEPS = {"decode-smollm2": decode, "decode-1.5b": decode, "mfu": mfu, "debate": debate, "peer": peer,
+         "clients": clients, "rlvr": rlvr}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,13 +27,13 @@ def test_the_speed_part_measures_every_step_at_a_toy_size(tmp_path):
     with tarfile.open(tmp_path / "out" / "speed.tar.gz") as archive:
         archive.extractall(tmp_path / "work", filter="data")
     figures = {p.stem.removeprefix("speed-"): json.loads(p.read_text()) for p in (tmp_path / "work").glob("speed-*.json")}
-    assert sorted(figures) == sorted(["decode-smollm2", "decode-1.5b", "mfu", "debate", "peer", "rlvr"])
+    assert sorted(figures) == sorted(["decode-smollm2", "decode-1.5b", "mfu", "debate", "peer", "clients", "rlvr"])
     assert all(f["size"] == "tiny" and f["device"] == "cpu" for f in figures.values())
-    for step in ("decode-smollm2", "decode-1.5b", "mfu", "debate", "rlvr"):
+    for step in ("decode-smollm2", "decode-1.5b", "mfu", "debate", "clients", "rlvr"):
         assert isinstance(figures[step]["value"], float) and figures[step]["value"] > 0, step
     assert figures["debate"]["steps"] == 2 and figures["mfu"]["tokens"] == 2 * 23
     peer = figures["peer"]
     assert (peer["value"] is None and "trl" in peer["missing"]) or peer["value"] > 0
     section = (tmp_path / "out" / "speed.md").read_text()
-    assert "targets met: 0 of 6" in section and section.count("n/a (tiny size, not the target's shape)") == 6
+    assert "targets met: 0 of 7" in section and section.count("n/a (tiny size, not the target's shape)") == 7
     assert "- h100-rlvr step: training: forward_backward" in section

@@ -32,6 +32,7 @@ in any event loop (also one already running), because the work never runs on the
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -227,7 +228,7 @@ class OrderedWorker:
                 self._resolve(batch, lambda: [task.run()])
             else:
                 self.batches_run += 1
-                self._resolve(batch, lambda: self._run_batch(batch))
+                self._resolve(batch, functools.partial(self._run_batch, batch))
             if self.timeline is not None:
                 self.timeline.record(self.name, task.name, start, time.perf_counter(), len(batch))
 

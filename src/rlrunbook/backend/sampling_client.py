@@ -281,28 +281,21 @@ class LocalSamplingClient(ResolvedClient):
         if self._host.vllm is None:
             with self._computing_with_weights():
                 results = self._host.engine.sample_jobs(jobs, weights_key=self._weights.key)
-            return self._respond(items, results)
         else:  # a vLLM server samples this client's snapshot written as an adapter (the live model untouched), or
             # a full-parameter trainer's live weights, written while they are gathered
             with self._computing_with_weights() if self._weights.full else nullcontext():
                 results = self._host.vllm.sample_jobs(jobs, adapter=self._vllm_adapter())
-            prompt_lps = [None] * len(items)
-            if any(item.prompt_logprobs for item in items):  # in process: these calls run on the model's own worker
-                with self._computing_with_weights():
-                    prompt_lps = [self._prompt_logprobs(item.job.prompt) if item.prompt_logprobs else None
-                                  for item in items]
-        return self._respond(items, results, prompt_lps)
+        return self._respond(items, results)
 
-    def _respond(self, items: list[_Queued], results: list[list], prompt_lps: list | None = None
-                 ) -> list[types.SampleResponse]:
-        """The responses to ``items`` (this sampler's requests) from their completions; the prompt logprobs asked
-        for are computed here, under these weights, unless given."""
-        if prompt_lps is None:
-            prompt_lps = [None] * len(items)
-            if any(item.prompt_logprobs for item in items):
-                with self._computing_with_weights():
-                    prompt_lps = [self._prompt_logprobs(item.job.prompt) if item.prompt_logprobs else None
-                                  for item in items]
+    def _respond(self, items: list[_Queued], results: list[list]) -> list[types.SampleResponse]:
+        """The responses to ``items`` (this sampler's requests) from their completions, with the prompt logprobs
+        asked for, computed here under these weights by the in-process model (with vLLM too: these calls run on the
+        model's own worker)."""
+        prompt_lps = [None] * len(items)
+        if any(item.prompt_logprobs for item in items):
+            with self._computing_with_weights():
+                prompt_lps = [self._prompt_logprobs(item.job.prompt) if item.prompt_logprobs else None
+                              for item in items]
         responses = [self._response(completions, prompt_lp)
                      for completions, prompt_lp in zip(results, prompt_lps, strict=True)]
         if self._sample_log is not None:

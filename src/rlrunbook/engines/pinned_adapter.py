@@ -18,6 +18,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -92,7 +93,7 @@ class RowAdapters:
     @classmethod
     def of_rows(cls, slots: Sequence[PinnedAdapter], row_slots: Sequence[int]) -> RowAdapters:
         """Rows in slot order: ``row_slots[i]`` is row ``i``'s slot, never less than the row before's."""
-        if any(b < a for a, b in zip(row_slots, row_slots[1:])) or (row_slots and not 0 <= row_slots[-1] < len(slots)):
+        if any(b < a for a, b in pairwise(row_slots)) or (row_slots and not 0 <= row_slots[-1] < len(slots)):
             raise ValueError(f"rows' slots {list(row_slots)[:16]} are not in order of {len(slots)} slots")
         return cls(tuple(slots), tuple(bisect_left(row_slots, s) for s in range(len(slots))) + (len(row_slots),))
 

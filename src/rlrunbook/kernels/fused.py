@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -165,7 +166,7 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
     count = len(group.slots)
     bounds = (0, m) if bounds is None and count == 1 else bounds
     if (bounds is None or len(bounds) != count + 1 or bounds[0] != 0 or bounds[-1] != m
-            or any(b < a for a, b in zip(bounds, bounds[1:]))):
+            or any(b < a for a, b in pairwise(bounds))):
         raise ValueError(f"lora_linears: row bounds {bounds} do not cut {m} rows into {count} slots")
     out = torch.empty(m, n, dtype=x.dtype)
     if m and n:

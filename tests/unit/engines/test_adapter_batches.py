@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlrunbook.backend.lora import clone_adapter, wrap_with_lora
 from rlrunbook.engines.base import GenerationRequest, SampleJob
@@ -19,7 +20,6 @@ from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.hf import MAX_ADAPTERS, AdapterJobs, HFSamplingEngine
 from rlrunbook.engines.pinned_adapter import RowAdapters
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:

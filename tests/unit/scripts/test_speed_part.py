@@ -18,7 +18,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPTS = REPO_ROOT / "scripts"
-STEPS = ("decode-smollm2", "decode-1.5b", "mfu", "debate", "peer", "rlvr")
+STEPS = ("decode-smollm2", "decode-1.5b", "mfu", "debate", "peer", "clients", "rlvr")
 
 
 def _module(name: str):
@@ -63,7 +63,7 @@ def test_the_speed_table_computes_each_verdict_from_the_steps_figures(tmp_path):
     _write(tmp_path, "peer", value=None, missing="trl not installed (pip install -e '.[bench]')",
            shape="16 prompts x 4 samples x 256 tokens", **card)
     lines = _module("gpu_report")._speed(tmp_path)
-    assert lines[:2] == ["card (as the device reports it): NVIDIA H100 80GB HBM3, 79.2 GiB", "targets met: 3 of 6"]
+    assert lines[:2] == ["card (as the device reports it): NVIDIA H100 80GB HBM3, 79.2 GiB", "targets met: 3 of 7"]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ") and "---" not in line}
     assert rows["decode, SmolLM2-135M"].endswith("| 2 ms/step | <= 2 ms/step | pass |")
     assert rows["decode, Qwen2.5-Math-1.5B shape"].endswith("| 3.5 ms/step | <= 3 ms/step | FAIL |")
@@ -79,7 +79,7 @@ def test_a_toy_size_or_a_missing_step_never_passes_a_target(tmp_path):
     _write(tmp_path, "decode-smollm2", value=0.5, size="tiny", shape="2 rows x 4 new tokens", device="cpu", gpu=None)
     _write(tmp_path, "rlvr", value=None, at_least=20.0, size="gpu", shape="one step", device="cuda", gpu=None)
     lines = _module("gpu_report")._speed(tmp_path)
-    assert lines[:2] == ["device: cpu (no CUDA card reported)", "targets met: 0 of 6"]
+    assert lines[:2] == ["device: cpu (no CUDA card reported)", "targets met: 0 of 7"]
     table = "\n".join(lines)
     assert "| 0.5 ms/step | <= 2 ms/step | n/a (tiny size, not the target's shape) |" in table
     assert "| > 20 s (stopped by the budget) | <= 45 s | not finished |" in table  # under the target: unknown
