@@ -1,9 +1,9 @@
 """Runbook: several samplers' adapters in one decode batch on CUDA give each sampler what it gets alone.
 
 Two LoRA snapshots of one model and the base model (adapter off), in bfloat16 under the default (fixed-order)
-numerics: :meth:`HFSamplingEngine.sample_adapters` decodes their rows as one batch, each row with its own adapter
-(eagerly: such a batch is not captured as a graph). Each sampler's tokens and logprobs must equal, bit for bit,
-what it samples alone through an eager engine, and its tokens what it samples alone with captured graphs.
+numerics: :meth:`HFSamplingEngine.sample_adapters` decodes their rows as one batch, each row with its own adapter,
+with captured graphs (the rows' slots a graph input) and eagerly. Each sampler's tokens and logprobs must equal,
+bit for bit, what it samples alone through an eager engine, and its tokens what it samples alone with graphs.
 """
 
 from __future__ import annotations
@@ -47,17 +47,20 @@ def test_samplers_decoded_as_one_batch_get_what_they_get_alone(model_name, recor
     groups = [AdapterJobs(_snapshot(model, 1), "a", jobs), AdapterJobs(_snapshot(model, 2), "b", jobs),
               AdapterJobs(None, "base", jobs)]
 
-    mixed = HFSamplingEngine(model, **common).sample_adapters(groups)
+    mixed_engine = HFSamplingEngine(model, **common)
+    mixed = mixed_engine.sample_adapters(groups)
+    assert mixed_engine.graph_captures > 0, "the mixed batch decoded without graphs"
+    mixed_eager = HFSamplingEngine(model, cuda_graphs=False, **common).sample_adapters(groups)
     eager, graphs = HFSamplingEngine(model, cuda_graphs=False, **common), HFSamplingEngine(model, **common)
-    for group, together in zip(groups, mixed, strict=True):
+    for group, together, together_eager in zip(groups, mixed, mixed_eager, strict=True):
         with eager.pinned_weights(group.adapter, group.key):
             alone = eager.sample_jobs(group.jobs, weights_key=group.key)
         with graphs.pinned_weights(group.adapter, group.key):
             captured = graphs.sample_jobs(group.jobs, weights_key=group.key)
-        for xs, ys, zs in zip(together, alone, captured, strict=True):
-            for x, y, z in zip(xs, ys, zs, strict=True):
-                assert (x.tokens, x.logprobs, x.stop_reason) == (y.tokens, y.logprobs, y.stop_reason)
-                assert x.tokens == z.tokens
+        for ws, xs, ys, zs in zip(together_eager, together, alone, captured, strict=True):
+            for w, x, y, z in zip(ws, xs, ys, zs, strict=True):
+                assert (w.tokens, w.logprobs, w.stop_reason) == (y.tokens, y.logprobs, y.stop_reason)
+                assert x.tokens == y.tokens == z.tokens
     assert graphs.graph_captures > 0, "the samplers alone ran without graphs"
     tokens = [[tuple(c.tokens) for job in result for c in job] for result in mixed]
     assert len({tuple(t) for t in tokens}) == len(groups), "the adapters must sample differently"

@@ -234,8 +234,8 @@ class Decoder:
 
     def adapter_state(self) -> tuple:
         """What decides which adapters a pass adds, for caches keyed by it (captured graphs)."""
-        if self.row_adapters is not None:
-            return ("rows", tuple(map(id, self.row_adapters.slots)), self.row_adapters.bounds)
+        if self.row_adapters is not None:  # which row takes which slot is data (a graph input), not state
+            return ("rows", self.row_adapters.state())
         if self.pinned is not None:  # a graph reads the buffers of the pinned copy it was captured over
             return ("pinned", id(self.pinned), self.pinned.enabled)
         lora = next((m for m in self.model.modules() if hasattr(m, "lora_A")), None)
@@ -351,15 +351,24 @@ class Decoder:
         return self.per_call(self._plans, modules, build)
 
     def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """A peft LoRA module's output from its base layer's ``result`` on input ``x`` (with :attr:`row_adapters`,
-        each slot's rows with that slot's factors: the bits each would get alone, the products being row-wise)."""
+        """A peft LoRA module's output from its base layer's ``result`` on input ``x``.
+
+        With :attr:`row_adapters`, each slot's update is computed over every row and kept for that slot's rows
+        only (``torch.where`` on the rows' slots: shapes that do not change as rows change slots, for captured
+        graphs): a row gets its base result plus its own adapter's update, the bits it gets alone (every product
+        is row-wise), whatever the other slots compute."""
         rows = self.row_adapters
         if rows is None:
             return self._adapters_added(module, result, x, self.pinned)
-        if torch.is_grad_enabled() or x.shape[0] != rows.bounds[-1]:
-            raise RuntimeError(f"several adapters over {rows.bounds[-1]} rows in a pass of {x.shape[0]} rows "
+        if torch.is_grad_enabled() or x.shape[0] != rows.rows:
+            raise RuntimeError(f"several adapters over {rows.rows} rows in a pass of {x.shape[0]} rows "
                                f"(grad {torch.is_grad_enabled()}): only a decode step computes them")
-        return torch.cat([self._adapters_added(module, result[span], x[span], slot) for slot, span in rows.spans()])
+        base = result
+        for index, slot in enumerate(rows.slots):
+            added = self._adapters_added(module, base, x, slot)
+            if added is not base:
+                result = torch.where((rows.row_slot == index)[:, None], added, result)
+        return result
 
     def _adapters_added(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
                         pinned: PinnedAdapter | None) -> torch.Tensor:

@@ -8,11 +8,13 @@ model's parameters, which optimizer steps and sampler snapshots change in place 
 copies of them, :mod:`rlrunbook.engines.pinned_adapter`, whose addresses never change either), so a graph
 captured once serves every later step of the run. Whether the adapter is on is a Python-side switch
 (peft's ``disable_adapter()``, or the pinned state's flag), so the base model and the adapted one get
-separate graphs.
+separate graphs. A step of several samplers' rows (:class:`~rlrunbook.engines.pinned_adapter.RowAdapters`) is
+captured per set of adapter slots; which row takes which slot is copied into the graph's own input, like the tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor  # [rows] static input
     logits: torch.Tensor  # [rows, V] static output
+    row_slot: torch.Tensor | None  # [rows] static input: each row's adapter slot (several samplers' rows)
 
 
 class DecodeGraphs:
@@ -49,11 +52,19 @@ class DecodeGraphs:
             captured = self._capture(cache, tokens)
             self._captured[key] = captured
         captured.tokens.copy_(tokens)
+        rows = self.decoder.row_adapters
+        if rows is not None:
+            captured.row_slot.copy_(rows.row_slot)
         captured.graph.replay()
         return captured.logits
 
     def _capture(self, cache: RowCache, tokens: torch.Tensor) -> _Captured:
         static_tokens = tokens.clone()
+        rows = self.decoder.row_adapters
+        static_slots = None
+        if rows is not None:  # the graph reads the rows' slots from its own buffer
+            static_slots = rows.row_slot.clone()
+            self.decoder.row_adapters = dataclasses.replace(rows, row_slot=static_slots)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
@@ -67,5 +78,7 @@ class DecodeGraphs:
         except RuntimeError as error:
             raise ConfigError(f"capturing the decode step as a CUDA graph failed ({error}); set "
                               "TINKER_LOCAL_CUDA_GRAPHS=0 to decode without graphs.") from error
+        finally:
+            self.decoder.row_adapters = rows
         self.captures += 1
-        return _Captured(graph, static_tokens, logits)
+        return _Captured(graph, static_tokens, logits, static_slots)

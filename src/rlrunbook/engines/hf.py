@@ -159,7 +159,8 @@ class HFSamplingEngine(InProcessEngine):
     one layout) as one batch, each row with its own adapter (as S-LoRA and Punica batch adapters): the base
     weights are read once per decode step for all of them, and each row's results are the ones its sampler
     gets alone. Each adapter slot keeps a pinned copy of its factors and a prefix pool of its own (memory: at
-    most :data:`MAX_ADAPTERS` of each). On CUDA such a batch decodes without captured graphs.
+    most :data:`MAX_ADAPTERS` of each). On CUDA such a batch's decode steps are captured as graphs too (one per
+    set of slots; which row takes which slot is the graph's input).
     """
 
     name = "hf"
@@ -407,7 +408,13 @@ class HFSamplingEngine(InProcessEngine):
         state)."""
         started = time.perf_counter()
         cache.window = min(cache.capacity, -(-needed // _WINDOW_STEP) * _WINDOW_STEP)
-        if adapters is not None:
+        if adapters is not None and self._graphs_enabled():  # the rows' slots are an input of the captured graph
+            self.decoder.row_adapters = adapters[0]
+            try:
+                logits = self._graph_runner().step(cache, tokens)[running]
+            finally:
+                self.decoder.row_adapters = None
+        elif adapters is not None:
             try:
                 self.decoder.row_adapters = adapters[0]
                 hidden = self.decoder.hidden(tokens, cache.lengths, cache)[running]
@@ -479,8 +486,8 @@ class HFSamplingEngine(InProcessEngine):
                 last = row_slots[-1]
                 cache_slots = [last if i >= len(in_cache) or in_cache[i] is None else row_slots[in_cache[i]]
                                for i in range(cache.rows)]
-                adapters = (RowAdapters.of_rows(slot_pins, cache_slots),
-                            RowAdapters.of_rows(slot_pins, [cache_slots[i] for i in live]))
+                adapters = (RowAdapters.of_rows(slot_pins, cache_slots, device),
+                            RowAdapters.of_rows(slot_pins, [cache_slots[i] for i in live], device))
             running = [in_cache[i] for i in live]
             # One host-to-device copy per block: the cache rows drawn, their seeds' rows, the rows fed, the first feed.
             fed = [0] * cache.rows

@@ -84,19 +84,29 @@ class PinnedAdapter:
 @dataclass(frozen=True)
 class RowAdapters:
     """Several adapters in one pass (the samplers of several training clients of one base model, decoded as one
-    batch): rows ``bounds[s]`` to ``bounds[s + 1]`` compute with ``slots[s]``, each slot an engine's
-    :class:`PinnedAdapter` over the same model (the same LoRA layout, another snapshot)."""
+    batch): row ``i`` computes with ``slots[row_slot[i]]``, each slot an engine's :class:`PinnedAdapter` over the
+    same model (the same LoRA layout, another snapshot). The rows are in slot order: slot ``s`` holds rows
+    ``bounds[s]`` to ``bounds[s + 1]`` (what the fused CPU kernel cuts by); ``row_slot`` is the same as a tensor on
+    the rows' device (what the chain masks by, captured CUDA graphs included: a graph's rows may change slots
+    between replays)."""
 
     slots: tuple[PinnedAdapter, ...]
     bounds: tuple[int, ...]
+    row_slot: torch.Tensor  # [rows] int64
 
     @classmethod
-    def of_rows(cls, slots: Sequence[PinnedAdapter], row_slots: Sequence[int]) -> RowAdapters:
+    def of_rows(cls, slots: Sequence[PinnedAdapter], row_slots: Sequence[int],
+                device: torch.device | str = "cpu") -> RowAdapters:
         """Rows in slot order: ``row_slots[i]`` is row ``i``'s slot, never less than the row before's."""
         if any(b < a for a, b in pairwise(row_slots)) or (row_slots and not 0 <= row_slots[-1] < len(slots)):
             raise ValueError(f"rows' slots {list(row_slots)[:16]} are not in order of {len(slots)} slots")
-        return cls(tuple(slots), tuple(bisect_left(row_slots, s) for s in range(len(slots))) + (len(row_slots),))
+        bounds = tuple(bisect_left(row_slots, s) for s in range(len(slots))) + (len(row_slots),)
+        return cls(tuple(slots), bounds, torch.tensor(list(row_slots), dtype=torch.int64).to(device))
 
-    def spans(self) -> list[tuple[PinnedAdapter, slice]]:
-        """Each slot with its rows."""
-        return [(slot, slice(self.bounds[s], self.bounds[s + 1])) for s, slot in enumerate(self.slots)]
+    @property
+    def rows(self) -> int:
+        return self.bounds[-1]
+
+    def state(self) -> tuple:
+        """What decides which adapters a pass adds (for captured graphs): the slots and whether each is on."""
+        return tuple((id(slot), slot.enabled) for slot in self.slots)
