@@ -33,6 +33,7 @@ in any event loop (also one already running), because the work never runs on the
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections import deque
@@ -48,6 +49,7 @@ from rlrunbook.backend.openmp import release_openmp_threads
 from rlrunbook.backend.timeline import Timeline, call_name
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -228,22 +230,52 @@ class OrderedWorker:
                 self._resolve(batch, lambda: [task.run()])
             else:
                 self.batches_run += 1
-                self._resolve(batch, functools.partial(self._run_batch, batch))
+                groups = [[t for t in batch if t.key == key] for key in dict.fromkeys(t.key for t in batch)]
+                if len(groups) == 1:
+                    self._resolve(batch, functools.partial(task.batch_fn, [t.item for t in batch]))
+                else:
+                    self._resolve_merged(groups)
             if self.timeline is not None:
                 self.timeline.record(self.name, task.name, start, time.perf_counter(), len(batch))
 
     @staticmethod
-    def _run_batch(batch: list[_Task]) -> list[Any]:
-        """One call for the batch's items: ``batch_fn`` where they share a key, else ``merge_fn`` by key."""
-        first = batch[0]
-        keys = list(dict.fromkeys(task.key for task in batch))
-        if len(keys) == 1:
-            return first.batch_fn([task.item for task in batch])
-        groups = [[task for task in batch if task.key == key] for key in keys]
-        results = first.merge_fn([[task.item for task in group] for group in groups])
-        by_task = {id(task): result for group, answers in zip(groups, results, strict=True)
-                   for task, result in zip(group, answers, strict=True)}
-        return [by_task[id(task)] for task in batch]
+    def _run_alone(group: list[_Task]) -> tuple[list[_Task], list[Any] | None, BaseException | None]:
+        """One batch key's tasks as a batch of their own: (tasks, results, None) or (tasks, None, the error)."""
+        try:
+            return group, group[0].batch_fn([t.item for t in group]), None
+        except BaseException as error:  # noqa: BLE001 - every waiter of this key must hear about it
+            return group, None, error
+
+    def _resolve_merged(self, groups: list[list[_Task]]) -> None:
+        """One ``merge_fn`` call for several batch keys' tasks. Where it fails, each key's tasks run again as a batch
+        of their own (``batch_fn``), so that each caller gets its own result or its own error, never another's."""
+        tasks = [t for group in groups for t in group]
+        live = {id(t) for t in tasks if t.future.set_running_or_notify_cancel()}
+        if not live:
+            return
+        try:
+            answers = groups[0][0].merge_fn([[t.item for t in group] for group in groups])
+            outcomes = []
+            for group, results in zip(groups, answers, strict=True):
+                results = list(results)
+                if len(results) != len(group):
+                    raise ValueError(f"merge_fn gave {len(results)} results for {len(group)} items")
+                outcomes.append((group, results, None))
+        except BaseException as merged_error:  # noqa: BLE001 - retried per key below, or told to every waiter
+            retry = isinstance(merged_error, Exception)  # an interrupt is not retried
+            if retry:
+                logger.warning("a merged batch of %d batch keys failed (%s: %s); each runs on its own", len(groups),
+                               type(merged_error).__name__, merged_error)
+            outcomes = [self._run_alone(group) if retry else (group, None, merged_error) for group in groups]
+        self._release_if_idle()
+        for group, results, error in outcomes:
+            for index, t in enumerate(group):
+                if id(t) not in live:
+                    continue
+                if error is not None:
+                    t.future.set_exception(error)
+                else:
+                    t.future.set_result(results[index])
 
     def _resolve(self, tasks: list[_Task], compute: Callable[[], list[Any]]) -> None:
         live = [t for t in tasks if t.future.set_running_or_notify_cancel()]

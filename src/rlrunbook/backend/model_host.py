@@ -46,10 +46,8 @@ class ModelHost:
 
     @functools.cached_property
     def adapter_layout(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-        """The model's LoRA tensors by name, shape and dtype: snapshots of hosts of one layout fit each other's
-        engines (empty for a model without an adapter)."""
-        return tuple((name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in self.model.named_parameters()
-                     if is_lora_tensor(name))
+        """The model's LoRA factors by name, shape and dtype (:func:`tensor_layout`; empty without an adapter)."""
+        return tensor_layout({name: tensor for name, tensor in self.model.named_parameters() if is_lora_tensor(name)})
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -64,6 +62,11 @@ class ModelHost:
     @property
     def pad_token_id(self) -> int:
         return self.engine.pad_token_id
+
+
+def tensor_layout(tensors: dict[str, torch.Tensor]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """Names, shapes and dtypes of ``tensors``, sorted: a snapshot of one layout fits every engine of that layout."""
+    return tuple(sorted((name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in tensors.items()))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from tinker import types
 
 from rlrunbook.backend import sessions
 from rlrunbook.backend.futures import ResolvedClient, WorkerLane
-from rlrunbook.backend.model_host import ModelHost, SamplerWeights, active_weights
+from rlrunbook.backend.model_host import ModelHost, SamplerWeights, active_weights, tensor_layout
 from rlrunbook.backend.sample_log import SampleLog
 from rlrunbook.backend.unsupported import refuse_sdk_attribute
 from rlrunbook.engines.base import GenerationRequest, SampleJob
@@ -180,6 +180,7 @@ class LocalSamplingClient(ResolvedClient):
         self._live_version = live_version
         self.model_path = model_path
         self._adapter = None  # the vLLM sampler's view of these weights (TINKER_LOCAL_SAMPLER=vllm)
+        self._layout: tuple | None = None  # the LoRA layout its requests are batched with others' by (_merge_key)
         self._storage_root = storage_root  # where model_path lives, for a handle used in another process
         self._sampler_id = sampler_id or sessions.register_sampler(session_id, self, host.name, model_path)
 
@@ -256,7 +257,10 @@ class LocalSamplingClient(ResolvedClient):
         if (host.vllm is not None or self._weights.full or host.shared_base is None
                 or not hasattr(host.engine, "sample_adapters")):
             return None
-        return ("adapters", host.shared_base, host.adapter_layout, request.max_tokens, request.filters, request.stop,
+        if self._layout is None:  # the snapshot's own (it is what each engine loads), else the host's
+            adapter = self._weights.adapter
+            self._layout = host.adapter_layout if adapter is None else tensor_layout(adapter)
+        return ("adapters", host.shared_base, self._layout, request.max_tokens, request.filters, request.stop,
                 request.stop_strings)
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int,

@@ -64,9 +64,13 @@ class PinnedAdapter:
             self.enabled = False
         else:
             missing = sorted(set(self._by_parameter) - set(weights))[:2]
-            if missing:
-                raise ConfigError(f"the sampler snapshot does not fit the engine's LoRA layout (missing {missing}); "
-                                  "sample with a client made from this model's training client.")
+            extra = sorted(set(weights) - set(self._by_parameter))[:2]
+            shaped = sorted(name for name, buffer in self._by_parameter.items()
+                            if name in weights and tuple(weights[name].shape) != tuple(buffer.shape))[:2]
+            if missing or extra or shaped:
+                raise ConfigError(f"the sampler snapshot does not fit the engine's LoRA layout (missing {missing}, "
+                                  f"not in the engine {extra}, of another shape {shaped}); sample with a client made "
+                                  "from this model's training client.")
             for name, buffer in self._by_parameter.items():
                 buffer.copy_(weights[name])
             self.enabled = True

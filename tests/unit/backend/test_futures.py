@@ -82,6 +82,31 @@ def test_calls_that_merge_join_from_the_head_of_other_lanes_and_keep_each_lanes_
     assert ran == [[["a0", "a1"], ["b0", "b1"]], "b-plain", ["c0"], ["b2"]]
 
 
+def test_a_failed_merged_batch_runs_each_key_alone_so_each_caller_gets_its_own_outcome():
+    """merge_fn fails (one key's items are bad): each key's calls run again as their own batch; the good key's
+    callers get their results, the bad key's callers their own error."""
+    worker, ran = OrderedWorker(), []
+
+    def batch(items: list[str]) -> list[str]:
+        ran.append(list(items))
+        if any(item.startswith("bad") for item in items):
+            raise ValueError(f"cannot run {items}")
+        return [f"{item}!" for item in items]
+
+    def merged(groups: list[list[str]]) -> list[list[str]]:
+        raise RuntimeError("the merged call failed")
+
+    good, bad = worker.lane("good"), worker.lane("bad")
+    with worker.hold():
+        futures = [good.submit_batchable("g", f"g{i}", batch, merge="m", merge_fn=merged) for i in range(2)]
+        futures.append(bad.submit_batchable("b", "bad0", batch, merge="m", merge_fn=merged))
+    assert [future.result(timeout=30) for future in futures[:2]] == ["g0!", "g1!"]
+    with pytest.raises(ValueError, match="cannot run"):
+        futures[2].result(timeout=30)
+    worker.shutdown()
+    assert ran == [["g0", "g1"], ["bad0"]]
+
+
 def test_merge_and_its_function_go_together():
     worker = OrderedWorker()
     try:

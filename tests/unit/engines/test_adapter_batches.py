@@ -121,6 +121,26 @@ def test_the_samplers_must_share_their_request_and_fit_the_slots():
         engine.sample_adapters([AdapterJobs(None, str(i), jobs) for i in range(MAX_ADAPTERS + 1)])
 
 
+def test_a_snapshot_of_another_layout_is_refused_naming_what_differs():
+    """Loading a rank-4 snapshot into a rank-8 engine (or one with a tensor more, or one less) must fail, never
+    compute with what happens to fit."""
+    from rlrunbook.engines.pinned_adapter import PinnedAdapter
+    from rlrunbook.errors import ConfigError
+
+    model = _model(torch.float32)
+    pinned = PinnedAdapter(model)
+    (snapshot,) = _snapshots(model, 1)
+    narrow = {name: (t[:4] if ".lora_A." in name else t[:, :4]).clone() for name, t in snapshot.items()}
+    with pytest.raises(ConfigError, match="of another shape"):
+        pinned.load(narrow, "narrow")
+    with pytest.raises(ConfigError, match="not in the engine"):
+        pinned.load({**snapshot, "extra.lora_A.default.weight": torch.zeros(1)}, "extra")
+    with pytest.raises(ConfigError, match="missing"):
+        pinned.load(dict(list(snapshot.items())[1:]), "short")
+    pinned.load(snapshot, "whole")
+    assert pinned.key == "whole"
+
+
 def test_row_adapters_cut_rows_in_slot_order():
     slots = tuple(object() for _ in range(3))
     assert RowAdapters.of_rows(slots, [0, 0, 2, 2, 2]).bounds == (0, 2, 2, 5)
