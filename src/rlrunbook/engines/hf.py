@@ -174,7 +174,7 @@ class HFSamplingEngine(InProcessEngine):
                          max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.decoder = Decoder(model, numerics)
         self.prefix_cache_tokens = prefix_cache_tokens
-        self._pools: list[_PrefixPool] = []  # per adapter slot of a call (one: every call of one sampler)
+        self._pools: list[_PrefixPool] = []  # one per adapter of a call, matched to the adapters by key
         self._pinned: PinnedAdapter | None = None
         self._slot_pins: list[PinnedAdapter] = []  # slots of sample_adapters (the first is _pinned)
         self._caches: dict[int, RowCache] = {}  # by rows, all of capacity self._capacity
@@ -306,12 +306,22 @@ class HFSamplingEngine(InProcessEngine):
         return completions
 
     # -- one batched call -------------------------------------------------------------------------
-    def _pool_for(self, slot: int, weights_key: Hashable | None, needed: int) -> _PrefixPool:
-        while len(self._pools) <= slot:
-            self._pools.append(_PrefixPool(self.decoder, self.device))
-        pool = self._pools[slot]
-        if weights_key is None or pool.key != weights_key or len(pool.trie) + needed > self.prefix_cache_tokens:
-            pool.reset(weights_key)
+    def _pool_for(self, key: Hashable | None, needed: int, taken: Sequence[_PrefixPool],
+                  wanted: set[Hashable]) -> _PrefixPool:
+        """The prefix pool for weights ``key`` in this call: the one that holds that key's prefixes, else one no
+        other source of the call wants (emptied for ``key``), else a new one; not one already ``taken``. A pool
+        that would pass ``prefix_cache_tokens`` with ``needed`` more is emptied first. The engine keeps at most
+        as many pools as the most adapters one call held."""
+        free = [pool for pool in self._pools if all(pool is not other for other in taken)]
+        pool = next((pool for pool in free if key is not None and pool.key == key), None)
+        if pool is None:
+            pool = next((pool for pool in free if pool.key not in wanted), None)
+            if pool is None:
+                pool = _PrefixPool(self.decoder, self.device)
+                self._pools.append(pool)
+            pool.reset(key)
+        elif len(pool.trie) + needed > self.prefix_cache_tokens:
+            pool.reset(key)
         return pool
 
     @contextmanager
@@ -452,10 +462,12 @@ class HFSamplingEngine(InProcessEngine):
         pools: list[_PrefixPool] = []
         index: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its row of the prefill logits
         parts = []
+        wanted = {source.key for source in sources if source.key is not None}  # pools of these keys are kept
         for slot, source in enumerate(sources):
             mine = [p for p, s in zip(prompts, row_slots) if s == slot]
             distinct = list(dict.fromkeys(tuple(p) for p in mine))
-            pool = self._pool_for(slot, source.key, sum(len(p) for p in distinct) + len(mine) * request.max_tokens)
+            needed = sum(len(p) for p in distinct) + len(mine) * request.max_tokens
+            pool = self._pool_for(source.key, needed, pools, wanted)
             pools.append(pool)
             with self._factors_of(source):
                 parts += [self._prefill(pool, part) for part in prefill_parts(distinct) if part]

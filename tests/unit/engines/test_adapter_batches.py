@@ -109,6 +109,25 @@ def test_what_a_sampler_generated_is_kept_for_its_own_adapter_only():
             assert _outcome(result) == _outcome(fresh.sample_jobs(extended, weights_key=key))
 
 
+def test_each_adapter_finds_its_cached_prefixes_whatever_its_place_in_the_call():
+    """Pools follow the snapshots, not the slots: the same two samplers in the other order prefill only each
+    prompt's last token again (its logits are not kept), and calls of key-less samplers never grow the pools."""
+    model = _model(torch.float32)
+    first, second = _snapshots(model, 2)
+    jobs = _jobs(0)
+    engine = _engine(model, 256)
+    engine.sample_adapters([AdapterJobs(first, "a", jobs), AdapterJobs(second, "b", jobs)])
+    before = engine.prefill_tokens
+    swapped = engine.sample_adapters([AdapterJobs(second, "b", jobs), AdapterJobs(first, "a", jobs)])
+    assert engine.prefill_tokens - before == 2 * len({tuple(job.prompt) for job in jobs})
+    fresh = _engine(model, 256)
+    with fresh.pinned_weights(second, "b"):
+        assert _outcome(swapped[0]) == _outcome(fresh.sample_jobs(jobs, weights_key="b"))
+    for _ in range(3):
+        engine.sample_jobs(jobs)
+    assert len(engine._pools) == 2
+
+
 def test_the_samplers_must_share_their_request_and_fit_the_slots():
     model = _model(torch.float32)
     engine = _engine(model, 256)
