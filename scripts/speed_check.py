@@ -106,12 +106,18 @@ def load_model(name: str, device: str):
     return model, model.config
 
 
-def _bench_info(path: Path) -> dict:
-    """The first benchmark's ``extra_info`` of a ``--benchmark-json`` file; empty where none ran (the file is then
-    missing or empty)."""
-    text = path.read_text() if path.exists() else ""
+def _run_benchmark(test_file: str, scratch: Path) -> tuple[int, dict]:
+    """``pytest -m benchmark tests/benchmarks/TEST_FILE`` in this process (with the environment the caller set): its
+    exit code and its first benchmark's ``extra_info`` (empty where none ran), through a JSON file in ``scratch``."""
+    import pytest
+
+    found = scratch / "bench.json"
+    code = int(pytest.main(["-m", "benchmark", str(ROOT / "tests" / "benchmarks" / test_file), "-p",
+                            "no:cacheprovider", "-q", "-s", "--benchmark-enable", f"--benchmark-json={found}",
+                            f"--rootdir={ROOT}"]))
+    text = found.read_text() if found.exists() else ""
     benchmarks = json.loads(text).get("benchmarks", []) if text.strip() else []
-    return benchmarks[0]["extra_info"] if benchmarks else {}
+    return code, benchmarks[0]["extra_info"] if benchmarks else {}
 
 
 def _write(out: Path, name: str, report: dict) -> None:
@@ -216,7 +222,6 @@ def peer(name: str, out: Path, size: str, _rest: list[str]) -> int:
               + (" (a failure at --size gpu)." if size == "gpu" else "."))
         _write(out, name, {"size": size, "shape": shape, "value": None, "missing": missing, **facts})
         return 1 if size == "gpu" else 0
-    import pytest
 
     from rlrunbook.models.shapes import PUBLISHED_CONFIGS, model_shape, save_random_model
 
@@ -229,11 +234,7 @@ def peer(name: str, out: Path, size: str, _rest: list[str]) -> int:
         os.environ.update({"RLRUNBOOK_PEER_MODEL": model, "RLRUNBOOK_PEER_SHAPE":
                            f"{s['prompts']}x{s['samples']}x{s['tokens']}", "RLRUNBOOK_PEER_STEPS": str(s["steps"]),
                            "RLRUNBOOK_BENCH_DEVICE": s["device"], "RLRUNBOOK_REQUIRE_TRL": "1"})
-        found = scratch / "bench.json"
-        code = int(pytest.main(["-m", "benchmark", str(ROOT / "tests" / "benchmarks" / "test_bench_peer.py"),
-                                "-p", "no:cacheprovider", "-q", "-s", "--benchmark-enable",
-                                f"--benchmark-json={found}", f"--rootdir={ROOT}"]))
-        info = _bench_info(found)
+        code, info = _run_benchmark("test_bench_peer.py", scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     ratio = info.get("ratio_rlrunbook_over_trl")
@@ -248,7 +249,6 @@ def peer(name: str, out: Path, size: str, _rest: list[str]) -> int:
 
 
 def clients(name: str, out: Path, size: str, _rest: list[str]) -> int:
-    import pytest
 
     s = SIZES[name][size]
     count, rows, tokens = s["shape"].split("x")
@@ -257,11 +257,7 @@ def clients(name: str, out: Path, size: str, _rest: list[str]) -> int:
     try:
         os.environ.update({"RLRUNBOOK_BENCH_MODELS": s["model"], "RLRUNBOOK_BENCH_DEVICE": s["device"],
                            "RLRUNBOOK_CLIENTS_SHAPE": s["shape"]})
-        found = scratch / "bench.json"
-        code = int(pytest.main(["-m", "benchmark", str(ROOT / "tests" / "benchmarks" / "test_bench_adapter_batches.py"),
-                                "-p", "no:cacheprovider", "-q", "-s", "--benchmark-enable",
-                                f"--benchmark-json={found}", f"--rootdir={ROOT}"]))
-        info = _bench_info(found)
+        code, info = _run_benchmark("test_bench_adapter_batches.py", scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _write(out, name, {"size": size, "shape": shape, "value": info.get("together_vs_one_client"),
