@@ -69,6 +69,9 @@ def tensor_layout(tensors: dict[str, torch.Tensor]) -> tuple[tuple[str, tuple[in
     return tuple(sorted((name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in tensors.items()))
 
 
+_resident_keys = itertools.count()
+
+
 @dataclass
 class ResidentModel:
     """A base model loaded once, whose frozen weights every host made over it shares (:func:`host_over`).
@@ -83,6 +86,8 @@ class ResidentModel:
     model: torch.nn.Module
     load: Callable[[], torch.nn.Module]
     shareable: bool = True  # False for 4-bit weights: each host then keeps the tensors it loaded
+    # Unique per resident (never reused, unlike id()): hosts over one resident say so by it (ModelHost.shared_base).
+    key: int = field(default_factory=lambda: next(_resident_keys))
 
     @property
     def nbytes(self) -> int:
@@ -157,7 +162,7 @@ def host_over(resident: ResidentModel, name: str, settings: LocalSettings, *, ow
         engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(),
                                   cuda_graphs=settings.cuda_graphs and not own_weights,
                                   prefix_cache_tokens=settings.prefix_cache_tokens, **common)
-    shared = None if own_weights or not resident.shareable else id(resident)
+    shared = None if own_weights or not resident.shareable else resident.key
     return ModelHost(name, resident.folder, tokenizer, model, engine, shared_base=shared)
 
 
