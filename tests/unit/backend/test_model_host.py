@@ -69,3 +69,18 @@ def test_one_more_client_holds_its_adapter_and_optimizer_only(local_service):
     # The base is held once, however many clients: a second client adds no base bytes.
     local_service.create_lora_training_client("tiny", rank=4, seed=1)
     assert local_service.resident_models() == resident
+
+
+def test_hosts_name_the_resident_they_share_and_only_that_one(tmp_path):
+    """Hosts over one resident give one ``shared_base``; another resident of the same model, or a host with weights
+    of its own, gives another (or none): what decides whether samplers may decode as one batch."""
+    from rlrunbook.backend.settings import LocalSettings
+
+    settings = LocalSettings(device="cpu", dtype=torch.float32, storage_dir=tmp_path)
+    first, second = host_module.load_resident("tiny", settings), host_module.load_resident("tiny", settings)
+    a, b = host_module.host_over(first, "tiny", settings), host_module.host_over(first, "tiny", settings)
+    other = host_module.host_over(second, "tiny", settings)
+    own = host_module.host_over(first, "tiny", settings, own_weights=True)
+    assert a.shared_base == b.shared_base is not None
+    assert other.shared_base not in (None, a.shared_base)
+    assert own.shared_base is None
