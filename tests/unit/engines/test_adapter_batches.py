@@ -47,7 +47,8 @@ def _jobs(offset: int) -> list[SampleJob]:
     generator = torch.Generator().manual_seed(11)
     shared = torch.randint(3, 320, (20,), generator=generator).tolist()  # every sampler's first prompt
     own = torch.randint(3, 320, (9 + offset,), generator=generator).tolist()
-    request = GenerationRequest(max_tokens=12, filters=SamplingFilters(0.9), stop=((17,), (40,), (91,)), seed=3)
+    stops = tuple((token,) for token in range(3, 320, 9))  # one token in nine ends a row: rows end at many steps
+    request = GenerationRequest(max_tokens=12, filters=SamplingFilters(0.9), stop=stops, seed=3)
     return [SampleJob(shared, 3, request), SampleJob(shared + own, 2, request), SampleJob(own, 1, request)]
 
 
@@ -76,6 +77,7 @@ def test_each_samplers_rows_get_what_it_gets_alone(dtype, fused, monkeypatch):
         engine = _engine(model, rows)
         for _ in range(2):  # the second call reads the prefixes the first left in each adapter's pool
             assert [_outcome(r) for r in engine.sample_adapters(groups)] == alone
+        assert len(engine._caches) > 1, "the batch never shrank: rows leaving across slots went untested"
 
 
 def test_a_sampler_alone_after_a_mixed_call_is_unchanged():
