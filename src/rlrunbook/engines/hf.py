@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, split_by_job
+from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, shared_request, split_by_job
 from rlrunbook.engines.decoder import Decoder, Numerics
 from rlrunbook.engines.filters import apply_filters
 from rlrunbook.engines.in_process import InProcessEngine
@@ -268,22 +268,17 @@ class HFSamplingEngine(InProcessEngine):
                 self._slot_pins.append(self._pinned)
             else:
                 self._slot_pins.append(PinnedAdapter(self.decoder.model))
+        jobs = [job for group in groups for job in group.jobs]
+        if not jobs:
+            return [[] for _ in groups]
+        request = shared_request(jobs)  # every sampler's jobs share max_tokens, filters and stops
         rows: list[tuple[list[int], int]] = []
         row_slots: list[int] = []
-        requests = []
         for slot, group in enumerate(groups):
-            if not group.jobs:
-                continue
-            group_rows, request = self.seeded_rows(group.jobs)
-            rows += group_rows
-            row_slots += [slot] * len(group_rows)
-            requests.append(request)
-        if not rows:
-            return [[] for _ in groups]
-        request = requests[0]
-        if any((r.max_tokens, r.filters, r.stop, r.stop_strings) != (request.max_tokens, request.filters, request.stop,
-                                                                     request.stop_strings) for r in requests):
-            raise ValueError("sample_adapters: every sampler's jobs must share max_tokens, filters and stops")
+            if group.jobs:
+                group_rows, _ = self.seeded_rows(group.jobs)
+                rows += group_rows
+                row_slots += [slot] * len(group_rows)
         for pin, group in zip(self._slot_pins, groups):
             pin.load(group.adapter, group.key)
         sources = [_Source(pin, group.key) for pin, group in zip(self._slot_pins, groups)]
@@ -411,11 +406,11 @@ class HFSamplingEngine(InProcessEngine):
         return cache
 
     def _step(self, cache: RowCache, tokens: torch.Tensor, running: torch.Tensor, needed: int,
-              adapters: tuple[RowAdapters, RowAdapters] | None = None) -> torch.Tensor:
+              adapters: tuple[RowAdapters, RowAdapters | None] | None = None) -> torch.Tensor:
         """One decode step of every cache row; logits ``[len(running), V]`` of the running rows. ``needed`` is the
         longest row's length plus one, which the caller knows (no read of ``cache.lengths``). ``adapters``: each
-        cache row's adapter and each running row's, where the rows are several samplers' (else the decoder's own
-        state)."""
+        cache row's adapter and each running row's (``None`` with graphs: the graph's output layer runs on every cache
+        row), where the rows are several samplers' (else the decoder's own state)."""
         started = time.perf_counter()
         cache.window = min(cache.capacity, -(-needed // _WINDOW_STEP) * _WINDOW_STEP)
         if adapters is not None and self._graphs_enabled():  # the rows' slots are an input of the captured graph
@@ -490,16 +485,20 @@ class HFSamplingEngine(InProcessEngine):
         draws = StepDraws(len(rows), every, device, self.fused_draw and self.decoder.fixed and
                           device.type in ("cpu", "cuda"), self.decoder.log_softmax_at)
         live = list(range(len(rows)))  # cache rows drawn (and fed) in this block
+        slots_of = None  # the in_cache list the cache rows' adapters were made for
         step = 0
         while True:
             width = min(every, request.max_tokens - step)
             adapters = None
-            if per_row:  # a padding row computes with the last slot's adapter, so the slots stay in row order
-                last = row_slots[-1]
-                cache_slots = [last if i >= len(in_cache) or in_cache[i] is None else row_slots[in_cache[i]]
-                               for i in range(cache.rows)]
-                adapters = (RowAdapters.of_rows(slot_pins, cache_slots, device),
-                            RowAdapters.of_rows(slot_pins, [cache_slots[i] for i in live], device))
+            if per_row:
+                if slots_of is not in_cache:  # the cache's rows changed (the batch shrank): their slots again
+                    last = row_slots[-1]  # a padding row takes the last slot's adapter: the slots stay in row order
+                    cache_slots = [last if i >= len(in_cache) or in_cache[i] is None else row_slots[in_cache[i]]
+                                   for i in range(cache.rows)]
+                    cache_adapters, slots_of = RowAdapters.of_rows(slot_pins, cache_slots, device), in_cache
+                running_adapters = (None if self._graphs_enabled()  # a graph computes the output layer for every row
+                                    else RowAdapters.of_rows(slot_pins, [cache_slots[i] for i in live], device))
+                adapters = (cache_adapters, running_adapters)
             running = [in_cache[i] for i in live]
             # One host-to-device copy per block: the cache rows drawn, their seeds' rows, the rows fed, the first feed.
             fed = [0] * cache.rows

@@ -116,11 +116,6 @@ class LoraLinears:
     adapter_dtype: torch.dtype
     _args: tuple  # the C arrays and the adapters' storage code, built once
 
-    @property
-    def adapters(self) -> tuple[Adapter | None, ...]:
-        """The first slot's adapters (the only slot of a one-adapter group)."""
-        return self.slots[0]
-
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int],
                 *slots: Sequence[Adapter | None]) -> LoraLinears | None:
