@@ -253,14 +253,23 @@ def test_float16_is_computed_from_its_exact_float32_values():
     assert torch.equal(out, ops.attention(q.float(), k.float(), k.float(), positions, positions, valid, 0.1).half())
 
 
-@pytest.mark.skipif(not {"avx2", "fma", "avx512f"} <= set(build._cpu_flags().split()),
-                    reason="needs an x86 CPU with AVX-512, to run an AVX2 build beside this machine's own")
-def test_the_vector_width_changes_no_bit(tmp_path):
+AVX512_HOST = pytest.mark.skipif(not {"avx2", "fma", "avx512f"} <= set(build._cpu_flags().split()),
+                                 reason="needs an x86 CPU with AVX-512, to run an AVX2 build beside this machine's own")
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The kernels built for AVX2 (``-march=x86-64-v3``), loaded beside this machine's own build."""
+    return build.load_variant(tmp_path_factory.mktemp("avx2"), ("-march=x86-64-v3", "-fopenmp"))
+
+
+@AVX512_HOST
+def test_the_vector_width_changes_no_bit(avx2_build):
     """The orders are stated per element, not per register: the kernels built for AVX2 (8-lane registers, no bf16
     instruction) give the same bits as this machine's AVX-512 build (16 lanes, VDPBF16PS where it has it)."""
     import ctypes
 
-    other = build.load_variant(tmp_path, ("-march=x86-64-v3", "-fopenmp"))
+    other = avx2_build
     generator = torch.Generator().manual_seed(9)
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(37, 577, generator=generator).to(dtype)
@@ -274,3 +283,33 @@ def test_the_vector_width_changes_no_bit(tmp_path):
     lse = torch.empty(3)
     other.row_logsumexp(ctypes.c_void_p(x.data_ptr()), 1000, 3, 1000, ctypes.c_void_p(lse.data_ptr()), 2)
     assert torch.equal(lse, cpu.row_logsumexp(x))
+
+
+def _attention_and_gradients(generator, dtype, heads, kv_heads, dim):
+    """Attention of 2 rows x 9 queries over 30 keys (some not allowed, one query padding) and its three gradients."""
+    q = torch.randn(2, 9, heads, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 30, kv_heads, dim, generator=generator).to(dtype) for _ in range(2))
+    grad_out = torch.randn(2, 9, heads, dim, generator=generator).to(dtype)
+    key_positions = torch.arange(30).expand(2, 30).contiguous()
+    query_positions = (torch.arange(9) + 21).expand(2, 9).clone()
+    query_positions[1, 4] = -1
+    valid = torch.rand(2, 30, generator=generator) > 0.2
+    out, lse = cpu.attention_forward(q, k, v, query_positions, key_positions, valid, 0.125)
+    return (out, lse, *cpu.attention_backward(q, k, v, query_positions, key_positions, valid, out, grad_out, lse, 0.125))
+
+
+@AVX512_HOST
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_vector_width_changes_no_bit_of_attention_or_its_gradients(avx2_build, monkeypatch, dtype):
+    """Attention's sums hold their order in an AVX2 build too: one query head per key/value head, three (as
+    SmolLM2), and a head dimension that ends inside a vector. Every product term is one fused multiply-add in both
+    builds, whichever loop the compiler finds it in."""
+    for heads, kv_heads, dim in ((4, 4, 40), (9, 3, 64), (2, 1, 24)):
+        generator = torch.Generator().manual_seed(heads * 100 + dim)
+        mine = _attention_and_gradients(generator, dtype, heads, kv_heads, dim)
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu, "load_library", lambda: avx2_build)
+            generator = torch.Generator().manual_seed(heads * 100 + dim)
+            theirs = _attention_and_gradients(generator, dtype, heads, kv_heads, dim)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), mine, theirs):
+            assert torch.equal(a, b), (heads, kv_heads, dim, name)

@@ -48,42 +48,153 @@ static void load_kv(const attn_shape *sh, const void *k, const void *v, int64_t 
   load_kv_from(sh, k, v, r, kvh, kt, vs, S16, 0);
 }
 
-/* the allowed keys' indices in increasing s, then their scores (sequential over d, 16 keys per vector, for
- * the keys up to the last allowed one); returns how many keys are allowed. */
-static int64_t query_scores(const attn_shape *sh, const float *qv, const float *kt, int64_t S16, float *sc,
-                            const int64_t *kpos, const uint8_t *kvalid, int64_t qpos, int64_t *allowed) {
+#define HEAD_BLOCK 8 /* query heads of one key/value head computed in one pass over its keys and values */
+#define INLINE static inline __attribute__((always_inline))
+
+/* The allowed keys of a query at position qp, in increasing s, into allowed; returns how many (0 for a padding
+ * query). */
+static int64_t allowed_keys(int64_t S, const int64_t *kpos, const uint8_t *kvalid, int64_t qp, int64_t *allowed) {
   int64_t count = 0;
-  for (int64_t s = 0; s < sh->S; s++)
-    if (kvalid[s] && kpos[s] <= qpos) allowed[count++] = s;
-  int64_t end = count ? allowed[count - 1] + 1 : 0;
-  for (int64_t s = 0; s < end; s += 16) {
-    v16 acc = {0};
-    for (int64_t d = 0; d < sh->D; d++) {
-      v16 kv;
-      memcpy(&kv, kt + d * S16 + s, 64);
-      acc += splat(qv[d]) * kv;
-    }
-    acc = acc * sh->scale;
-    memcpy(sc + s, &acc, 64);
-  }
+  if (qp < 0) return 0;
+  for (int64_t s = 0; s < S; s++)
+    if (kvalid[s] && kpos[s] <= qp) allowed[count++] = s;
   return count;
 }
 
-/* Query (r, t, h) at qbase: its values into qv, its allowed keys and their scores; 0 for a padding query. */
-static int64_t prepare_query(const attn_shape *sh, const void *q, int64_t qbase, int64_t qp, const float *kt,
-                             int64_t S16, float *qv, float *sc, const int64_t *kpos, const uint8_t *kvalid,
-                             int64_t *allowed) {
-  if (qp < 0) return 0;
-  for (int64_t d0 = 0; d0 < sh->D; d0 += 16) {
-    v16 x = load16(q, qbase + d0, sh->tq, (int)(sh->D - d0 < 16 ? sh->D - d0 : 16));
-    memcpy(qv + d0, &x, 64);
+/* Whether the allowed keys are exactly 0 .. count - 1 (they increase, so the last one says it). */
+static inline int allowed_from_zero(const int64_t *allowed, int64_t count) {
+  return count > 0 && allowed[count - 1] == count - 1;
+}
+
+/* Sequential dot products: out[b * OS + s] = sum over d in increasing d of a[b * AS + d] * kt[d * S16 + s], for
+ * NB rows of a and the KB blocks of 16 columns starting at s. Each output is one accumulator over d, as a loop over
+ * one column at a time would add it; the NB x KB accumulators only keep more of those sums in flight at once. */
+INLINE void dots_tile(const float *a, int64_t AS, const float *kt, int64_t S16, int64_t D, int64_t s, float *out,
+                      int64_t OS, const int NB, const int KB) {
+  v16 acc[HEAD_BLOCK][8];
+  for (int b = 0; b < NB; b++)
+    for (int j = 0; j < KB; j++) acc[b][j] = (v16){0};
+  for (int64_t d = 0; d < D; d++) {
+    v16 kv[8];
+    for (int j = 0; j < KB; j++) memcpy(&kv[j], kt + d * S16 + s + 16 * j, 64);
+    for (int b = 0; b < NB; b++)
+      for (int j = 0; j < KB; j++) acc[b][j] = fma16(splat(a[b * AS + d]), kv[j], acc[b][j]);
   }
-  return query_scores(sh, qv, kt, S16, sc, kpos, kvalid, qp, allowed);
+  for (int b = 0; b < NB; b++)
+    for (int j = 0; j < KB; j++) memcpy(out + b * OS + s + 16 * j, &acc[b][j], 64);
+}
+
+/* dots_tile over the columns [0, end), 16 at a time (end rounded up: the columns past the keys are zeros). */
+INLINE void column_dots(const float *a, int64_t AS, const float *kt, int64_t S16, int64_t D, int64_t end, float *out,
+                        int64_t OS, const int NB) {
+  const int KB = NB == 1 ? 8 : NB == 2 ? 6 : NB <= 4 ? 4 : 2;
+  int64_t s = 0;
+  for (; s + 16 * KB <= end; s += 16 * KB) dots_tile(a, AS, kt, S16, D, s, out, OS, NB, KB);
+  for (; s < end; s += 16) dots_tile(a, AS, kt, S16, D, s, out, OS, NB, 1);
+}
+
+/* The weighted rows of one chunk of d, [d0, d0 + 16 DB) within D: for each of NB weight rows b,
+ *   sum over the allowed keys i in increasing i of w[b * WS + i] * rows[allowed[i] * D + d]   (one accumulator per d)
+ * divided by div[b] when div is given, stored at out + obase[b] + d in storage type tout. rows has 16 floats of
+ * slack past its last row. */
+INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, int64_t D, const int64_t *allowed,
+                               int64_t count, int64_t d0, const float *div, void *out, const int64_t *obase,
+                               int tout, const int NB, const int DB) {
+  v16 acc[HEAD_BLOCK][4];
+  int nv = (int)((D - d0 + 15) / 16);
+  for (int b = 0; b < NB; b++)
+    for (int j = 0; j < DB; j++) acc[b][j] = (v16){0};
+  for (int64_t i = 0; i < count; i++) {
+    const float *row = rows + allowed[i] * D + d0;
+    for (int j = 0; j < DB; j++) {
+      if (j >= nv) break;
+      v16 x;
+      memcpy(&x, row + 16 * j, 64);
+      for (int b = 0; b < NB; b++) acc[b][j] = fma16(splat(w[b * WS + i]), x, acc[b][j]);
+    }
+  }
+  for (int b = 0; b < NB; b++)
+    for (int j = 0; j < DB && j < nv; j++) {
+      int n = (int)(D - d0 - 16 * j < 16 ? D - d0 - 16 * j : 16);
+      store16(out, obase[b] + d0 + 16 * j, div ? acc[b][j] / div[b] : acc[b][j], tout, n);
+    }
+}
+
+INLINE void weighted_rows(const float *w, int64_t WS, const float *rows, int64_t D, const int64_t *allowed,
+                          int64_t count, const float *div, void *out, const int64_t *obase, int tout, const int NB) {
+  const int DB = NB <= 3 ? 4 : 2;
+  for (int64_t d0 = 0; d0 < D; d0 += 16 * DB)
+    weighted_rows_tile(w, WS, rows, D, allowed, count, d0, div, out, obase, tout, NB, DB);
+}
+
+/* acc[allowed[i] * D + d] += w[b * WS + i] * x[b * XS + d], for each allowed key i and then b = 0 .. NB - 1 in
+ * that order (x's rows have 16 floats of slack). */
+INLINE void scatter_rows(float *acc, int64_t D, const int64_t *allowed, int64_t count, const float *w, int64_t WS,
+                         const float *x, int64_t XS, const int NB) {
+  const int DB = NB <= 3 ? 4 : 2;
+  for (int64_t d0 = 0; d0 < D; d0 += 16 * DB) {
+    int nv = (int)((D - d0 + 15) / 16);
+    v16 xv[HEAD_BLOCK][4];
+    for (int b = 0; b < NB; b++)
+      for (int j = 0; j < DB; j++) {
+        xv[b][j] = (v16){0};
+        if (j < nv) memcpy(&xv[b][j], x + b * XS + d0 + 16 * j, 64);
+      }
+    for (int64_t i = 0; i < count; i++) {
+      float *row = acc + allowed[i] * D + d0;
+      for (int j = 0; j < DB; j++) {
+        if (j >= nv) break;
+        int n = (int)(D - d0 - 16 * j < 16 ? D - d0 - 16 * j : 16);
+        v16 a = load16(row, 16 * j, F32, n);
+        for (int b = 0; b < NB; b++) a = fma16(splat(w[b * WS + i]), xv[b][j], a);
+        store16(row, 16 * j, a, F32, n);
+      }
+    }
+  }
+}
+
+/* The largest allowed score: a scan in increasing i that keeps a NaN once seen (so the result is the same bits
+ * whatever the path); allowed keys 0 .. count - 1 without a NaN take a vector max (max is exact). */
+static float allowed_max(const float *sc, const int64_t *allowed, int64_t count) {
+  if (allowed_from_zero(allowed, count)) {
+    v16 m = splat(-INFINITY);
+    v16i nan = {0};
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+      v16 x;
+      memcpy(&x, sc + i, 64);
+      nan |= (v16i)(x != x);
+      m = select16((v16i)(x > m), x, m);
+    }
+    int any_nan = 0;
+    float mx = -INFINITY;
+    for (int j = 0; j < 16; j++) {
+      any_nan |= nan[j] != 0;
+      if (m[j] > mx) mx = m[j];
+    }
+    for (; i < count; i++) {
+      any_nan |= sc[i] != sc[i];
+      if (sc[i] > mx) mx = sc[i];
+    }
+    if (!any_nan) return mx;
+  }
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < count; i++)
+    if (sc[allowed[i]] > mx || sc[allowed[i]] != sc[allowed[i]]) mx = sc[allowed[i]];
+  return mx;
 }
 
 /* p_i = exp(score_{allowed i} - shift) into p (zero-padded to a multiple of 16) */
 static void allowed_exp(const float *sc, const int64_t *allowed, int64_t count, float shift, float *p) {
-  for (int64_t i = 0; i < count; i += 16) {
+  int64_t i = 0;
+  if (allowed_from_zero(allowed, count))
+    for (; i + 16 <= count; i += 16) {
+      v16 x;
+      memcpy(&x, sc + i, 64);
+      v16 e = fexp16(x - shift);
+      memcpy(p + i, &e, 64);
+    }
+  for (; i < count; i += 16) {
     int n = (int)(count - i < 16 ? count - i : 16);
     v16 x = splat(shift);
     for (int j = 0; j < n; j++) x[j] = sc[allowed[i + j]];
@@ -91,8 +202,6 @@ static void allowed_exp(const float *sc, const int64_t *allowed, int64_t count, 
     for (int j = 0; j < 16; j++) p[i + j] = j < n ? e[j] : 0.0f;
   }
 }
-
-#define HEAD_BLOCK 8 /* query heads of one key/value head computed in one pass over its keys and values */
 
 typedef struct {
   float *kt, *vs, *sc, *p, *qv; /* sc, p: HEAD_BLOCK rows of S16 + 16; qv: HEAD_BLOCK rows of D + 16 */
@@ -118,79 +227,76 @@ static void scratch_free(attn_scratch *w) {
   free(w->allowed);
 }
 
+/* NB query heads at qbase[] (one position, count > 0 allowed keys in w->allowed): their values into w->qv, then
+ * score_i = scale * (sequential sum over d), m, p_i, l (lanes16 over p in i order), and out = weighted values / l,
+ * lse = m + log(l). */
+INLINE void attend_heads(const attn_shape *sh, const void *q, const int64_t *qbase, int64_t count, void *out,
+                         float *lse, int64_t S16, attn_scratch *w, const int NB) {
+  int64_t D = sh->D, SS = S16 + 16, QS = D + 16;
+  for (int b = 0; b < NB; b++)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      v16 x = load16(q, qbase[b] + d0, sh->tq, (int)(D - d0 < 16 ? D - d0 : 16));
+      memcpy(w->qv + b * QS + d0, &x, 64);
+    }
+  int64_t end = w->allowed[count - 1] + 1;
+  column_dots(w->qv, QS, w->kt, S16, D, end, w->sc, SS, NB);
+  float l[HEAD_BLOCK];
+  for (int b = 0; b < NB; b++) {
+    float *sc = w->sc + b * SS;
+    for (int64_t s = 0; s < end; s += 16) {
+      v16 x;
+      memcpy(&x, sc + s, 64);
+      x = x * sh->scale;
+      memcpy(sc + s, &x, 64);
+    }
+    float mx = allowed_max(sc, w->allowed, count);
+    allowed_exp(sc, w->allowed, count, mx, w->p + b * SS);
+    v16 lacc = {0};
+    for (int64_t i = 0; i < count; i += 16) {
+      v16 pv;
+      memcpy(&pv, w->p + b * SS + i, 64);
+      lacc += pv;
+    }
+    l[b] = tree16(lacc);
+    lse[b] = mx + logf(l[b]);
+  }
+  weighted_rows(w->p, SS, w->vs, D, w->allowed, count, l, out, qbase, sh->tq, NB);
+}
+
 /* Every query of row r through key/value head kvh (its G query heads, all T positions), over the keys and values
  * loaded in w (load_kv). The query heads of a position share its allowed keys; up to HEAD_BLOCK of them are
- * computed in one pass over the keys and one over the values (each head's sums in attention_fwd's order, its own
+ * computed in one pass over the keys and one over the values (each head's sums in the order above, its own
  * accumulators), so a head block reads the loaded keys and values once, not once per head. */
 static void attend_row(const attn_shape *sh, const void *q, const int64_t *qpos, const int64_t *kpos,
                        const uint8_t *kvalid, void *out, float *lse, int64_t r, int64_t kvh, int64_t S16,
                        attn_scratch *w) {
-  int64_t G = sh->H / sh->Hkv, T = sh->T, D = sh->D, H = sh->H, SS = S16 + 16, QS = D + 16;
+  int64_t G = sh->H / sh->Hkv, T = sh->T, D = sh->D, H = sh->H;
   const int64_t *kp = kpos + (sh->pos_rows > 1 ? r * sh->S : 0);
   const uint8_t *kval = kvalid + (sh->pos_rows > 1 ? r * sh->S : 0);
   for (int64_t t = 0; t < T; t++) {
-    int64_t qp = qpos[r * T + t], count = 0;
-    if (qp >= 0)
-      for (int64_t s = 0; s < sh->S; s++)
-        if (kval[s] && kp[s] <= qp) w->allowed[count++] = s;
+    int64_t count = allowed_keys(sh->S, kp, kval, qpos[r * T + t], w->allowed);
     for (int64_t g0 = 0; g0 < G; g0 += HEAD_BLOCK) {
       int nb = (int)(G - g0 < HEAD_BLOCK ? G - g0 : HEAD_BLOCK);
       int64_t qbase[HEAD_BLOCK];
+      float *lse_at = lse + (r * T + t) * H + kvh * G + g0;
       for (int b = 0; b < nb; b++) qbase[b] = r * sh->q_row + t * sh->q_t + (kvh * G + g0 + b) * D;
       if (count == 0) { /* a padding query, or one with no key: zeros, lse = -inf */
         for (int b = 0; b < nb; b++) {
           for (int64_t d = 0; d < D; d++) store1(out, qbase[b] + d, 0.0f, sh->tq);
-          lse[(r * T + t) * H + kvh * G + g0 + b] = -INFINITY;
+          lse_at[b] = -INFINITY;
         }
         continue;
       }
-      for (int b = 0; b < nb; b++)
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-          v16 x = load16(q, qbase[b] + d0, sh->tq, (int)(D - d0 < 16 ? D - d0 : 16));
-          memcpy(w->qv + b * QS + d0, &x, 64);
-        }
-      /* scores: sequential over d, 16 keys per vector, up to the last allowed key (query_scores' sums) */
-      int64_t end = w->allowed[count - 1] + 1;
-      for (int64_t s = 0; s < end; s += 16) {
-        v16 acc[HEAD_BLOCK];
-        for (int b = 0; b < nb; b++) acc[b] = (v16){0};
-        for (int64_t d = 0; d < D; d++) {
-          v16 kv;
-          memcpy(&kv, w->kt + d * S16 + s, 64);
-          for (int b = 0; b < nb; b++) acc[b] += splat(w->qv[b * QS + d]) * kv;
-        }
-        for (int b = 0; b < nb; b++) {
-          acc[b] = acc[b] * sh->scale;
-          memcpy(w->sc + b * SS + s, &acc[b], 64);
-        }
+      switch (nb) { /* a constant head count per copy: the accumulators stay in registers */
+        case 1: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 1); break;
+        case 2: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 2); break;
+        case 3: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 3); break;
+        case 4: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 4); break;
+        case 5: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 5); break;
+        case 6: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 6); break;
+        case 7: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 7); break;
+        default: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 8); break;
       }
-      float mx[HEAD_BLOCK], l[HEAD_BLOCK];
-      for (int b = 0; b < nb; b++) {
-        const float *sc = w->sc + b * SS;
-        mx[b] = -INFINITY;
-        for (int64_t i = 0; i < count; i++)
-          if (sc[w->allowed[i]] > mx[b] || sc[w->allowed[i]] != sc[w->allowed[i]]) mx[b] = sc[w->allowed[i]];
-        allowed_exp(sc, w->allowed, count, mx[b], w->p + b * SS);
-        v16 lacc = {0};
-        for (int64_t i = 0; i < count; i += 16) {
-          v16 pv;
-          memcpy(&pv, w->p + b * SS + i, 64);
-          lacc += pv;
-        }
-        l[b] = tree16(lacc);
-      }
-      /* weighted values: sequential over the allowed keys */
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        int n = (int)(D - d0 < 16 ? D - d0 : 16);
-        v16 acc[HEAD_BLOCK];
-        for (int b = 0; b < nb; b++) acc[b] = (v16){0};
-        for (int64_t i = 0; i < count; i++) {
-          v16 vv = load16(w->vs, w->allowed[i] * D + d0, F32, n);
-          for (int b = 0; b < nb; b++) acc[b] += splat(w->p[b * SS + i]) * vv;
-        }
-        for (int b = 0; b < nb; b++) store16(out, qbase[b] + d0, acc[b] / l[b], sh->tq, n);
-      }
-      for (int b = 0; b < nb; b++) lse[(r * T + t) * H + kvh * G + g0 + b] = mx[b] + logf(l[b]);
     }
   }
 }
@@ -258,6 +364,95 @@ int attention_fwd_parts(const void *q, const void *k, const void *v, const int64
  *   dq[d] = sequential sum over allowed i of dS_i k_i[d]
  *   dk_i += dS_i q, dv_i += P_i dout, over queries t then heads g in increasing order.
  * dq has q's layout; dk and dv are contiguous [R, S, Hkv, D] in k's storage type. */
+
+typedef struct {
+  float *kt, *vs, *vt, *ks, *sc, *p, *dp, *qv, *dov, *dkacc, *dvacc; /* sc, p, dp: HEAD_BLOCK rows of S16 + 16 */
+  int64_t *allowed;
+} grad_scratch;
+
+static int grad_alloc(grad_scratch *w, int64_t S, int64_t S16, int64_t D) {
+  size_t rows = (size_t)(HEAD_BLOCK * (S16 + 16)) * 4, heads = (size_t)(HEAD_BLOCK * (D + 16)) * 4;
+  w->kt = malloc((size_t)(D * S16) * 4);
+  w->vt = malloc((size_t)(D * S16) * 4);
+  w->vs = malloc((size_t)(S16 * D + 16) * 4);
+  w->ks = malloc((size_t)(S16 * D + 16) * 4);
+  w->sc = malloc(rows);
+  w->p = malloc(rows);
+  w->dp = malloc(rows);
+  w->qv = malloc(heads);
+  w->dov = malloc(heads);
+  w->dkacc = calloc((size_t)(S * D + 16), 4);
+  w->dvacc = calloc((size_t)(S * D + 16), 4);
+  w->allowed = malloc((size_t)(S + 1) * sizeof(int64_t));
+  return w->kt && w->vt && w->vs && w->ks && w->sc && w->p && w->dp && w->qv && w->dov && w->dkacc && w->dvacc &&
+         w->allowed;
+}
+
+static void grad_free(grad_scratch *w) {
+  free(w->kt);
+  free(w->vt);
+  free(w->vs);
+  free(w->ks);
+  free(w->sc);
+  free(w->p);
+  free(w->dp);
+  free(w->qv);
+  free(w->dov);
+  free(w->dkacc);
+  free(w->dvacc);
+  free(w->allowed);
+}
+
+/* The gradients of NB query heads at qbase[] (one position, count > 0 allowed keys): dq stored, dk and dv added
+ * into w->dkacc and w->dvacc (each key's terms head after head). */
+INLINE void grad_heads(const attn_shape *sh, const void *q, const void *out, const void *dout, const float *lse_at,
+                       void *dq, const int64_t *qbase, int64_t count, int64_t S16, grad_scratch *w, const int NB) {
+  int64_t D = sh->D, SS = S16 + 16, QS = D + 16;
+  const int64_t *allowed = w->allowed;
+  float dsum[HEAD_BLOCK];
+  for (int b = 0; b < NB; b++) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      v16 x = load16(q, qbase[b] + d0, sh->tq, (int)(D - d0 < 16 ? D - d0 : 16));
+      memcpy(w->qv + b * QS + d0, &x, 64);
+    }
+    float *dov = w->dov + b * QS, acc = 0.0f;
+    for (int64_t d = 0; d < D; d++) {
+      dov[d] = load1(dout, qbase[b] + d, sh->tq);
+      acc += dov[d] * load1(out, qbase[b] + d, sh->tq);
+    }
+    for (int64_t d = D; d < QS; d++) dov[d] = 0.0f;
+    dsum[b] = acc;
+  }
+  int64_t end = allowed[count - 1] + 1;
+  column_dots(w->qv, QS, w->kt, S16, D, end, w->sc, SS, NB);  /* the forward's scores, before scaling */
+  column_dots(w->dov, QS, w->vt, S16, D, end, w->dp, SS, NB); /* dP */
+  int from_zero = allowed_from_zero(allowed, count);
+  for (int b = 0; b < NB; b++) {
+    float *sc = w->sc + b * SS, *p = w->p + b * SS, *dp = w->dp + b * SS;
+    for (int64_t s = 0; s < end; s += 16) {
+      v16 x;
+      memcpy(&x, sc + s, 64);
+      x = x * sh->scale;
+      memcpy(sc + s, &x, 64);
+    }
+    allowed_exp(sc, allowed, count, lse_at[b], p);
+    /* dS_i, in place of dP, compacted to i (allowed i's key is allowed[i] >= i: each is read before it is written) */
+    int64_t i = 0;
+    if (from_zero)
+      for (; i + 16 <= count; i += 16) {
+        v16 pv, dv;
+        memcpy(&pv, p + i, 64);
+        memcpy(&dv, dp + i, 64);
+        v16 ds = pv * (dv - dsum[b]) * sh->scale;
+        memcpy(dp + i, &ds, 64);
+      }
+    for (; i < count; i++) dp[i] = p[i] * (dp[allowed[i]] - dsum[b]) * sh->scale;
+  }
+  weighted_rows(w->dp, SS, w->ks, D, allowed, count, NULL, dq, qbase, sh->tq, NB);
+  scatter_rows(w->dkacc, D, allowed, count, w->dp, SS, w->qv, QS, NB);
+  scatter_rows(w->dvacc, D, allowed, count, w->p, SS, w->dov, QS, NB);
+}
+
 int attention_bwd(const void *q, const void *k, const void *v, const int64_t *qpos, const int64_t *kpos,
                   const uint8_t *kvalid, const void *out, const void *dout, const float *lse, void *dq, void *dk,
                   void *dv, int64_t R, int64_t T, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t q_row,
@@ -268,87 +463,51 @@ int attention_bwd(const void *q, const void *k, const void *v, const int64_t *qp
 #pragma omp parallel for schedule(static) num_threads(threads_for(items, nthreads))
   for (int64_t item = 0; item < items; item++) {
     int64_t r = item / Hkv, kvh = item % Hkv;
-    float *kt = malloc((size_t)(D * S16) * 4), *vs = malloc((size_t)(S16 * D + 16) * 4);
-    float *vt = malloc((size_t)(D * S16) * 4), *ks = malloc((size_t)(S16 * D + 16) * 4);
-    float *sc = malloc((size_t)(S16 + 16) * 4), *p = malloc((size_t)(S16 + 16) * 4);
-    float *dp = malloc((size_t)(S16 + 16) * 4);
-    float *qv = malloc((size_t)(D + 16) * 4), *dov = malloc((size_t)(D + 16) * 4);
-    float *dkacc = calloc((size_t)(S * D + 16), 4), *dvacc = calloc((size_t)(S * D + 16), 4);
-    int64_t *allowed = malloc((size_t)(S + 1) * sizeof(int64_t));
-    if (!kt || !vs || !vt || !ks || !sc || !p || !dp || !qv || !dov || !dkacc || !dvacc || !allowed) {
+    grad_scratch w;
+    if (!grad_alloc(&w, S, S16, D)) {
       failed = 1;
     } else {
-      load_kv(&sh, k, v, r, kvh, kt, vs, S16);
+      load_kv(&sh, k, v, r, kvh, w.kt, w.vs, S16);
       for (int64_t d = 0; d < D; d++)
         for (int64_t s = 0; s < S16; s++) {
-          vt[d * S16 + s] = s < S ? vs[s * D + d] : 0.0f;
-          if (s < S) ks[s * D + d] = kt[d * S16 + s];
+          w.vt[d * S16 + s] = s < S ? w.vs[s * D + d] : 0.0f;
+          if (s < S) w.ks[s * D + d] = w.kt[d * S16 + s];
         }
       const int64_t *kp = kpos + (pos_rows > 1 ? r * S : 0);
       const uint8_t *kval = kvalid + (pos_rows > 1 ? r * S : 0);
-      for (int64_t t = 0; t < T; t++)
-        for (int64_t g = 0; g < G; g++) {
-          int64_t h = kvh * G + g, qbase = r * q_row + t * sh.q_t + h * D;
-          int64_t count = prepare_query(&sh, q, qbase, qpos[r * T + t], kt, S16, qv, sc, kp, kval, allowed);
+      for (int64_t t = 0; t < T; t++) {
+        int64_t count = allowed_keys(S, kp, kval, qpos[r * T + t], w.allowed);
+        for (int64_t g0 = 0; g0 < G; g0 += HEAD_BLOCK) {
+          int nb = (int)(G - g0 < HEAD_BLOCK ? G - g0 : HEAD_BLOCK);
+          int64_t qbase[HEAD_BLOCK];
+          const float *lse_at = lse + (r * T + t) * H + kvh * G + g0;
+          for (int b = 0; b < nb; b++) qbase[b] = r * q_row + t * sh.q_t + (kvh * G + g0 + b) * D;
           if (count == 0) {
-            for (int64_t d = 0; d < D; d++) store1(dq, qbase + d, 0.0f, tq);
+            for (int b = 0; b < nb; b++)
+              for (int64_t d = 0; d < D; d++) store1(dq, qbase[b] + d, 0.0f, tq);
             continue;
           }
-          float row_lse = lse[(r * T + t) * H + h];
-          allowed_exp(sc, allowed, count, row_lse, p);
-          float dsum = 0.0f;
-          for (int64_t d = 0; d < D; d++) {
-            dov[d] = load1(dout, qbase + d, tq);
-            dsum += dov[d] * load1(out, qbase + d, tq);
-          }
-          for (int64_t s = 0; s < allowed[count - 1] + 1; s += 16) { /* dP, sequential over d */
-            v16 acc = {0};
-            for (int64_t d = 0; d < D; d++) {
-              v16 vv;
-              memcpy(&vv, vt + d * S16 + s, 64);
-              acc += splat(dov[d]) * vv;
-            }
-            memcpy(dp + s, &acc, 64);
-          }
-          for (int64_t i = 0; i < count; i++) dp[allowed[i]] = p[i] * (dp[allowed[i]] - dsum) * scale;
-          for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            int n = (int)(D - d0 < 16 ? D - d0 : 16);
-            v16 acc = {0};
-            for (int64_t i = 0; i < count; i++) acc += splat(dp[allowed[i]]) * load16(ks, allowed[i] * D + d0, F32, n);
-            store16(dq, qbase + d0, acc, tq, n);
-          }
-          for (int64_t i = 0; i < count; i++) {
-            int64_t s = allowed[i];
-            v16 ds = splat(dp[s]), pi = splat(p[i]);
-            for (int64_t d0 = 0; d0 < D; d0 += 16) {
-              int n = (int)(D - d0 < 16 ? D - d0 : 16);
-              v16 dk = load16(dkacc, s * D + d0, F32, n) + ds * load16(qv, d0, F32, n);
-              v16 dv = load16(dvacc, s * D + d0, F32, n) + pi * load16(dov, d0, F32, n);
-              store16(dkacc, s * D + d0, dk, F32, n);
-              store16(dvacc, s * D + d0, dv, F32, n);
-            }
+          switch (nb) {
+            case 1: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 1); break;
+            case 2: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 2); break;
+            case 3: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 3); break;
+            case 4: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 4); break;
+            case 5: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 5); break;
+            case 6: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 6); break;
+            case 7: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 7); break;
+            default: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 8); break;
           }
         }
+      }
       for (int64_t s = 0; s < S; s++) {
         int64_t base = ((r * S + s) * Hkv + kvh) * D;
         for (int64_t d = 0; d < D; d++) {
-          store1(dk, base + d, dkacc[s * D + d], tk);
-          store1(dv, base + d, dvacc[s * D + d], tk);
+          store1(dk, base + d, w.dkacc[s * D + d], tk);
+          store1(dv, base + d, w.dvacc[s * D + d], tk);
         }
       }
     }
-    free(kt);
-    free(vs);
-    free(vt);
-    free(ks);
-    free(sc);
-    free(p);
-    free(dp);
-    free(qv);
-    free(dov);
-    free(dkacc);
-    free(dvacc);
-    free(allowed);
+    grad_free(&w);
   }
   return failed;
 }

@@ -34,6 +34,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -127,6 +130,28 @@ static inline float tree16(v16 a) {
 }
 
 static inline v16 splat(float x) { return (v16){0} + x; }
+
+/* a + b * c in each lane: one fused multiply-add where the target has a fast one, else a multiply, then an add (the
+ * choice -ffp-contract=fast makes for a product term, here not left to where the compiler finds the pattern). */
+static inline v16 fma16(v16 b, v16 c, v16 a) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)b, (__m512)c, (__m512)a);
+#elif defined(__FMA__)
+  v16 r;
+  __m256 lo = _mm256_fmadd_ps(_mm256_loadu_ps((float *)&b), _mm256_loadu_ps((float *)&c), _mm256_loadu_ps((float *)&a));
+  __m256 hi = _mm256_fmadd_ps(_mm256_loadu_ps((float *)&b + 8), _mm256_loadu_ps((float *)&c + 8),
+                              _mm256_loadu_ps((float *)&a + 8));
+  _mm256_storeu_ps((float *)&r, lo);
+  _mm256_storeu_ps((float *)&r + 8, hi);
+  return r;
+#elif defined(__FP_FAST_FMAF)
+  v16 r;
+  for (int j = 0; j < 16; j++) r[j] = __builtin_fmaf(b[j], c[j], a[j]);
+  return r;
+#else
+  return a + b * c;
+#endif
+}
 
 static inline v16 select16(v16i mask, v16 a, v16 b) {
   v16i ai, bi;
