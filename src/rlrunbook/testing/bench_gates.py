@@ -18,6 +18,9 @@ benchmark never passes by having no gate.
   window costing more than 2x its share of the positions (a cache-aliasing cliff made 512 positions cost 5.7x 448;
   a head's keys and values outgrowing the core's L2 cache, as past ~768 positions at SmolLM2's heads on a 512 KiB
   L2, costs up to ~1.7x), and reading a shared prefix once per group is never slower than once per row.
+- training attention (``test_bench_training_attention.py``, CPU): attention forward and backward at the mini debate's
+  training shape each reach at least 0.35x the FLOP rate of the fixed-order product in the same run (0.7-0.8x
+  measured; the kernels that summed through one accumulator at a time reached 0.2-0.25x).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ PEER_TARGETS: dict[str, float] = {"cuda": 0.25}  # rlrunbook / TRL step time, pe
 PEER_REGRESSION = 1.15
 RL_STEP_REGRESSION = 2.5
 CUSTOM_LOSS_MAX_RATIO = 1.15
+ATTENTION_PRODUCT_FRACTION_MIN = 0.35  # attention's GFLOP/s over the fixed-order product's, same machine and run
 WINDOW_COST_MAX = 2.0  # ms per position of any window over the median of all windows' ms per position
 UPDATE_ENV = "RLRUNBOOK_UPDATE_BENCH_BASELINE"
 
@@ -102,3 +106,14 @@ def decode_attention_failures(own_ms: Mapping[int, float], shared_ms: Mapping[in
             failures.append(f"decode attention over {window} positions: reading the shared prefix once per group "
                             f"({shared_ms[window]:.3g} ms) is slower than once per row ({own_ms[window]:.3g} ms)")
     return failures
+
+
+def training_attention_failures(forward_gflops: float, backward_gflops: float, product_gflops: float) -> list[str]:
+    """The training attention's gate: its forward and backward FLOP rates (``4 D`` and ``10 D`` FLOP per query, head
+    and allowed key) each at least ``ATTENTION_PRODUCT_FRACTION_MIN`` of the fixed-order product's, measured beside
+    it."""
+    floor = ATTENTION_PRODUCT_FRACTION_MIN * product_gflops
+    return [f"attention {name} ran at {rate:.3g} GFLOP/s, {rate / product_gflops:.2f}x the fixed-order product's "
+            f"{product_gflops:.3g} (limit {ATTENTION_PRODUCT_FRACTION_MIN}x): its sums no longer keep several "
+            "accumulators in flight?"
+            for name, rate in (("forward", forward_gflops), ("backward", backward_gflops)) if rate < floor]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlrunbook.testing.bench_gates import (CUSTOM_LOSS_MAX_RATIO, UPDATE_ENV, custom_loss_failures,
                                            decode_attention_failures, decode_failures, device_kind, peer_failures,
-                                           regression_failures)
+                                           regression_failures, training_attention_failures)
 
 CPU_PEER = {"ratio": 0.473, "machine": "x86_64"}
 
@@ -65,3 +65,12 @@ def test_the_decode_attention_gate_catches_a_window_costlier_than_its_positions_
     assert decode_attention_failures({**own, 1024: 2.9}, {**shared, 1024: 2.2}) == []  # L2 outgrown: 1.9x, allowed
     (failure,) = decode_attention_failures(own, {**shared, 448: 0.70})
     assert "over 448 positions" in failure and "(0.7 ms) is slower than once per row (0.64 ms)" in failure
+
+
+def test_the_training_attention_gate_holds_attention_to_a_share_of_the_products_rate():
+    assert training_attention_failures(150.0, 140.0, 200.0) == []
+    # the kernels that summed one accumulator at a time: 47 and 55 GFLOP/s beside a 200 GFLOP/s product
+    failures = training_attention_failures(47.0, 55.0, 200.0)
+    assert len(failures) == 2 and "forward ran at 47 GFLOP/s, 0.23x" in failures[0] and "limit 0.35x" in failures[0]
+    (failure,) = training_attention_failures(150.0, 60.0, 200.0)
+    assert failure.startswith("attention backward ran at 60 GFLOP/s, 0.30x")

@@ -27,15 +27,16 @@ static inline int64_t kt_stride(int64_t S) {
   return (padded / 16) % 2 == 0 ? padded + 16 : padded;
 }
 
-/* per (row, kv head): keys transposed [D, S16] and values [S, D] in fp32, for key indices [from, S) (the columns
- * before from are left as they are: a row sharing them with the one loaded before, see cached_attention) */
+/* per (row, kv head): keys transposed [D, S16] and values [S, D] in fp32 (none where vs is NULL), for key indices
+ * [from, S) (the columns before from are left as they are: a row sharing them with the one loaded before, see
+ * cached_attention) */
 static void load_kv_from(const attn_shape *sh, const void *k, const void *v, int64_t r, int64_t kvh, float *kt,
                          float *vs, int64_t S16, int64_t from) {
   for (int64_t s = from; s < sh->S; s++) {
     int64_t base = r * sh->k_row + s * sh->k_s + kvh * sh->D;
     for (int64_t d = 0; d < sh->D; d++) {
       kt[d * S16 + s] = load1(k, base + d, sh->tk);
-      vs[s * sh->D + d] = load1(v, base + d, sh->tk);
+      if (vs) vs[s * sh->D + d] = load1(v, base + d, sh->tk);
     }
   }
 }
@@ -95,9 +96,10 @@ INLINE void column_dots(const float *a, int64_t AS, const float *kt, int64_t S16
 
 /* The weighted rows of one chunk of d, [d0, d0 + 16 DB) within D: for each of NB weight rows b,
  *   sum over the allowed keys i in increasing i of w[b * WS + i] * rows[allowed[i] * D + d]   (one accumulator per d)
- * divided by div[b] when div is given, stored at out + obase[b] + d in storage type tout. rows has 16 floats of
- * slack past its last row. */
-INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, int64_t D, const int64_t *allowed,
+ * divided by div[b] when div is given, stored at out + obase[b] + d in storage type tout. Row i starts at
+ * rows + i * RS; a vector read past D's last multiple of 16 must stay inside the buffer (16 floats of slack). */
+INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, int64_t RS, int64_t D,
+                               const int64_t *allowed,
                                int64_t count, int64_t d0, const float *div, void *out, const int64_t *obase,
                                int tout, const int NB, const int DB) {
   v16 acc[HEAD_BLOCK][4];
@@ -105,7 +107,7 @@ INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, in
   for (int b = 0; b < NB; b++)
     for (int j = 0; j < DB; j++) acc[b][j] = (v16){0};
   for (int64_t i = 0; i < count; i++) {
-    const float *row = rows + allowed[i] * D + d0;
+    const float *row = rows + allowed[i] * RS + d0;
     for (int j = 0; j < DB; j++) {
       if (j >= nv) break;
       v16 x;
@@ -120,11 +122,12 @@ INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, in
     }
 }
 
-INLINE void weighted_rows(const float *w, int64_t WS, const float *rows, int64_t D, const int64_t *allowed,
-                          int64_t count, const float *div, void *out, const int64_t *obase, int tout, const int NB) {
+INLINE void weighted_rows(const float *w, int64_t WS, const float *rows, int64_t RS, int64_t D,
+                          const int64_t *allowed, int64_t count, const float *div, void *out, const int64_t *obase,
+                          int tout, const int NB) {
   const int DB = NB <= 3 ? 4 : 2;
   for (int64_t d0 = 0; d0 < D; d0 += 16 * DB)
-    weighted_rows_tile(w, WS, rows, D, allowed, count, d0, div, out, obase, tout, NB, DB);
+    weighted_rows_tile(w, WS, rows, RS, D, allowed, count, d0, div, out, obase, tout, NB, DB);
 }
 
 /* acc[allowed[i] * D + d] += w[b * WS + i] * x[b * XS + d], for each allowed key i and then b = 0 .. NB - 1 in
@@ -206,7 +209,23 @@ static void allowed_exp(const float *sc, const int64_t *allowed, int64_t count, 
 typedef struct {
   float *kt, *vs, *sc, *p, *qv; /* sc, p: HEAD_BLOCK rows of S16 + 16; qv: HEAD_BLOCK rows of D + 16 */
   int64_t *allowed;
+  const float *vrows; /* the values the weighted sum reads: vs, or the float32 input itself (use_values) */
+  int64_t vstride;
 } attn_scratch;
+
+/* Where the forward reads row r's values through head kvh: float32 values whose head dimension is whole vectors
+ * are read where they are (no copy: at long windows a copy outgrows the core's cache); others from the float32
+ * copy in vs. Returns the vs to fill (NULL: none). The values and their order are the same either way. */
+static float *use_values(const attn_shape *sh, const void *v, int64_t r, int64_t kvh, attn_scratch *w) {
+  if (sh->tk == F32 && sh->D % 16 == 0) {
+    w->vrows = (const float *)v + r * sh->k_row + kvh * sh->D;
+    w->vstride = sh->k_s;
+    return NULL;
+  }
+  w->vrows = w->vs;
+  w->vstride = sh->D;
+  return w->vs;
+}
 
 static int scratch_alloc(attn_scratch *w, int64_t S, int64_t S16, int64_t D) {
   w->kt = malloc((size_t)(D * S16) * 4);
@@ -260,7 +279,7 @@ INLINE void attend_heads(const attn_shape *sh, const void *q, const int64_t *qba
     l[b] = tree16(lacc);
     lse[b] = mx + logf(l[b]);
   }
-  weighted_rows(w->p, SS, w->vs, D, w->allowed, count, l, out, qbase, sh->tq, NB);
+  weighted_rows(w->p, SS, w->vrows, w->vstride, D, w->allowed, count, l, out, qbase, sh->tq, NB);
 }
 
 /* Every query of row r through key/value head kvh (its G query heads, all T positions), over the keys and values
@@ -315,7 +334,7 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
     if (!scratch_alloc(&w, S, S16, D)) {
       failed = 1;
     } else {
-      load_kv(&sh, k, v, r, kvh, w.kt, w.vs, S16);
+      load_kv(&sh, k, v, r, kvh, w.kt, use_values(&sh, v, r, kvh, &w), S16);
       attend_row(&sh, q, qpos, kpos, kvalid, out, lse, r, kvh, S16, &w);
     }
     scratch_free(&w);
@@ -326,9 +345,9 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
 /* attention_fwd (one query per row) with rows taken in parts: part c is the rows order[starts[c]..starts[c+1]),
  * and each row after a part's first shares the keys and values of its indices below reload[row] with the part's
  * first row, bit for bit (the caller guarantees it: copies of the same prefix). A part's first row loads its whole
- * cache row; each later one loads only its indices from reload[row] on, so a prefix shared by a part's rows is read
- * from memory once per (part, key/value head), not once per row. Every row's queries, scores and sums are those of
- * attention_fwd: the same values in the same order. */
+ * cache row; each later one loads only its indices from reload[row] on, so a prefix shared by a part's rows is
+ * transposed once per (part, key/value head), not once per row (values read in place, see use_values, are each
+ * row's own). Every row's queries, scores and sums are those of attention_fwd: the same values in the same order. */
 int attention_fwd_parts(const void *q, const void *k, const void *v, const int64_t *qpos, const int64_t *kpos,
                         const uint8_t *kvalid, void *out, float *lse, int64_t R, int64_t S, int64_t H, int64_t Hkv,
                         int64_t D, int64_t q_row, int64_t k_row, int tq, int tk, float scale, const int64_t *order,
@@ -346,10 +365,11 @@ int attention_fwd_parts(const void *q, const void *k, const void *v, const int64
     } else {
       for (int64_t j = starts[c]; j < starts[c + 1]; j++) {
         int64_t r = order[j];
+        float *vs = use_values(sh, v, r, kvh, &w);
         if (j == starts[c])
-          load_kv(sh, k, v, r, kvh, w.kt, w.vs, S16);
+          load_kv(sh, k, v, r, kvh, w.kt, vs, S16);
         else
-          load_kv_from(sh, k, v, r, kvh, w.kt, w.vs, S16, reload[r] < sh->S ? reload[r] : sh->S);
+          load_kv_from(sh, k, v, r, kvh, w.kt, vs, S16, reload[r] < sh->S ? reload[r] : sh->S);
         attend_row(sh, q, qpos, kpos, kvalid, out, lse, r, kvh, S16, &w);
       }
     }
@@ -448,7 +468,7 @@ INLINE void grad_heads(const attn_shape *sh, const void *q, const void *out, con
       }
     for (; i < count; i++) dp[i] = p[i] * (dp[allowed[i]] - dsum[b]) * sh->scale;
   }
-  weighted_rows(w->dp, SS, w->ks, D, allowed, count, NULL, dq, qbase, sh->tq, NB);
+  weighted_rows(w->dp, SS, w->ks, D, D, allowed, count, NULL, dq, qbase, sh->tq, NB);
   scatter_rows(w->dkacc, D, allowed, count, w->dp, SS, w->qv, QS, NB);
   scatter_rows(w->dvacc, D, allowed, count, w->p, SS, w->dov, QS, NB);
 }
