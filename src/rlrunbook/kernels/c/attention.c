@@ -77,7 +77,10 @@ INLINE void dots_tile(const float *a, int64_t AS, const float *kt, int64_t S16, 
     for (int j = 0; j < KB; j++) acc[b][j] = (v16){0};
   for (int64_t d = 0; d < D; d++) {
     v16 kv[8];
-    for (int j = 0; j < KB; j++) memcpy(&kv[j], kt + d * S16 + s + 16 * j, 64);
+    for (int j = 0; j < KB; j++) {
+      memcpy(&kv[j], kt + d * S16 + s + 16 * j, 64);
+      IN_REGISTER(kv[j]);
+    }
     for (int b = 0; b < NB; b++)
       for (int j = 0; j < KB; j++) acc[b][j] = fma16(splat(a[b * AS + d]), kv[j], acc[b][j]);
   }
@@ -112,6 +115,7 @@ INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, in
       if (j >= nv) break;
       v16 x;
       memcpy(&x, row + 16 * j, 64);
+      IN_REGISTER(x);
       for (int b = 0; b < NB; b++) acc[b][j] = fma16(splat(w[b * WS + i]), x, acc[b][j]);
     }
   }
