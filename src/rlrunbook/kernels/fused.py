@@ -114,7 +114,7 @@ class LoraLinears:
     sizes: tuple[int, ...]
     slots: tuple[tuple[Adapter | None, ...], ...]
     adapter_dtype: torch.dtype
-    _args: tuple  # the C arrays and the adapters' storage code, built once
+    _args: tuple  # the C arrays, the adapters' storage code and the factors they point to, built once
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int],
@@ -136,13 +136,15 @@ class LoraLinears:
         flat = [adapters[p] for p in range(count) for adapters in slots]  # projection p, slot s at p * S + s
         cols = (ctypes.c_int64 * (count + 1))(*[sum(sizes[:i]) for i in range(count + 1)])
         a_ptrs = (ctypes.c_void_p * len(flat))(*[None if a is None else a[0].data_ptr() for a in flat])
-        b_ptrs = (ctypes.c_void_p * len(flat))(*[None if a is None else a[1].data_ptr() for a in flat])
+        # the second factor as the C kernel reads it: transposed ([r, out]) where its sum is sequential (r <= 64)
+        seconds = [None if a is None else a[1].t().contiguous() if a[1].shape[1] <= SMALL_K else a[1] for a in flat]
+        b_ptrs = (ctypes.c_void_p * len(flat))(*[None if b is None else b.data_ptr() for b in seconds])
         ranks = (ctypes.c_int64 * len(flat))(*[0 if a is None else a[0].shape[0] for a in flat])
         scalings = (ctypes.c_float * len(flat))(*[0.0 if a is None else a[2] for a in flat])
         bias32 = None if bias is None else bias.detach().float().contiguous()
         code = 0 if adapter_dtype == torch.float32 else 1
         return cls(weight, bias32, tuple(sizes), tuple(tuple(adapters) for adapters in slots), adapter_dtype,
-                   (cols, a_ptrs, b_ptrs, ranks, scalings, code))
+                   (cols, a_ptrs, b_ptrs, ranks, scalings, code, seconds))
 
 
 @_profiled
@@ -165,7 +167,7 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
         raise ValueError(f"lora_linears: row bounds {bounds} do not cut {m} rows into {count} slots")
     out = torch.empty(m, n, dtype=x.dtype)
     if m and n:
-        cols, a_ptrs, b_ptrs, ranks, scalings, adapter_code = group._args
+        cols, a_ptrs, b_ptrs, ranks, scalings, adapter_code, _ = group._args
         t = _code(x, "x")
         _check(load_library().lora_linears(
             _ptr(x), t, x.stride(0), m, k, _ptr(group.weight), group.weight.stride(0), _ptr(group.bias), n,

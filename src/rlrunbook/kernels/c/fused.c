@@ -175,8 +175,9 @@ NO_CONTRACT static void add_update(void *C, int tc, int64_t ldc, int64_t M, int6
  * round(round(round(round(X) @ A^T) @ B^T) * scaling) to its columns (rounding to ta each step, the sum rounded
  * to C's type tc): the decoder's fixed-numerics linears with one LoRA adapter per projection.
  * Several adapters in one pass: the rows are cut into S slots, slot s being rows bounds[s] .. bounds[s + 1], and
- * slot s's rows take adapter p * S + s (A [ranks[.], K], B [cols[p+1] - cols[p], ranks[.]], storage type ta;
- * A NULL: none). Every product is computed in a fixed order per element, so a row's bits do not depend on the
+ * slot s's rows take adapter p * S + s (A [ranks[.], K]; B [cols[p+1] - cols[p], ranks[.]], given transposed,
+ * [ranks[.], cols[p+1] - cols[p]], where the rank is at most SMALL_K, as product() would transpose it; storage
+ * type ta; A NULL: none). Every product is computed in a fixed order per element, so a row's bits do not depend on the
  * rows or slots beside it: a slot's rows get what a pass of that adapter alone gives them. */
 int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const void *W, int64_t ldw,
                  const float *bias, int64_t N, void *C, int tc, int64_t ldc, int P, const int64_t *cols,
@@ -192,7 +193,9 @@ int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const
       char *c = (char *)C + (size_t)(first * ldc) * esize(tc);
       char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = malloc((size_t)(rows * cols_p + 1) * esize(ta));
       int failed = !u || !v || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads) ||
-                   product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads);
+                   (r <= SMALL_K
+                        ? gemm_seq(u, ta, r, 1, B[at], ta, cols_p, NULL, v, ta, cols_p, rows, cols_p, r, nthreads)
+                        : product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads));
       if (!failed) add_update(c, tc, ldc, rows, cols[p], cols_p, v, ta, scalings[at]);
       free(u);
       free(v);

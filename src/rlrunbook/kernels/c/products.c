@@ -16,6 +16,7 @@
 #define NT_COLS 3
 #endif
 #define NT_PANEL 64 /* B rows per work item */
+#define NT_PREFETCH_ROWS 64 /* work items of at most this many A rows fetch the next panel ahead */
 
 typedef struct {
   const void *a, *b;
@@ -160,8 +161,22 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
     int64_t n0 = p * NT_PANEL, n1 = n0 + NT_PANEL < N ? n0 + NT_PANEL : N;
     int64_t m0 = rowblocks * c / chunks * NT_ROWS, m1 = rowblocks * (c + 1) / chunks * NT_ROWS;
     if (m1 > M) m1 = M;
+    /* With few rows (a decode step) the panel's first row group waits on memory and the others compute from L2:
+     * the next panel's lines are requested into L2 a slice per tile, so its reads overlap this panel's work. */
+    const char *next = NULL;
+    int64_t next_lines = 0, per_tile = 0;
+    if (m1 - m0 <= NT_PREFETCH_ROWS && n1 < N) {
+      int64_t next_rows = N - n1 < NT_PANEL ? N - n1 : NT_PANEL;
+      int64_t tiles = (m1 - m0 + NT_ROWS - 1) / NT_ROWS * ((n1 - n0 + NT_COLS - 1) / NT_COLS);
+      next = (const char *)b + n1 * lb * esize;
+      next_lines = (next_rows * lb * (int64_t)esize + 63) / 64;
+      per_tile = (next_lines + tiles - 1) / tiles;
+    }
+    int64_t fetched = 0;
     for (int64_t m = m0; m < m1; m += NT_ROWS)
       for (int64_t n = n0; n < n1; n += NT_COLS) {
+        for (int64_t i = 0; i < per_tile && fetched < next_lines; i++, fetched++)
+          __builtin_prefetch(next + fetched * 64, 0, 2);
         nt_args t = {(const char *)a + m * la * esize, (const char *)b + n * lb * esize, la, lb, K,
                      (int)(m1 - m < NT_ROWS ? m1 - m : NT_ROWS), (int)(n1 - n < NT_COLS ? n1 - n : NT_COLS)};
         float out[16];
