@@ -116,3 +116,24 @@ def test_the_triton_kernel_draws_the_eager_tokens_and_logprobs_bit_for_bit(case)
     out = (torch.empty(rows, 2, dtype=torch.int64), torch.empty(rows, 2), torch.empty(rows, 2))
     gpu.seeded_draw(logits, seeds, step, mode, filters.temperature, filtered, *out, 1)
     assert _same((out[0][:, 1], out[1][:, 1], out[2][:, 1]), _as_tuple(eager))
+
+
+@pytest.mark.parametrize("top", [0.0, 25.0, -3000.0, 1e4])
+def test_scores_too_low_to_win_are_skipped_without_changing_the_draw(top):
+    """The kernel skips the noise of scores that cannot reach the largest one's key (c/draw.c, prune_below). One
+    score at the top and 4,095 others 12 or 16 below it: the low ones' largest key, about 8 above their score, beats
+    the top's now and then, and the tokens and logprobs stay the eager draw's on every step. A bound that cuts into
+    the noise's range (skipping scores 11 below the top) fails here."""
+    generator = torch.Generator().manual_seed(11)
+    seeds = torch.tensor([noise.mix_seed(3, r) for r in range(8)])
+    logits = torch.full((8, 4096), top - 12.0)
+    logits[4:] = top - 16.0
+    logits += 0.01 * torch.rand(8, 4096, generator=generator)  # ties apart
+    logits[:, 100] = top + 0.5
+    logits[1, 200:300] = -float("inf")
+    won_below = 0
+    for step in range(40):
+        eager = draw_tokens(logits, SamplingFilters(1.0), seeds, step, ops.log_softmax_at)
+        assert _same(_as_tuple(draw_tokens_fused(logits, SamplingFilters(1.0), seeds, step)), _as_tuple(eager))
+        won_below += int((eager.token != 100).sum())
+    assert won_below > 0  # scores far below the top won some draws: the bound was exercised

@@ -30,6 +30,37 @@ static inline float gumbel(uint64_t base, int64_t v) {
   return (float)(-log(-log(u)));
 }
 
+/* Which scores cannot win the draw unless their noise is large. The noise g = -log(-log(u)) is at least
+ * -log(-log(2^-54)) > -3.63 for every element, so the winner's key is at least M - 3.63 (M the largest score, less a
+ * rounding); and where u < 1 - 2^-20 (SMALL_NOISE_BITS), g < -log(2^-20) < 13.87. A score below
+ * M - 3.63 - 13.87 - slack whose u is that small therefore loses to the largest score's key, and its two logs need
+ * not be computed: the token and the keys that decide it are those of the full scan. Returns that bound, or -inf
+ * where the scan must be the full one (a NaN score, whose first occurrence is the token, or no finite largest). */
+#define SMALL_NOISE_BITS ((1ull << 53) - (1ull << 33))
+static float prune_below(const float *s, int64_t V) {
+  v16 m = splat(-INFINITY);
+  v16i nan = {0};
+  int64_t v = 0;
+  for (; v + 16 <= V; v += 16) {
+    v16 x;
+    memcpy(&x, s + v, 64);
+    nan |= (v16i)(x != x);
+    m = select16((v16i)(x > m), x, m);
+  }
+  float mx = -INFINITY;
+  int any_nan = 0;
+  for (int j = 0; j < 16; j++) {
+    any_nan |= nan[j] != 0;
+    mx = m[j] > mx ? m[j] : mx;
+  }
+  for (; v < V; v++) {
+    any_nan |= s[v] != s[v];
+    mx = s[v] > mx ? s[v] : mx;
+  }
+  if (any_nan || !(mx > -INFINITY) || mx == INFINITY) return -INFINITY;
+  return mx - 17.6f - fabsf(mx) * 0x1p-10f;
+}
+
 /* mode 0: scores are the logits (T = 1); 1: logits / temperature; 2: `filtered` holds the scores; 3: greedy (the
  * argmax of the logits, no noise, both logprobs the T = 1 one).
  * Outputs: token[r * out_stride + column], sampled[...] and policy[...] (row strides of [R, W] buffers); where
@@ -58,16 +89,28 @@ int seeded_draw(const float *logits, int64_t ldl, const float *filtered, int64_t
     }
     uint64_t base = splitmix64((uint64_t)seeds[r] ^ step_mix);
     int64_t best = 0;
-    float top = 0.0f;
-    for (int64_t v = 0; v < V; v++) {
-      float key = mode == 3 ? s[v] : s[v] + gumbel(base, v);
-      if (key != key) { /* NaN: torch.argmax returns the first one */
-        best = v;
-        break;
+    float top = 0.0f, cut = mode == 3 ? -INFINITY : prune_below(s, V);
+    if (cut > -INFINITY) { /* the same argmax, without the noise of scores that cannot reach it */
+      top = -INFINITY;
+      for (int64_t v = 0; v < V; v++) {
+        if (s[v] < cut && splitmix64(base + (uint64_t)v * GOLDEN) >> 11 < SMALL_NOISE_BITS) continue;
+        float key = s[v] + gumbel(base, v);
+        if (key > top) {
+          top = key;
+          best = v;
+        }
       }
-      if (v == 0 || key > top) {
-        top = key;
-        best = v;
+    } else {
+      for (int64_t v = 0; v < V; v++) {
+        float key = mode == 3 ? s[v] : s[v] + gumbel(base, v);
+        if (key != key) { /* NaN: torch.argmax returns the first one */
+          best = v;
+          break;
+        }
+        if (v == 0 || key > top) {
+          top = key;
+          best = v;
+        }
       }
     }
     float lse_policy, lse_sampled;
