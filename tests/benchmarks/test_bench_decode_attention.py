@@ -2,7 +2,7 @@
 key/value, 64 wide) in float32, two articles of 268 prompt tokens read by 8 rows each, windows of 384 to 1,024
 positions; each row reading its own cache against the shared prefix read once per group (the same bits).
 
-The gate (rlrunbook.testing.bench_gates.decode_attention_failures): no window costs more than 2x its share of the
+The gate (rlrunbook.testing.bench_gates.decode_attention_failures): no window costs more than 3x its share of the
 positions, and sharing is never slower. Run it as the benchmarks run (``scripts/test.sh``'s allocator settings:
 without them each call's scratch buffers are returned to the system and faulted in again). Figures: ms per call (median of 30, the two ways interleaved).
 """
