@@ -383,8 +383,8 @@ class Decoder:
                 delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling
                 result = (result.double() + delta).to(result_dtype)
             elif self.fixed:  # peft's order of operations, each product in fixed order
-                delta = fixed.linear(fixed.linear(x.to(a.dtype), a), b) * scaling
-                result = (result + delta).to(result_dtype)
+                delta = fixed.linear(fixed.linear(x.to(a.dtype), a), b)
+                result = fixed.add_scaled(result, delta, scaling).to(result_dtype)
             else:  # peft: x cast to the adapter's dtype, result + lora_B(lora_A(x)) * scaling, cast back
                 delta = F.linear(F.linear(x.to(a.dtype), a), b) * scaling
                 result = (result + delta).to(result_dtype)

@@ -153,6 +153,19 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 @_profiled
+def add_scaled(result: torch.Tensor, delta: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``result + round(delta * scaling)`` for two ``[M, N]`` tensors of one dtype (float32 or bfloat16) whose rows are
+    contiguous: each element rounded where PyTorch's ``result + delta * scaling`` rounds it; a new contiguous tensor."""
+    result, delta = _rows(result), _rows(delta)
+    out = torch.empty(result.shape, dtype=result.dtype)
+    if out.numel():
+        _check(load_library().add_scaled(_ptr(result), result.stride(0), _ptr(delta), delta.stride(0), scaling,
+                                         _ptr(out), result.shape[0], result.shape[1], _code(result, "result"),
+                                         _threads()), "add_scaled")
+    return out
+
+
+@_profiled
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` ``[P, F]`` (float32) of ``float32(position * inv_freq)``, each from libm in double."""
     positions = positions.to(torch.int64).contiguous()
@@ -233,6 +246,7 @@ def attention_backward(q, k, v, query_positions, key_positions, key_valid, out, 
 
 __all__ = [
     "KernelBuildError",
+    "add_scaled",
     "attention_backward",
     "attention_forward",
     "exp",

@@ -89,6 +89,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*lead, weight.shape[0])
 
 
+class _AddScaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, result, delta, scaling):
+        from rlrunbook.kernels import cpu  # a CPU pass only (add_scaled below): its one-pass loop is the C library's
+
+        ctx.scaling = scaling
+        return cpu.add_scaled(result, delta, scaling)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad * ctx.scaling if ctx.needs_input_grad[1] else None, None
+
+
+def add_scaled(result: torch.Tensor, delta: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``result + delta * scaling`` (a LoRA update added to its base result) with the same bits and gradients, in one
+    pass on CPU for 2-D float32 or bfloat16 tensors of one dtype and shape; elsewhere that expression itself."""
+    if (result.device.type != "cpu" or result.dtype != delta.dtype or result.dtype not in (torch.float32, torch.bfloat16)
+            or result.shape != delta.shape or result.dim() != 2 or _meta(result, delta)):
+        return result + delta * scaling
+    return _AddScaled.apply(result, delta, scaling)
+
+
 class _RowSumSq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -313,3 +313,24 @@ def test_the_vector_width_changes_no_bit_of_attention_or_its_gradients(avx2_buil
             theirs = _attention_and_gradients(generator, dtype, heads, kv_heads, dim)
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), mine, theirs):
             assert torch.equal(a, b), (heads, kv_heads, dim, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_lora_update_added_in_one_pass_is_the_chain_bit_for_bit(dtype):
+    """``ops.add_scaled`` (the trainer adds each LoRA update to its base result in one C pass) gives the bits and the
+    gradients of ``result + delta * scaling``: the product rounded to the dtype before the sum, as PyTorch rounds it.
+    The base result is a column slice of a wider product, as a stacked projection's is."""
+    generator = torch.Generator().manual_seed(21)
+    wide = (torch.randn(37, 300, generator=generator) * 3).to(dtype).requires_grad_()
+    delta = (torch.randn(37, 200, generator=generator) * 1e-3).to(dtype).requires_grad_()
+    grad = torch.randn(37, 200, generator=generator).to(dtype)
+    outputs = []
+    for combine in (ops.add_scaled, lambda r, d, s: r + d * s):
+        result = wide[:, 50:250]
+        out = combine(result, delta, 0.37)
+        out.backward(grad)
+        outputs.append((out.detach(), wide.grad.clone(), delta.grad.clone()))
+        wide.grad = delta.grad = None
+    for name, fused_value, chain_value in zip(("out", "d result", "d delta"), *outputs, strict=True):
+        assert torch.equal(fused_value, chain_value), name
+    assert outputs[0][0].is_contiguous()

@@ -205,6 +205,32 @@ int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const
   return 0;
 }
 
+/* Out [M, N] (contiguous) = H + round(D * scaling), elementwise, H and D [M, N] with row strides ldh and ldd, all in
+ * storage type t: add_update's arithmetic over whole tensors, for the trainer's pass (peft's
+ * `result + lora_B(lora_A(x)) * scaling`; its autograd is rlrunbook.kernels.ops.add_scaled). One pass over the
+ * three tensors instead of a product tensor written and read again. */
+NO_CONTRACT int add_scaled(const void *H, int64_t ldh, const void *D, int64_t ldd, float scaling, void *Out, int64_t M,
+                           int64_t N, int t, int nthreads) {
+  CONTRACT_OFF
+#pragma omp parallel for schedule(static) num_threads(threads_for(M, nthreads))
+  for (int64_t m = 0; m < M; m++) {
+    if (t == F32) {
+      const float *h = (const float *)H + m * ldh, *d = (const float *)D + m * ldd;
+      float *o = (float *)Out + m * N;
+      for (int64_t n = 0; n < N; n++) {
+        float delta = d[n] * scaling;
+        o[n] = h[n] + delta;
+      }
+    } else {
+      for (int64_t n = 0; n < N; n++) {
+        float delta = rounded(load1(D, m * ldd + n, t) * scaling, t);
+        store1(Out, m * N + n, load1(H, m * ldh + n, t) + delta, t);
+      }
+    }
+  }
+  return 0;
+}
+
 /* -- attention over a per-row cache ------------------------------------------------------------------------ */
 
 /* One decode step of R rows over their caches (RowCache): row r's new key and value (in QKV's row, after its H
