@@ -92,7 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class _AddScaled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, delta, scaling):
-        from rlrunbook.kernels import cpu  # a CPU pass only (add_scaled below): its one-pass loop is the C library's
+        # a CPU pass only (add_scaled below): its one-pass loop is the C library's
+        from rlrunbook.kernels import cpu
 
         ctx.scaling = scaling
         return cpu.add_scaled(result, delta, scaling)

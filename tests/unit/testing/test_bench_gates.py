@@ -3,9 +3,17 @@ gate holds on the device it runs on, and a device with neither fails instead of 
 
 from __future__ import annotations
 
-from rlrunbook.testing.bench_gates import (CUSTOM_LOSS_MAX_RATIO, UPDATE_ENV, custom_loss_failures,
-                                           decode_attention_failures, decode_failures, device_kind, peer_failures,
-                                           regression_failures, training_attention_failures)
+from rlrunbook.testing.bench_gates import (
+    CUSTOM_LOSS_MAX_RATIO,
+    UPDATE_ENV,
+    custom_loss_failures,
+    decode_attention_failures,
+    decode_failures,
+    device_kind,
+    peer_failures,
+    regression_failures,
+    training_attention_failures,
+)
 
 CPU_PEER = {"ratio": 0.473, "machine": "x86_64"}
 
