@@ -164,25 +164,8 @@ INLINE void scatter_rows(float *acc, int64_t D, const int64_t *allowed, int64_t 
  * whatever the path); allowed keys 0 .. count - 1 without a NaN take a vector max (max is exact). */
 static float allowed_max(const float *sc, const int64_t *allowed, int64_t count) {
   if (allowed_from_zero(allowed, count)) {
-    v16 m = splat(-INFINITY);
-    v16i nan = {0};
-    int64_t i = 0;
-    for (; i + 16 <= count; i += 16) {
-      v16 x;
-      memcpy(&x, sc + i, 64);
-      nan |= (v16i)(x != x);
-      m = select16((v16i)(x > m), x, m);
-    }
-    int any_nan = 0;
-    float mx = -INFINITY;
-    for (int j = 0; j < 16; j++) {
-      any_nan |= nan[j] != 0;
-      if (m[j] > mx) mx = m[j];
-    }
-    for (; i < count; i++) {
-      any_nan |= sc[i] != sc[i];
-      if (sc[i] > mx) mx = sc[i];
-    }
+    int any_nan;
+    float mx = vector_max(sc, count, &any_nan);
     if (!any_nan) return mx;
   }
   float mx = -INFINITY;

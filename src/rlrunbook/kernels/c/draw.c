@@ -38,25 +38,8 @@ static inline float gumbel(uint64_t base, int64_t v) {
  * where the scan must be the full one (a NaN score, whose first occurrence is the token, or no finite largest). */
 #define SMALL_NOISE_BITS ((1ull << 53) - (1ull << 33))
 static float prune_below(const float *s, int64_t V) {
-  v16 m = splat(-INFINITY);
-  v16i nan = {0};
-  int64_t v = 0;
-  for (; v + 16 <= V; v += 16) {
-    v16 x;
-    memcpy(&x, s + v, 64);
-    nan |= (v16i)(x != x);
-    m = select16((v16i)(x > m), x, m);
-  }
-  float mx = -INFINITY;
-  int any_nan = 0;
-  for (int j = 0; j < 16; j++) {
-    any_nan |= nan[j] != 0;
-    mx = m[j] > mx ? m[j] : mx;
-  }
-  for (; v < V; v++) {
-    any_nan |= s[v] != s[v];
-    mx = s[v] > mx ? s[v] : mx;
-  }
+  int any_nan;
+  float mx = vector_max(s, V, &any_nan);
   if (any_nan || !(mx > -INFINITY) || mx == INFINITY) return -INFINITY;
   return mx - 17.6f - fabsf(mx) * 0x1p-10f;
 }

@@ -200,6 +200,32 @@ static inline v16 fexp16(v16 x) {
   return select16(underflow, splat(0.0f), y); /* NaN compares false with both bounds and stays NaN */
 }
 
+/* The largest of x[0 .. n) (a max is exact: any order finds it), and in *any_nan whether one of them is NaN (the
+ * largest then means nothing). */
+static inline float vector_max(const float *x, int64_t n, int *any_nan) {
+  v16 m = splat(-INFINITY);
+  v16i nan = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16 v;
+    memcpy(&v, x + i, 64);
+    nan |= (v16i)(v != v);
+    m = select16((v16i)(v > m), v, m);
+  }
+  float mx = -INFINITY;
+  int found = 0;
+  for (int j = 0; j < 16; j++) {
+    found |= nan[j] != 0;
+    mx = m[j] > mx ? m[j] : mx;
+  }
+  for (; i < n; i++) {
+    found |= x[i] != x[i];
+    mx = x[i] > mx ? x[i] : mx;
+  }
+  *any_nan = found;
+  return mx;
+}
+
 static inline int threads_for(int64_t items, int nthreads) {
   if (nthreads < 1) nthreads = 1;
   return items < nthreads ? (int)(items > 0 ? items : 1) : nthreads;
