@@ -52,6 +52,20 @@ static void load_kv(const attn_shape *sh, const void *k, const void *v, int64_t 
 #define HEAD_BLOCK 8 /* query heads of one key/value head computed in one pass over its keys and values */
 #define INLINE static inline __attribute__((always_inline))
 
+/* CALL(NB) with NB the constant 1..8 that equals nb (HEAD_BLOCK at most): one inlined copy per head count, so a
+ * head block's accumulators are a fixed number and stay in registers. */
+#define BY_HEAD_COUNT(nb, CALL) \
+  switch (nb) {                 \
+    case 1: CALL(1); break;     \
+    case 2: CALL(2); break;     \
+    case 3: CALL(3); break;     \
+    case 4: CALL(4); break;     \
+    case 5: CALL(5); break;     \
+    case 6: CALL(6); break;     \
+    case 7: CALL(7); break;     \
+    default: CALL(8); break;    \
+  }
+
 /* The allowed keys of a query at position qp, in increasing s, into allowed; returns how many (0 for a padding
  * query). */
 static int64_t allowed_keys(int64_t S, const int64_t *kpos, const uint8_t *kvalid, int64_t qp, int64_t *allowed) {
@@ -77,10 +91,7 @@ INLINE void dots_tile(const float *a, int64_t AS, const float *kt, int64_t S16, 
     for (int j = 0; j < KB; j++) acc[b][j] = (v16){0};
   for (int64_t d = 0; d < D; d++) {
     v16 kv[8];
-    for (int j = 0; j < KB; j++) {
-      memcpy(&kv[j], kt + d * S16 + s + 16 * j, 64);
-      IN_REGISTER(kv[j]);
-    }
+    for (int j = 0; j < KB; j++) LOAD_HELD(kv[j], kt + d * S16 + s + 16 * j);
     for (int b = 0; b < NB; b++)
       for (int j = 0; j < KB; j++) acc[b][j] = fma16(splat(a[b * AS + d]), kv[j], acc[b][j]);
   }
@@ -114,8 +125,7 @@ INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, in
     for (int j = 0; j < DB; j++) {
       if (j >= nv) break;
       v16 x;
-      memcpy(&x, row + 16 * j, 64);
-      IN_REGISTER(x);
+      LOAD_HELD(x, row + 16 * j);
       for (int b = 0; b < NB; b++) acc[b][j] = fma16(splat(w[b * WS + i]), x, acc[b][j]);
     }
   }
@@ -293,16 +303,9 @@ static void attend_row(const attn_shape *sh, const void *q, const int64_t *qpos,
         }
         continue;
       }
-      switch (nb) { /* a constant head count per copy: the accumulators stay in registers */
-        case 1: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 1); break;
-        case 2: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 2); break;
-        case 3: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 3); break;
-        case 4: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 4); break;
-        case 5: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 5); break;
-        case 6: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 6); break;
-        case 7: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 7); break;
-        default: attend_heads(sh, q, qbase, count, out, lse_at, S16, w, 8); break;
-      }
+#define ATTEND(NB) attend_heads(sh, q, qbase, count, out, lse_at, S16, w, NB)
+      BY_HEAD_COUNT(nb, ATTEND)
+#undef ATTEND
     }
   }
 }
@@ -494,16 +497,9 @@ int attention_bwd(const void *q, const void *k, const void *v, const int64_t *qp
               for (int64_t d = 0; d < D; d++) store1(dq, qbase[b] + d, 0.0f, tq);
             continue;
           }
-          switch (nb) {
-            case 1: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 1); break;
-            case 2: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 2); break;
-            case 3: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 3); break;
-            case 4: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 4); break;
-            case 5: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 5); break;
-            case 6: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 6); break;
-            case 7: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 7); break;
-            default: grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, 8); break;
-          }
+#define GRAD(NB) grad_heads(&sh, q, out, dout, lse_at, dq, qbase, count, S16, &w, NB)
+          BY_HEAD_COUNT(nb, GRAD)
+#undef GRAD
         }
       }
       for (int64_t s = 0; s < S; s++) {

@@ -139,6 +139,12 @@ static inline v16 splat(float x) { return (v16){0} + x; }
 #else
 #define IN_REGISTER(x) ((void)0)
 #endif
+/* v = the 64 bytes at p, held in a register for its uses (IN_REGISTER) */
+#define LOAD_HELD(v, p)      \
+  do {                       \
+    memcpy(&(v), (p), 64);   \
+    IN_REGISTER(v);          \
+  } while (0)
 
 /* a + b * c in each lane: one fused multiply-add where the target has a fast one, else a multiply, then an add (the
  * choice -ffp-contract=fast makes for a product term, here not left to where the compiler finds the pattern). */

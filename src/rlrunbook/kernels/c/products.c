@@ -43,14 +43,8 @@ static void nt_tile_f32(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
   int64_t k = 0, K = t->K;
   for (; k + 16 <= K; k += 16) {
     v16 av[NT_ROWS], bv[NT_COLS];
-    for (int i = 0; i < NT_ROWS; i++) {
-      memcpy(&av[i], ar[i] + k, 64);
-      IN_REGISTER(av[i]);
-    }
-    for (int j = 0; j < NT_COLS; j++) {
-      memcpy(&bv[j], br[j] + k, 64);
-      IN_REGISTER(bv[j]);
-    }
+    for (int i = 0; i < NT_ROWS; i++) LOAD_HELD(av[i], ar[i] + k);
+    for (int j = 0; j < NT_COLS; j++) LOAD_HELD(bv[j], br[j] + k);
     for (int i = 0; i < NT_ROWS; i++)
       for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] += av[i] * bv[j];
   }
@@ -111,14 +105,8 @@ static void nt_tile_bf16(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
   int64_t k = 0, K = t->K;
   for (; k + 32 <= K; k += 32) {
     v16u av[NT_ROWS], bv[NT_COLS];
-    for (int i = 0; i < NT_ROWS; i++) {
-      memcpy(&av[i], ar[i] + k, 64);
-      IN_REGISTER(av[i]);
-    }
-    for (int j = 0; j < NT_COLS; j++) {
-      memcpy(&bv[j], br[j] + k, 64);
-      IN_REGISTER(bv[j]);
-    }
+    for (int i = 0; i < NT_ROWS; i++) LOAD_HELD(av[i], ar[i] + k);
+    for (int j = 0; j < NT_COLS; j++) LOAD_HELD(bv[j], br[j] + k);
     for (int i = 0; i < NT_ROWS; i++)
       for (int j = 0; j < NT_COLS; j++) acc[i * NT_COLS + j] = pair_step(acc[i * NT_COLS + j], av[i], bv[j]);
   }
