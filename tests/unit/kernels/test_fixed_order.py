@@ -213,6 +213,21 @@ def test_attention_and_its_gradients_match_float64(dtype):
     assert torch.equal(out[1, 4], torch.zeros_like(out[1, 4]))  # the padding query
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_over_blocks_of_keys_matches_float64(dtype, head_dim):
+    """45 keys: the kernel lays float32 keys out 16 x 16 values at a time (two whole blocks, then 13 keys and, at a
+    head size of 40, 8 dimensions past the last whole block, one value at a time)."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 6, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 45, 2, head_dim, generator=generator).to(dtype) for _ in range(2))
+    query_positions = torch.tensor([[41, 42, 43, 44], [15, 16, 31, 44]])
+    key_positions = torch.arange(45)[None].repeat(2, 1)
+    key_valid = torch.ones(2, 45, dtype=torch.bool)
+    tolerance = 2e-6 if dtype == torch.float32 else 3e-2
+    check_attention_against_float64(q, k, v, query_positions, key_positions, key_valid, tolerance, generator)
+
+
 def test_a_query_reads_its_keys_in_order_whatever_else_the_batch_holds():
     """One query alone, beside other rows, and with its keys spread out by invalid (padding) keys: the same bits."""
     generator = torch.Generator().manual_seed(1)

@@ -27,11 +27,57 @@ static inline int64_t kt_stride(int64_t S) {
   return (padded / 16) % 2 == 0 ? padded + 16 : padded;
 }
 
+/* One round of the 16 x 16 transpose: rows i and i + B (i's bit B clear) swap their off-diagonal B x B blocks. */
+#define SWAP_BLOCKS(B)                                                                                     \
+  do {                                                                                                   \
+    v16i keep, take;                                                                                     \
+    for (int c = 0; c < 16; c++) {                                                                       \
+      keep[c] = (c & (B)) ? 16 + c - (B) : c;                                                            \
+      take[c] = (c & (B)) ? 16 + c : c + (B);                                                            \
+    }                                                                                                    \
+    for (int i = 0; i < 16; i++)                                                                         \
+      if (!(i & (B))) {                                                                                  \
+        v16 x = __builtin_shuffle(r[i], r[i + (B)], keep), y = __builtin_shuffle(r[i], r[i + (B)], take); \
+        r[i] = x, r[i + (B)] = y;                                                                        \
+      }                                                                                                  \
+  } while (0)
+
+/* dst[c * dst_stride + i] = src[i * src_stride + c] for i < rows, c < cols: 16 x 16 blocks transposed in registers
+ * (four rounds of two-source shuffles), the edges one value at a time. A copy: every value is unchanged. */
+static void transpose_f32(const float *src, int64_t src_stride, int64_t rows, int64_t cols, float *dst,
+                          int64_t dst_stride) {
+  int64_t i0 = 0;
+  for (; i0 + 16 <= rows; i0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) {
+      v16 r[16];
+      for (int i = 0; i < 16; i++) memcpy(&r[i], src + (i0 + i) * src_stride + c0, 64);
+      SWAP_BLOCKS(8);
+      SWAP_BLOCKS(4);
+      SWAP_BLOCKS(2);
+      SWAP_BLOCKS(1);
+      for (int c = 0; c < 16; c++) memcpy(dst + (c0 + c) * dst_stride + i0, &r[c], 64);
+    }
+    for (int64_t i = i0; i < i0 + 16; i++)
+      for (int64_t c = c0; c < cols; c++) dst[c * dst_stride + i] = src[i * src_stride + c];
+  }
+  for (int64_t i = i0; i < rows; i++)
+    for (int64_t c = 0; c < cols; c++) dst[c * dst_stride + i] = src[i * src_stride + c];
+}
+
 /* per (row, kv head): keys transposed [D, S16] and values [S, D] in fp32 (none where vs is NULL), for key indices
  * [from, S) (the columns before from are left as they are: a row sharing them with the one loaded before, see
  * cached_attention) */
 static void load_kv_from(const attn_shape *sh, const void *k, const void *v, int64_t r, int64_t kvh, float *kt,
                          float *vs, int64_t S16, int64_t from) {
+  if (sh->tk == F32 && from < sh->S) {
+    int64_t base = r * sh->k_row + from * sh->k_s + kvh * sh->D;
+    transpose_f32((const float *)k + base, sh->k_s, sh->S - from, sh->D, kt + from, S16);
+    if (vs)
+      for (int64_t s = from; s < sh->S; s++)
+        memcpy(vs + s * sh->D, (const float *)v + base + (s - from) * sh->k_s, (size_t)sh->D * 4);
+    return;
+  }
   for (int64_t s = from; s < sh->S; s++) {
     int64_t base = r * sh->k_row + s * sh->k_s + kvh * sh->D;
     for (int64_t d = 0; d < sh->D; d++) {
