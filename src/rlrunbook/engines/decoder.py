@@ -473,6 +473,20 @@ class Decoder:
         logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
+    @property
+    def head_frozen(self) -> bool:
+        """Whether the output layer is a plain linear layer without bias whose weight is not trained, computed by the
+        fixed-order kernels: :meth:`frozen_head_logprobs` then gives :meth:`logits`' logprobs."""
+        head = self.lm.lm_head
+        return (self.fixed and type(head) is torch.nn.Linear and head.bias is None
+                and not head.weight.requires_grad)
+
+    def frozen_head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``log_softmax_at(logits(hidden), targets)`` with the same bits, whose backward reads ``[M, E]`` floats kept
+        by the forward instead of the logits (``rlrunbook.kernels.ops.frozen_head_logprobs``); needs
+        :attr:`head_frozen`."""
+        return fixed.frozen_head_logprobs(hidden, self.lm.lm_head.weight, targets)
+
     def log_softmax_at(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``log_softmax(logits, -1)`` at ``targets`` (float32 ``[M, V]`` logits, ``[M]`` targets) as these numerics
         compute it: the fixed-order log-sum-exp under ``invariant``, PyTorch's otherwise."""

@@ -9,10 +9,13 @@ up to it, this is the same function as the unshared pass, and its gradient is th
 unshared ones (tested against it).
 
 The output layer then runs only for the ``(position, target)`` pairs asked for, each distinct pair
-once, in chunks of rows whose ``[rows, V]`` logits are recomputed in the backward pass instead of
-kept (activation checkpointing): no ``[tokens, V]`` tensor is ever held for the whole batch.
-Logprobs are ``log_softmax(logits)[target]``, the very expression the sampler reports, so the two
-can agree bit for bit.
+once, in chunks of rows: no ``[tokens, V]`` tensor is ever held for the whole batch. A chunk's
+``[rows, V]`` logits are not kept for the backward pass. Where the output layer is not trained (LoRA
+without ``train_unembed``) and only logprobs are asked, the forward keeps ``[rows, E]`` floats from
+which the backward gets the hidden states' gradient without the logits
+(:func:`rlrunbook.kernels.ops.frozen_head_logprobs`); otherwise the logits are recomputed in the
+backward (activation checkpointing). Logprobs are ``log_softmax(logits)[target]``, the very
+expression the sampler reports, so the two can agree bit for bit.
 """
 
 from __future__ import annotations
@@ -81,10 +84,14 @@ class SharedPrefixScorer:
         """
         chunk = max(2, _HEAD_CHUNK_ELEMENTS // self.decoder.vocab_size)
         parts: list[tuple[torch.Tensor, ...]] = []
+        direct = not with_entropy and (filters is None or _identity(filters)) and self.decoder.head_frozen
         for start in range(0, rows.numel(), chunk):
             h = take_rows(hidden, rows[start:start + chunk])
             t = targets[start:start + chunk]
-            if torch.is_grad_enabled() and h.requires_grad:
+            if torch.is_grad_enabled() and h.requires_grad and direct:
+                logprobs = self.decoder.frozen_head_logprobs(h, t)
+                parts.append((logprobs, logprobs.detach(), logprobs.new_zeros(0)))
+            elif torch.is_grad_enabled() and h.requires_grad:
                 parts.append(checkpoint(self._head, h, t, filters, with_entropy, use_reentrant=False))
             else:
                 parts.append(self._head(h, t, filters, with_entropy))
@@ -100,11 +107,16 @@ class SharedPrefixScorer:
         logprobs = self.decoder.log_softmax_at(logits, targets)  # the sampler's own expression
         empty = logprobs.new_zeros(0)
         sampled = empty
-        if filters is not None and not filters.greedy and filters.temperature == 1.0 and not filters.filters_tokens:
-            sampled = logprobs.detach()  # the sampling transform is the identity
+        if filters is not None and _identity(filters):
+            sampled = logprobs.detach()
         elif filters is not None:
             with torch.no_grad():
                 transformed = logits.detach() if filters.greedy else apply_filters(logits.detach(), filters)
                 sampled = self.decoder.log_softmax_at(transformed, targets)
         entropy = token_entropy(logits) if with_entropy else empty
         return logprobs, sampled, entropy
+
+
+def _identity(filters: SamplingFilters) -> bool:
+    """Whether sampling with ``filters`` draws from the T = 1 distribution itself (no temperature, no filter)."""
+    return not filters.greedy and filters.temperature == 1.0 and not filters.filters_tokens

@@ -163,6 +163,62 @@ def log_softmax_at(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return picked - row_logsumexp(logits)
 
 
+class _FrozenHeadLogprobs(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T)[target]`` per row, for an output layer whose weight is not trained.
+
+    The logprob of row ``i`` depends on ``hidden[i]`` alone, and its gradient there is
+    ``g_i * ((1 - p_it) W[t_i] - sum over v != t_i of p_iv W[v])`` (``p`` the row's softmax, ``g`` the loss's
+    gradient of the logprob). Both parts are known in the forward pass except ``g``: the forward keeps
+    ``1 - p_it`` and the sum (``[M]`` and ``[M, E]``), and the backward only multiplies. Neither the ``[M, V]``
+    logits nor a recomputation of them is needed for the backward; the softmax's target term is kept out of the
+    sum so that a confident row (``p_it`` near 1) loses nothing to cancellation."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        ctx.hidden_dtype = hidden.dtype
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        if _meta(hidden, weight):  # what the pass allocates: logits, then the probabilities, then the sum
+            logits = hidden.new_empty(rows, vocab, dtype=torch.float32)
+            probs = torch.empty_like(logits)
+            del logits
+            if weight.dtype != torch.float32:
+                probs = probs.to(weight.dtype)
+            rest = hidden.new_empty(rows, weight.shape[1], dtype=torch.float32)
+            ctx.save_for_backward(weight, targets, hidden.new_empty(rows, dtype=torch.float32), rest)
+            return hidden.new_empty(rows, dtype=torch.float32)
+        backend = _backend(hidden.device)
+        logits = product(hidden, weight, None, torch.float32)
+        lse = backend.row_logsumexp(logits)
+        logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse  # the bits of log_softmax_at
+        probs = backend.exp(logits.sub_(lse[:, None]))
+        del logits
+        complement = 1.0 - probs.gather(-1, targets[:, None]).squeeze(-1)
+        probs.scatter_(-1, targets[:, None], 0.0)
+        rest = backend.gemm_seq(probs.to(weight.dtype), weight, None, torch.float32)  # sum over v != t of p_v W[v]
+        ctx.save_for_backward(weight, targets, complement, rest)
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, targets, complement, rest = ctx.saved_tensors
+        if _meta(grad, weight):
+            return rest.new_empty(rest.shape, dtype=ctx.hidden_dtype), None, None
+        picked = weight.index_select(0, targets).float()
+        return (grad[:, None] * (complement[:, None] * picked - rest)).to(ctx.hidden_dtype), None, None
+
+
+def frozen_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax_at(linear(hidden, weight, out_dtype=float32), targets)`` (``hidden`` ``[M, E]``, ``weight``
+    ``[V, E]`` not trained, ``targets`` ``[M]``): the same logprobs, bit for bit, with a gradient for ``hidden`` that
+    keeps ``[M, E]`` floats for the backward instead of ``[M, V]`` logits (see :class:`_FrozenHeadLogprobs`).
+    Its gradient is the chain's up to the order of float32 additions."""
+    if weight.requires_grad:
+        raise ValueError("frozen_head_logprobs: the output layer's weight is trained; its gradient needs the logits")
+    if hidden.dtype != weight.dtype:
+        hidden, weight = hidden.float(), weight.float()
+    return _FrozenHeadLogprobs.apply(hidden, weight, targets)
+
+
 class _Sigmoid(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -118,3 +118,63 @@ def test_shared_prefix_gradient_equals_the_unshared_gradient(lora_tiny64):
     run = scorer.run(inputs)
     distinct = {tuple(s[:t + 1]) for s in inputs for t in range(len(s))}
     assert run.hidden.shape[0] == len(distinct) < sum(map(len, inputs)) - 2 * len(prompt)
+
+
+def _head_products_in_backward(scorer, sequences, monkeypatch):
+    """(logprobs, adapter gradients, shapes of the products giving logits during the backward) of a logprob sum."""
+    from rlrunbook.kernels import cpu
+
+    model = scorer.decoder.model
+    vocab = scorer.decoder.vocab_size
+    model.zero_grad(set_to_none=True)
+    run = scorer.run([s[:-1] for s in sequences])
+    rows = torch.tensor([r for path in run.flat for r in path])
+    targets = torch.tensor([t for s in sequences for t in s[1:]])
+    logprobs = scorer.score(run.hidden, rows, targets).logprobs
+    logits = []  # b [V, K] for gemm_nt, [K, V] for gemm_seq: a product whose columns are the vocabulary
+
+    def watch(name, column_side):
+        original = getattr(cpu, name)
+
+        def run(a, b, *args, **kwargs):
+            if b.shape[column_side] == vocab:
+                logits.append((name, tuple(b.shape)))
+            return original(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(cpu, name, run)
+
+    watch("gemm_nt", 0)
+    watch("gemm_seq", 1)
+    (logprobs * torch.linspace(-1.0, 1.0, logprobs.numel())).sum().backward()
+    monkeypatch.undo()
+    grads = {n: p.grad.clone() for n, p in adapter_parameters(model).items()}
+    return logprobs.detach(), grads, logits
+
+
+def test_a_frozen_output_layer_gives_the_hidden_gradient_without_running_again(tiny_folder, monkeypatch):
+    """LoRA without the output layer: the backward does not recompute a chunk's logits (it reads what the forward
+    kept, ops.frozen_head_logprobs); the logprobs are the recomputing path's bits, the gradients its values up to
+    the order of float32 additions."""
+    from rlrunbook.models import load_causal_lm
+
+    model = wrap_with_lora(load_causal_lm(tiny_folder, dtype=torch.float32), rank=4, alpha=8, seed=0,
+                           train_unembed=False)
+    with torch.no_grad():
+        for name, p in adapter_parameters(model).items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    prompt = [1, 285, 201, 279, 261, 223, 40]
+    sequences = [prompt + [99, 7, 500, 18, 3], prompt + [99, 7, 61], prompt + [4, 4, 4]]
+    scorer = SharedPrefixScorer(Decoder(model))
+    assert scorer.decoder.head_frozen
+    direct, direct_grads, direct_wide = _head_products_in_backward(scorer, sequences, monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(Decoder, "head_frozen", property(lambda self: False))
+        again, again_grads, again_wide = _head_products_in_backward(scorer, sequences, patch)
+    assert direct_wide == [] and len(again_wide) >= 1
+    assert torch.equal(direct, again)
+    assert direct_grads.keys() == again_grads.keys() and len(direct_grads) > 0
+    for name, grad in direct_grads.items():
+        scale = again_grads[name].abs().max().item()
+        assert scale > 0, name
+        assert (grad - again_grads[name]).abs().max().item() <= 1e-4 * scale, name

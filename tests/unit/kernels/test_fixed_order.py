@@ -349,3 +349,43 @@ def test_a_lora_update_added_in_one_pass_is_the_chain_bit_for_bit(dtype):
     for name, fused_value, chain_value in zip(("out", "d result", "d delta"), *outputs, strict=True):
         assert torch.equal(fused_value, chain_value), name
     assert outputs[0][0].is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_frozen_output_layer_gives_the_chains_logprobs_and_the_float64_gradient(dtype):
+    """ops.frozen_head_logprobs: the logprobs of linear + log_softmax_at bit for bit; the hidden states' gradient
+    within the chain's own error of float64's, on rows whose target is unlikely, likely and near certain (where a
+    sum over every word including the target would lose the gradient to cancellation)."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, width = 300, 48
+    weight = (torch.randn(vocab, width, generator=generator) * 0.3).to(dtype)
+    hidden = torch.randn(6, width, generator=generator)
+    targets = torch.tensor([5, 17, 250, 3, 99, 299])
+    hidden[3] += 1.5 * weight[targets[3]].float()  # a likely target
+    hidden[4:] += 7.0 * weight[targets[4:]].float()  # near certain ones: 1 - p about 1e-5 and 5e-7
+    hidden = hidden.to(dtype)
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.0, -1.0])
+
+    def gradient(function, x):
+        x = x.clone().requires_grad_()
+        out = function(x)
+        (out.double() * weights.double()).sum().backward()
+        return out.detach(), x.grad.double()
+
+    chain, chain_grad = gradient(lambda x: ops.log_softmax_at(ops.linear(x, weight, None, torch.float32), targets),
+                                 hidden)
+    mine, mine_grad = gradient(lambda x: ops.frozen_head_logprobs(x, weight, targets), hidden)
+    _, exact = gradient(lambda x: torch.log_softmax(x @ weight.double().T, -1).gather(-1, targets[:, None])[:, 0],
+                        hidden.double())
+    assert torch.equal(mine, chain)
+    assert chain[4:].exp().min() > 1 - 1e-4
+    for row in range(6):
+        scale = exact[row].abs().max().item()
+        allowed = max(2 * (chain_grad[row] - exact[row]).abs().max().item(), 1e-6 * scale)
+        assert (mine_grad[row] - exact[row]).abs().max().item() <= allowed, row
+
+
+def test_a_trained_output_layer_is_refused_by_the_frozen_path():
+    weight = torch.randn(10, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="trained"):
+        ops.frozen_head_logprobs(torch.randn(2, 4), weight, torch.tensor([1, 2]))
