@@ -23,11 +23,27 @@ static inline uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-/* The Gumbel noise of element v of a row whose base is `base` (float32, as noise.gumbel_noise stores it). */
-static inline float gumbel(uint64_t base, int64_t v) {
-  uint64_t bits = splitmix64(base + (uint64_t)v * GOLDEN) >> 11;
+/* The Gumbel noise of the 53 hash bits `bits` (float32, as noise.gumbel_noise stores it). */
+static inline float gumbel_of_bits(uint64_t bits) {
   double u = ((double)(int64_t)bits + 0.5) / 9007199254740992.0;
   return (float)(-log(-log(u)));
+}
+
+/* The Gumbel noise of element v of a row whose base is `base`. */
+static inline float gumbel(uint64_t base, int64_t v) {
+  return gumbel_of_bits(splitmix64(base + (uint64_t)v * GOLDEN) >> 11);
+}
+
+typedef uint64_t v8u64 __attribute__((vector_size(64)));
+typedef int64_t v8i64 __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* splitmix64 of 8 counters at once: the same wrapping arithmetic lane by lane. */
+static inline v8u64 splitmix64x8(v8u64 z) {
+  z += GOLDEN;
+  z = (z ^ (z >> 30)) * MIX1;
+  z = (z ^ (z >> 27)) * MIX2;
+  return z ^ (z >> 31);
 }
 
 /* Which scores cannot win the draw unless their noise is large. The noise g = -log(-log(u)) is at least
@@ -75,7 +91,24 @@ int seeded_draw(const float *logits, int64_t ldl, const float *filtered, int64_t
     float top = 0.0f, cut = mode == 3 ? -INFINITY : prune_below(s, V);
     if (cut > -INFINITY) { /* the same argmax, without the noise of scores that cannot reach it */
       top = -INFINITY;
-      for (int64_t v = 0; v < V; v++) {
+      const v8u64 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+      int64_t v = 0;
+      for (; v + 8 <= V; v += 8) { /* 8 hashes at once; the few keys that can win, one at a time in order */
+        v8u64 bits = splitmix64x8(base + ((uint64_t)v + lane) * GOLDEN) >> 11;
+        v8f sv;
+        memcpy(&sv, s + v, 32);
+        v8i64 low = __builtin_convertvector(sv < cut, v8i64) & (v8i64)(bits < SMALL_NOISE_BITS);
+        if (low[0] & low[1] & low[2] & low[3] & low[4] & low[5] & low[6] & low[7]) continue;
+        for (int j = 0; j < 8; j++) {
+          if (low[j]) continue;
+          float key = s[v + j] + gumbel_of_bits(bits[j]);
+          if (key > top) {
+            top = key;
+            best = v + j;
+          }
+        }
+      }
+      for (; v < V; v++) {
         if (s[v] < cut && splitmix64(base + (uint64_t)v * GOLDEN) >> 11 < SMALL_NOISE_BITS) continue;
         float key = s[v] + gumbel(base, v);
         if (key > top) {

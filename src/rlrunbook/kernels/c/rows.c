@@ -22,12 +22,8 @@ void row_logsumexp(const float *X, int64_t ldx, int64_t M, int64_t V, float *out
 #pragma omp parallel for schedule(static) num_threads(threads_for(M, nthreads))
   for (int64_t m = 0; m < M; m++) {
     const float *x = X + m * ldx;
-    float mx = -INFINITY;
-    int nan = 0;
-    for (int64_t v = 0; v < V; v++) {
-      if (x[v] != x[v]) nan = 1;
-      else if (x[v] > mx) mx = x[v];
-    }
+    int nan;
+    float mx = vector_max(x, V, &nan);
     if (nan) {
       out[m] = NAN;
       continue;
