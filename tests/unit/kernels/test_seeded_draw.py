@@ -120,10 +120,10 @@ def test_the_triton_kernel_draws_the_eager_tokens_and_logprobs_bit_for_bit(case)
 
 @pytest.mark.parametrize("top", [0.0, 25.0, -3000.0, 1e4])
 def test_scores_too_low_to_win_are_skipped_without_changing_the_draw(top):
-    """The kernel skips the noise of scores that cannot reach the largest one's key (c/draw.c, prune_below). One
-    score at the top and 4,095 others 12 or 16 below it: the low ones' largest key, about 8 above their score, beats
-    the top's now and then, and the tokens and logprobs stay the eager draw's on every step. A bound that cuts into
-    the noise's range (skipping scores 11 below the top) fails here."""
+    """The kernel skips the logs of keys whose hash bits say they stay below the best key so far (c/draw.c,
+    pruned_draw). One score at the top and 4,095 others 12 or 16 below it: the low ones' largest key, about 8 above
+    their score, beats the top's now and then, and the tokens and logprobs stay the eager draw's on every step. A
+    bound that lets the noise reach 0.3 past its integer, or the bound of the next integer, fails here."""
     generator = torch.Generator().manual_seed(11)
     seeds = torch.tensor([noise.mix_seed(3, r) for r in range(8)])
     logits = torch.full((8, 4096), top - 12.0)

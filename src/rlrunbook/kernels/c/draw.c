@@ -37,6 +37,15 @@ static inline float gumbel(uint64_t base, int64_t v) {
 typedef uint64_t v8u64 __attribute__((vector_size(64)));
 typedef int64_t v8i64 __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+
+static inline v8f fabs8(v8f x) {
+  v8i32 bits;
+  memcpy(&bits, &x, 32);
+  bits &= 0x7fffffff;
+  memcpy(&x, &bits, 32);
+  return x;
+}
 
 /* splitmix64 of 8 counters at once: the same wrapping arithmetic lane by lane. */
 static inline v8u64 splitmix64x8(v8u64 z) {
@@ -46,18 +55,71 @@ static inline v8u64 splitmix64x8(v8u64 z) {
   return z ^ (z >> 31);
 }
 
-/* Which scores cannot win the draw unless their noise is large. The noise g = -log(-log(u)) is at least
- * -log(-log(2^-54)) > -3.63 for every element, so the winner's key is at least M - 3.63 (M the largest score, less a
- * rounding); and where u < 1 - 2^-20 (SMALL_NOISE_BITS), g < -log(2^-20) < 13.87. A score below
- * M - 3.63 - 13.87 - slack whose u is that small therefore loses to the largest score's key, and its two logs need
- * not be computed: the token and the keys that decide it are those of the full scan. Returns that bound, or -inf
- * where the scan must be the full one (a NaN score, whose first occurrence is the token, or no finite largest). */
-#define SMALL_NOISE_BITS ((1ull << 53) - (1ull << 33))
-static float prune_below(const float *s, int64_t V) {
+/* The draw without the logs of keys that cannot win. The key of element v is s[v] + g(bits_v), g increasing in the
+ * 53 hash bits. Once some key `best` is known, element v cannot beat it (nor tie it) when g(bits_v) < best - s[v]:
+ * with k an integer at most best - s[v] less a slack that covers the float32 rounding of the difference and of the
+ * key, it suffices that bits_v < noise_bound[k], the bits below which g < k - 0.01. Those keys need only their hash,
+ * not the two double logs, and the token and logprobs are those of the full scan. The scan starts from the key of
+ * the largest score (most of the others then fall below it by their bits alone) and keeps the first index of the
+ * largest key, as the full scan does. */
+#define NOISE_BOUNDS 41 /* k = 0 .. 40; from 38 on, every bits value but the last (g <= 36.04; the last rounds u to 1,
+                          * g = +inf) */
+#define FAR 8 /* the bound a whole block of 8 is tested against first */
+
+/* bound[k] for k = 0 .. NOISE_BOUNDS - 1 (a few exps: computed per call) */
+static void noise_bounds(uint64_t bound[NOISE_BOUNDS]) {
+  for (int k = 0; k < NOISE_BOUNDS; k++) {
+    /* u with g(u) = k - 0.01; bits with (bits + 0.5) / 2^53 below it, less 2 for the rounding of exp */
+    double limit = exp(-exp(-((double)k - 0.01))) * 9007199254740992.0 - 0.5;
+    bound[k] = k >= 38 ? (1ull << 53) - 1 : limit < 3.0 ? 0 : (uint64_t)limit - 2;
+  }
+}
+
+/* The index of the largest score, or -1 where the pruned scan does not apply (a NaN, whose first occurrence is the
+ * token, or no finite largest score). */
+static int64_t finite_top(const float *s, int64_t V) {
   int any_nan;
   float mx = vector_max(s, V, &any_nan);
-  if (any_nan || !(mx > -INFINITY) || mx == INFINITY) return -INFINITY;
-  return mx - 17.6f - fabsf(mx) * 0x1p-10f;
+  if (any_nan || !(mx > -INFINITY) || mx == INFINITY) return -1;
+  int64_t v = 0;
+  while (s[v] != mx) v++;
+  return v;
+}
+
+/* The token of the draw over scores s whose largest is at index a (finite_top), keys past their bound skipped. */
+static int64_t pruned_draw(const float *s, int64_t V, uint64_t base, int64_t a,
+                           const uint64_t noise_bound[NOISE_BOUNDS]) {
+  const v8u64 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  float best = s[a] + gumbel(base, a);
+  int64_t token = a;
+  int64_t v = 0;
+  for (; v < V; v += 8) {
+    int n = V - v < 8 ? (int)(V - v) : 8;
+    v8u64 bits = splitmix64x8(base + ((uint64_t)v + lane) * GOLDEN) >> 11;
+    /* lane j is skipped where its bits are below noise_bound[k], k the integer part of best - s - slack (k >= 0, at
+     * most the last bound). Most scores of a language model are far below the best key: a block whose lanes all
+     * clear the bound of FAR is passed by vector compares alone; the others go lane by lane. */
+    v8f x;
+    memcpy(&x, s + v, (size_t)n * 4);
+    for (int j = n; j < 8; j++) x[j] = -INFINITY;
+    v8f d = (best - x) - (1e-3f + (fabsf(best) + fabs8(x)) * 0x1p-20f);
+    v8i64 far = __builtin_convertvector(d >= (float)FAR, v8i64) & (v8i64)(bits < noise_bound[FAR]);
+    if (far[0] & far[1] & far[2] & far[3] & far[4] & far[5] & far[6] & far[7]) continue;
+    int skip[8];
+    for (int j = 0; j < n; j++) {
+      int k = d[j] >= (float)(NOISE_BOUNDS - 1) ? NOISE_BOUNDS - 1 : d[j] >= 0.0f ? (int)d[j] : -1;
+      skip[j] = k >= 0 && bits[j] < noise_bound[k];
+    }
+    for (int j = 0; j < n; j++) {
+      if (skip[j]) continue;
+      float key = s[v + j] + gumbel_of_bits(bits[j]);
+      if (key > best || (key == best && v + j < token)) {
+        best = key;
+        token = v + j;
+      }
+    }
+  }
+  return token;
 }
 
 /* mode 0: scores are the logits (T = 1); 1: logits / temperature; 2: `filtered` holds the scores; 3: greedy (the
@@ -70,6 +132,8 @@ int seeded_draw(const float *logits, int64_t ldl, const float *filtered, int64_t
                 int nthreads) {
   uint64_t step_mix = splitmix64((uint64_t)step);
   int failed = 0;
+  uint64_t bound[NOISE_BOUNDS];
+  noise_bounds(bound);
 #pragma omp parallel for schedule(static) num_threads(threads_for(R, nthreads)) reduction(| : failed)
   for (int64_t r = 0; r < R; r++) {
     const float *x = logits + r * ldl;
@@ -87,35 +151,10 @@ int seeded_draw(const float *logits, int64_t ldl, const float *filtered, int64_t
       s = filtered + r * ldf;
     }
     uint64_t base = splitmix64((uint64_t)seeds[r] ^ step_mix);
-    int64_t best = 0;
-    float top = 0.0f, cut = mode == 3 ? -INFINITY : prune_below(s, V);
-    if (cut > -INFINITY) { /* the same argmax, without the noise of scores that cannot reach it */
-      top = -INFINITY;
-      const v8u64 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-      int64_t v = 0;
-      for (; v + 8 <= V; v += 8) { /* 8 hashes at once; the few keys that can win, one at a time in order */
-        v8u64 bits = splitmix64x8(base + ((uint64_t)v + lane) * GOLDEN) >> 11;
-        v8f sv;
-        memcpy(&sv, s + v, 32);
-        v8i64 low = __builtin_convertvector(sv < cut, v8i64) & (v8i64)(bits < SMALL_NOISE_BITS);
-        if (low[0] & low[1] & low[2] & low[3] & low[4] & low[5] & low[6] & low[7]) continue;
-        for (int j = 0; j < 8; j++) {
-          if (low[j]) continue;
-          float key = s[v + j] + gumbel_of_bits(bits[j]);
-          if (key > top) {
-            top = key;
-            best = v + j;
-          }
-        }
-      }
-      for (; v < V; v++) {
-        if (s[v] < cut && splitmix64(base + (uint64_t)v * GOLDEN) >> 11 < SMALL_NOISE_BITS) continue;
-        float key = s[v] + gumbel(base, v);
-        if (key > top) {
-          top = key;
-          best = v;
-        }
-      }
+    int64_t best = 0, a = mode == 3 ? -1 : finite_top(s, V);
+    float top = 0.0f;
+    if (a >= 0) {
+      best = pruned_draw(s, V, base, a, bound);
     } else {
       for (int64_t v = 0; v < V; v++) {
         float key = mode == 3 ? s[v] : s[v] + gumbel(base, v);
