@@ -156,7 +156,7 @@ def fixed_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated MLP's ``silu(gate) * up`` under fixed numerics (silu from the fixed-order sigmoid)."""
-    return fixed.silu(gate) * up
+    return fixed.silu_mul(gate, up)
 
 
 def _at_least_two_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,32 @@ def add_scaled(result: torch.Tensor, delta: torch.Tensor, scaling: float) -> tor
 
 
 @_profiled
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for two ``[N, I]`` tensors of one dtype (float32 or bfloat16) whose rows are contiguous:
+    the bits of ``ops.silu(gate) * up`` (each step rounded where the chain rounds it); a new contiguous tensor."""
+    gate, up = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    if out.numel():
+        _check(load_library().silu_mul_rows(_ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out),
+                                            gate.shape[0], gate.shape[1], _code(gate, "gate"), _threads()),
+               "silu_mul_rows")
+    return out
+
+
+@_profiled
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`silu_mul` for the output's gradient ``grad``: ``(d gate, d up)``, the bits of the
+    chain's autograd through ``ops.silu(gate) * up``."""
+    gate, up, grad = _rows(gate), _rows(up), _rows(grad.to(gate.dtype))
+    d_gate, d_up = torch.empty(gate.shape, dtype=gate.dtype), torch.empty(gate.shape, dtype=gate.dtype)
+    if gate.numel():
+        _check(load_library().silu_mul_rows_backward(
+            _ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(grad), grad.stride(0), _ptr(d_gate), _ptr(d_up),
+            gate.shape[0], gate.shape[1], _code(gate, "gate"), _threads()), "silu_mul_rows_backward")
+    return d_gate, d_up
+
+
+@_profiled
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` ``[P, F]`` (float32) of ``float32(position * inv_freq)``, each from libm in double."""
     positions = positions.to(torch.int64).contiguous()

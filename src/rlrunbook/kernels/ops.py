@@ -238,6 +238,34 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (x32 * _Sigmoid.apply(x32.contiguous())).to(x.dtype)
 
 
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        # a CPU pass only (silu_mul below): the C library's
+        from rlrunbook.kernels import cpu
+
+        ctx.save_for_backward(gate, up)
+        return cpu.silu_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from rlrunbook.kernels import cpu
+
+        gate, up = ctx.saved_tensors
+        d_gate, d_up = cpu.silu_mul_backward(gate, up, grad)
+        return d_gate if ctx.needs_input_grad[0] else None, d_up if ctx.needs_input_grad[1] else None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (the gated MLP's activation) with the same bits and gradients, in one pass each way on CPU
+    for 2-D float32 or bfloat16 tensors of one dtype and shape, keeping only ``gate`` and ``up`` for the backward;
+    elsewhere that expression itself."""
+    if (gate.device.type != "cpu" or gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16)
+            or gate.shape != up.shape or gate.dim() != 2 or _meta(gate, up)):
+        return silu(gate) * up
+    return _SiluMul.apply(gate, up)
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
     """``exp`` of a float32 tensor, no autograd: the same bits for an element wherever it sits."""
     return torch.empty_like(x) if _meta(x) else _backend(x.device).exp(x)

@@ -352,6 +352,27 @@ def test_a_lora_update_added_in_one_pass_is_the_chain_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_gated_activation_in_one_pass_is_the_chain_bit_for_bit(dtype):
+    """``ops.silu_mul`` (the trainer's ``silu(gate) * up`` as one C pass each way, sigmoid recomputed in the backward)
+    gives the bits of ``ops.silu(gate) * up`` and of both its gradients: every product rounded where the chain's
+    autograd rounds it. gate and up are column slices of one wider tensor, as a stacked projection's are; the gate
+    holds zeros of both signs, saturated values and a subnormal."""
+    generator = torch.Generator().manual_seed(22)
+    wide = (torch.randn(37, 300, generator=generator) * 4).to(dtype)
+    wide[0, :5] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-39]).to(dtype)
+    wide.requires_grad_()
+    grad = torch.randn(37, 133, generator=generator).to(dtype)
+    outputs = []
+    for combine in (ops.silu_mul, lambda g, u: ops.silu(g) * u):
+        out = combine(wide[:, :133], wide[:, 150:283])
+        out.backward(grad)
+        outputs.append((out.detach(), wide.grad.clone()))
+        wide.grad = None
+    for name, fused_value, chain_value in zip(("out", "d gate and up"), *outputs, strict=True):
+        assert torch.equal(fused_value, chain_value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_frozen_output_layer_gives_the_chains_logprobs_and_the_float64_gradient(dtype):
     """ops.frozen_head_logprobs: the logprobs of linear + log_softmax_at bit for bit; the hidden states' gradient
     within the chain's own error of float64's, on rows whose target is unlikely, likely and near certain (where a

@@ -158,6 +158,87 @@ int silu_mul(const void *GU, int64_t ld, int64_t N, int64_t I, void *Y, int t, i
   return 0;
 }
 
+void sigmoid_row(const float *x, float *y, int64_t n);
+
+/* The trainer's gated activation over separate gate and up ([N, I], row strides ldg and ldu) into contiguous Y:
+ * round(round(g * sigmoid(g)) * u) elementwise, the bits of ops.silu(gate) * up, one pass over the three. */
+NO_CONTRACT int silu_mul_rows(const void *G, int64_t ldg, const void *U, int64_t ldu, void *Y, int64_t N, int64_t I,
+                              int t, int nthreads) {
+  CONTRACT_OFF
+  int failed = 0;
+#pragma omp parallel num_threads(threads_for(N, nthreads))
+  {
+    float *g = malloc((size_t)(2 * I + 16) * sizeof(float)), *s = g ? g + I + 16 : NULL;
+    if (!g) failed = 1;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      if (!g) continue;
+      for (int64_t i = 0; i < I; i++) g[i] = load1(G, n * ldg + i, t);
+      sigmoid_row(g, s, I);
+      if (t == F32) { /* the same steps, 16 at a time (float32 rounds nothing between them) */
+        for (int64_t i = 0; i < I; i += 16) {
+          int k = (int)(I - i < 16 ? I - i : 16);
+          v16 act = load16(g, i, F32, k) * load16(s, i, F32, k);
+          store16(Y, n * I + i, act * load16(U, n * ldu + i, F32, k), F32, k);
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < I; i++) {
+        float act = rounded(g[i] * s[i], t);
+        store1(Y, n * I + i, act * load1(U, n * ldu + i, t), t);
+      }
+    }
+    free(g);
+  }
+  return failed;
+}
+
+/* The gradients of silu_mul_rows for the output's gradient D (row stride ldd) into contiguous DG and DU, each step
+ * rounded where the chain's autograd rounds it (ops.silu, then the product with up):
+ *   act = round(g * sig);  ds = round(d * u);  DU = round(d * act);
+ *   DG = round(ds * sig + ((ds * g) * sig) * (1 - sig))   (the product's and the sigmoid's terms, in float32)
+ * so the gradients are the chain's bits; sig is recomputed from g (nothing but gate and up is kept). */
+NO_CONTRACT int silu_mul_rows_backward(const void *G, int64_t ldg, const void *U, int64_t ldu, const void *D,
+                                       int64_t ldd, void *DG, void *DU, int64_t N, int64_t I, int t, int nthreads) {
+  CONTRACT_OFF
+  int failed = 0;
+#pragma omp parallel num_threads(threads_for(N, nthreads))
+  {
+    float *g = malloc((size_t)(2 * I + 16) * sizeof(float)), *s = g ? g + I + 16 : NULL;
+    if (!g) failed = 1;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      if (!g) continue;
+      for (int64_t i = 0; i < I; i++) g[i] = load1(G, n * ldg + i, t);
+      sigmoid_row(g, s, I);
+      if (t == F32) { /* the same steps, 16 at a time */
+        for (int64_t i = 0; i < I; i += 16) {
+          int k = (int)(I - i < 16 ? I - i : 16);
+          v16 sig = load16(s, i, F32, k), x = load16(g, i, F32, k), d = load16(D, n * ldd + i, F32, k);
+          v16 ds = d * load16(U, n * ldu + i, F32, k);
+          store16(DU, n * I + i, d * (x * sig), F32, k);
+          v16 through_product = ds * sig, through_sigmoid = ds * x;
+          through_sigmoid = through_sigmoid * sig;
+          through_sigmoid = through_sigmoid * (1.0f - sig);
+          store16(DG, n * I + i, through_product + through_sigmoid, F32, k);
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < I; i++) {
+        float sig = s[i], x = g[i], d = load1(D, n * ldd + i, t);
+        float act = rounded(x * sig, t), ds = rounded(d * load1(U, n * ldu + i, t), t);
+        store1(DU, n * I + i, d * act, t);
+        float through_product = ds * sig, through_sigmoid = ds * x;
+        through_sigmoid = through_sigmoid * sig;
+        through_sigmoid = through_sigmoid * (1.0f - sig);
+        store1(DG, n * I + i, through_product + through_sigmoid, t);
+      }
+    }
+    free(g);
+  }
+  return failed;
+}
+
 /* -- projections with LoRA ------------------------------------------------------------------------------ */
 
 NO_CONTRACT static void add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t col0, int64_t cols,

@@ -70,6 +70,15 @@ void sigmoid_f32(const float *x, float *y, int64_t n, int nthreads) {
   }
 }
 
+/* sigmoid_f32's values of n floats on the calling thread (the same expression: for kernels that fuse it) */
+void sigmoid_row(const float *x, float *y, int64_t n) {
+  for (int64_t b = 0; b < n; b += 16) {
+    int k = (int)(n - b < 16 ? n - b : 16);
+    v16 v = load16(x, b, F32, k);
+    store16(y, b, 1.0f / (1.0f + fexp16(-v)), F32, k);
+  }
+}
+
 /* cos and sin of (position * inv_freq[i]) rounded to float32 as the angle (as transformers computes it),
  * evaluated in double by libm and rounded once: out [P, F]. */
 void rope_table(const int64_t *positions, int64_t P, const float *inv_freq, int64_t F, float *cos_out,
