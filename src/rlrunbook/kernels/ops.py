@@ -238,31 +238,54 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (x32 * _Sigmoid.apply(x32.contiguous())).to(x.dtype)
 
 
+def _c_pass(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the C library computes silu_mul for these: float32 or bfloat16 CPU matrices of one dtype and shape."""
+    return (gate.device.type == "cpu" and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16)
+            and gate.shape == up.shape and gate.dim() == 2)
+
+
+def _silu_parts(gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(gate in float32, its sigmoid, silu(gate) rounded to gate's dtype)`` as :func:`silu` computes them."""
+    x32 = gate.float()
+    sig = _backend(gate.device).sigmoid(x32.contiguous())
+    return x32, sig, (x32 * sig).to(gate.dtype)
+
+
 class _SiluMul(torch.autograd.Function):
+    """``silu(gate) * up`` keeping only ``gate`` and ``up`` for the backward (the sigmoid is recomputed there), each
+    step of both passes the chain's (``silu(gate) * up`` through autograd), so values and gradients are its bits:
+    one C pass each way on CPU, the chain's elementwise operations elsewhere."""
+
     @staticmethod
     def forward(ctx, gate, up):
-        # a CPU pass only (silu_mul below): the C library's
-        from rlrunbook.kernels import cpu
-
         ctx.save_for_backward(gate, up)
-        return cpu.silu_mul(gate, up)
+        if _meta(gate, up):  # memory plans: what every device allocates and keeps
+            return torch.empty_like(gate)
+        if _c_pass(gate, up):
+            from rlrunbook.kernels import cpu
+
+            return cpu.silu_mul(gate, up)
+        return _silu_parts(gate)[2] * up
 
     @staticmethod
     def backward(ctx, grad):
-        from rlrunbook.kernels import cpu
-
         gate, up = ctx.saved_tensors
-        d_gate, d_up = cpu.silu_mul_backward(gate, up, grad)
+        if _meta(grad, gate):
+            d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        elif _c_pass(gate, up):
+            from rlrunbook.kernels import cpu
+
+            d_gate, d_up = cpu.silu_mul_backward(gate, up, grad)
+        else:  # the chain's backward, step by step: the product, then x32 * sig and the sigmoid's own
+            x32, sig, act = _silu_parts(gate)
+            d_act, d_up = (grad * up).float(), grad * act
+            d_gate = (d_act * sig + d_act * x32 * sig * (1.0 - sig)).to(gate.dtype)
         return d_gate if ctx.needs_input_grad[0] else None, d_up if ctx.needs_input_grad[1] else None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (the gated MLP's activation) with the same bits and gradients, in one pass each way on CPU
-    for 2-D float32 or bfloat16 tensors of one dtype and shape, keeping only ``gate`` and ``up`` for the backward;
-    elsewhere that expression itself."""
-    if (gate.device.type != "cpu" or gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16)
-            or gate.shape != up.shape or gate.dim() != 2 or _meta(gate, up)):
-        return silu(gate) * up
+    """``silu(gate) * up`` (the gated MLP's activation) with the bits of that expression and of its gradients, keeping
+    only ``gate`` and ``up`` for the backward: on CPU one C pass each way for float32 and bfloat16 matrices."""
     return _SiluMul.apply(gate, up)
 
 
