@@ -94,9 +94,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     return torch.cat(parts, dim=1)
 
 
+def device_kind(device: torch.device) -> str:
+    """``device``'s type, or for the meta device (a memory plan) the type it stands for (:func:`planning_for`)."""
+    return _PLANNED_DEVICE.get() if device.type == "meta" else device.type
+
+
 def score_elements(device: torch.device) -> int:
     """Score elements one query chunk may hold on ``device`` (a meta tensor stands for :func:`planning_for`'s)."""
-    kind = _PLANNED_DEVICE.get() if device.type == "meta" else device.type
+    kind = device_kind(device)
     return SCORE_ELEMENTS.get(kind, SCORE_ELEMENTS["cuda"] if kind != "cpu" else SCORE_ELEMENTS["cpu"])
 
 

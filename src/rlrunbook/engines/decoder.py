@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from rlrunbook.engines.attention import device_kind
 from rlrunbook.engines.float64_weights import float64_weights
 from rlrunbook.engines.fused_pass import FusedPass
 from rlrunbook.engines.lora_groups import (
@@ -155,8 +156,11 @@ def fixed_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The gated MLP's ``silu(gate) * up`` under fixed numerics (silu from the fixed-order sigmoid)."""
-    return fixed.silu_mul(gate, up)
+    """The gated MLP's ``silu(gate) * up`` under fixed numerics (silu from the fixed-order sigmoid): on CPU (and in a
+    memory plan for one) the one-pass op that keeps only gate and up, elsewhere the chain; the same bits either way."""
+    if device_kind(gate.device) == "cpu":
+        return fixed.silu_mul(gate, up)
+    return fixed.silu(gate) * up
 
 
 def _at_least_two_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -238,55 +238,36 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (x32 * _Sigmoid.apply(x32.contiguous())).to(x.dtype)
 
 
-def _c_pass(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether the C library computes silu_mul for these: float32 or bfloat16 CPU matrices of one dtype and shape."""
-    return (gate.device.type == "cpu" and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16)
-            and gate.shape == up.shape and gate.dim() == 2)
-
-
-def _silu_parts(gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(gate in float32, its sigmoid, silu(gate) rounded to gate's dtype)`` as :func:`silu` computes them."""
-    x32 = gate.float()
-    sig = _backend(gate.device).sigmoid(x32.contiguous())
-    return x32, sig, (x32 * sig).to(gate.dtype)
-
-
 class _SiluMul(torch.autograd.Function):
-    """``silu(gate) * up`` keeping only ``gate`` and ``up`` for the backward (the sigmoid is recomputed there), each
-    step of both passes the chain's (``silu(gate) * up`` through autograd), so values and gradients are its bits:
-    one C pass each way on CPU, the chain's elementwise operations elsewhere."""
+    """``silu(gate) * up`` as one C pass each way (CPU), keeping only ``gate`` and ``up`` for the backward (the
+    sigmoid is recomputed there); each step rounded where the chain's autograd rounds it, so values and gradients
+    are the bits of ``silu(gate) * up``. On meta (memory plans), what it allocates and keeps."""
 
     @staticmethod
     def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        if _meta(gate, up):  # memory plans: what every device allocates and keeps
-            return torch.empty_like(gate)
-        if _c_pass(gate, up):
-            from rlrunbook.kernels import cpu
+        from rlrunbook.kernels import cpu
 
-            return cpu.silu_mul(gate, up)
-        return _silu_parts(gate)[2] * up
+        ctx.save_for_backward(gate, up)
+        return torch.empty_like(gate) if _meta(gate, up) else cpu.silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        if _meta(grad, gate):
-            d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
-        elif _c_pass(gate, up):
-            from rlrunbook.kernels import cpu
+        from rlrunbook.kernels import cpu
 
-            d_gate, d_up = cpu.silu_mul_backward(gate, up, grad)
-        else:  # the chain's backward, step by step: the product, then x32 * sig and the sigmoid's own
-            x32, sig, act = _silu_parts(gate)
-            d_act, d_up = (grad * up).float(), grad * act
-            d_gate = (d_act * sig + d_act * x32 * sig * (1.0 - sig)).to(gate.dtype)
+        gate, up = ctx.saved_tensors
+        d_gate, d_up = ((torch.empty_like(gate), torch.empty_like(up)) if _meta(grad, gate)
+                        else cpu.silu_mul_backward(gate, up, grad))
         return d_gate if ctx.needs_input_grad[0] else None, d_up if ctx.needs_input_grad[1] else None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (the gated MLP's activation) with the bits of that expression and of its gradients, keeping
-    only ``gate`` and ``up`` for the backward: on CPU one C pass each way for float32 and bfloat16 matrices."""
-    return _SiluMul.apply(gate, up)
+    """``silu(gate) * up`` (the gated MLP's activation) with the bits of that expression and of its gradients: one C
+    pass each way for float32 and bfloat16 CPU (or meta) matrices of one shape, keeping only ``gate`` and ``up`` for
+    the backward; elsewhere that expression itself."""
+    if (gate.device.type in ("cpu", "meta") and gate.device == up.device and gate.dtype == up.dtype
+            and gate.dtype in (torch.float32, torch.bfloat16) and gate.shape == up.shape and gate.dim() == 2):
+        return _SiluMul.apply(gate, up)
+    return silu(gate) * up
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
