@@ -262,6 +262,13 @@ static void seq_item(const seq_a *A, int pairs, const void *B, int tb, int64_t l
       } else {
         const float *ar[SEQ_ROWS];
         for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a + (m + (i < rows ? i : 0)) * A->lda + k0;
+        if (width <= 16) /* a panel of at most 16 columns: the second half would add zeros */
+          for (int64_t i = 0; i < steps; i++) {
+            v16 b0;
+            memcpy(&b0, bp + i * SEQ_PANEL, 64);
+            for (int r = 0; r < SEQ_ROWS; r++) acc0[r] += splat(ar[r][i]) * b0;
+          }
+        else
         for (int64_t i = 0; i < steps; i++) {
           v16 b0, b1;
           memcpy(&b0, bp + i * SEQ_PANEL, 64);
@@ -338,13 +345,15 @@ int gemm_seq(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int
       for (int64_t rb = rb0; rb < rb1; rb++) {
         int64_t m = rb * SEQ_ROWS;
         int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
-        const float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
-        for (int i = 0; i < rows; i++)
-          for (int64_t j = 0; j < width; j++) {
-            float v = st[i * SEQ_PANEL + j];
-            if (bias) v = v + bias[n0 + j];
-            store1(C, (m + i) * ldc + n0 + j, v, tc);
-          }
+        float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
+        for (int i = 0; i < rows; i++) {
+          float *row = st + i * SEQ_PANEL;
+          if (bias)
+            for (int64_t j = 0; j < width; j++) row[j] = row[j] + bias[n0 + j];
+          if (tc == F32) memcpy((float *)C + (m + i) * ldc + n0, row, (size_t)width * 4);
+          else
+            for (int64_t j = 0; j < width; j++) store1(C, (m + i) * ldc + n0 + j, row[j], tc);
+        }
       }
     }
   }
