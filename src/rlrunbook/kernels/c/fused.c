@@ -3,7 +3,7 @@
  * every output element the bits that chain gives it.
  *
  * That holds by construction: every sum is computed by the same kernel as in the chain (row_sumsq, gemm_nt,
- * gemm_seq, sigmoid_f32, attention_fwd are called, not rewritten), and the elementwise steps between them
+ * gemm_seq, sigmoid_row, attention_fwd are called, not rewritten), and the elementwise steps between them
  * round where the chain's separate operations round (to the storage type after each step, float32 inside
  * it). This file is compiled without contracting a multiply and an add into one fused multiply-add (the
  * chain runs them as two operations, each rounded); the sums it calls keep their own files' flags.
@@ -23,7 +23,7 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
 int gemm_seq(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int tb, int64_t ldb, const float *bias,
              void *C, int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads);
 void row_sumsq(const void *X, int tx, int64_t ldx, int64_t M, int64_t E, float *out, int nthreads);
-void sigmoid_f32(const float *x, float *y, int64_t n, int nthreads);
+void sigmoid_row(const float *x, float *y, int64_t n);
 int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qpos, const int64_t *kpos,
                   const uint8_t *kvalid, void *out, float *lse, int64_t R, int64_t T, int64_t S, int64_t H,
                   int64_t Hkv, int64_t D, int64_t q_row, int64_t k_row, int64_t pos_rows, int tq, int tk,
@@ -130,36 +130,6 @@ NO_CONTRACT int rotary(void *X, int64_t ld, int64_t N, int64_t heads, int64_t Dh
 
 /* -- gated MLP ---------------------------------------------------------------------------------------- */
 
-NO_CONTRACT static void gate_times_up(const float *g, const float *s, const void *GU, int64_t ld, int64_t N,
-                                      int64_t I, void *Y, int t) {
-  CONTRACT_OFF
-  for (int64_t n = 0; n < N; n++)
-    for (int64_t i = 0; i < I; i++) {
-      float act = rounded(g[n * I + i] * s[n * I + i], t);
-      store1(Y, n * I + i, act * load1(GU, n * ld + I + i, t), t);
-    }
-}
-
-/* Y [N, I] = round(silu(gate)) * up, gate and up the two halves of GU's rows (row stride ld), silu(x) =
- * round(x * sigmoid_f32(x)) as ops.silu computes it. */
-int silu_mul(const void *GU, int64_t ld, int64_t N, int64_t I, void *Y, int t, int nthreads) {
-  float *g = malloc((size_t)(N * I + 16) * sizeof(float)), *s = malloc((size_t)(N * I + 16) * sizeof(float));
-  if (!g || !s) {
-    free(g);
-    free(s);
-    return 1;
-  }
-  for (int64_t n = 0; n < N; n++)
-    for (int64_t i = 0; i < I; i++) g[n * I + i] = load1(GU, n * ld + i, t);
-  sigmoid_f32(g, s, N * I, nthreads);
-  gate_times_up(g, s, GU, ld, N, I, Y, t);
-  free(g);
-  free(s);
-  return 0;
-}
-
-void sigmoid_row(const float *x, float *y, int64_t n);
-
 /* Row n of the gated activation (g: the row's gate in float32, s: its sigmoid): forward (D NULL) Y = round(round(g *
  * s) * u); backward, for the output's gradient D, Y = d gate and DU = d up, each step rounded where the chain's
  * autograd rounds it (ops.silu, then the product with up):
@@ -231,6 +201,13 @@ int silu_mul_rows(const void *G, int64_t ldg, const void *U, int64_t ldu, void *
 int silu_mul_rows_backward(const void *G, int64_t ldg, const void *U, int64_t ldu, const void *D, int64_t ldd,
                            void *DG, void *DU, int64_t N, int64_t I, int t, int nthreads) {
   return silu_mul_pass(G, ldg, U, ldu, D, ldd, DG, DU, N, I, t, nthreads);
+}
+
+/* Y [N, I] = round(silu(gate)) * up, gate and up the two halves of GU's rows (row stride ld): the decode step's
+ * gated activation, silu_mul_rows over the two halves. */
+int silu_mul(const void *GU, int64_t ld, int64_t N, int64_t I, void *Y, int t, int nthreads) {
+  const char *up = (const char *)GU + (size_t)I * esize(t);
+  return silu_mul_pass(GU, ld, up, ld, NULL, 0, Y, NULL, N, I, t, nthreads);
 }
 
 /* -- projections with LoRA ------------------------------------------------------------------------------ */

@@ -59,23 +59,23 @@ void exp_f32(const float *x, float *y, int64_t n, int nthreads) {
   }
 }
 
+static inline v16 sigmoid16(v16 v) { return 1.0f / (1.0f + fexp16(-v)); }
+
 /* y = 1 / (1 + exp(-x)) */
 void sigmoid_f32(const float *x, float *y, int64_t n, int nthreads) {
   int64_t blocks = (n + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(threads_for(blocks / 256 + 1, nthreads))
   for (int64_t b = 0; b < blocks; b++) {
     int k = (int)(n - b * 16 < 16 ? n - b * 16 : 16);
-    v16 v = load16(x, b * 16, F32, k);
-    store16(y, b * 16, 1.0f / (1.0f + fexp16(-v)), F32, k);
+    store16(y, b * 16, sigmoid16(load16(x, b * 16, F32, k)), F32, k);
   }
 }
 
-/* sigmoid_f32's values of n floats on the calling thread (the same expression: for kernels that fuse it) */
+/* sigmoid_f32's values of n floats on the calling thread (sigmoid16 too: for kernels that fuse it) */
 void sigmoid_row(const float *x, float *y, int64_t n) {
   for (int64_t b = 0; b < n; b += 16) {
     int k = (int)(n - b < 16 ? n - b : 16);
-    v16 v = load16(x, b, F32, k);
-    store16(y, b, 1.0f / (1.0f + fexp16(-v)), F32, k);
+    store16(y, b, sigmoid16(load16(x, b, F32, k)), F32, k);
   }
 }
 
