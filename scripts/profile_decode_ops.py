@@ -6,16 +6,23 @@ step), with the host syncs of the decode loop.
     python scripts/profile_decode_ops.py                          # SmolLM2-135M, bf16, 16 rows x 64 tokens, CPU
     python scripts/profile_decode_ops.py --model tiny --rows 64 --tokens 256
     python scripts/profile_decode_ops.py --eager-draw             # the draw by the eager reference path
+    python scripts/profile_decode_ops.py --triton --model tiny    # the CUDA path's ops, counted on this CPU
 
-Counted on any device: the same ops run on CPU and on CUDA. What counts as an op and as a host sync:
-:mod:`rlrunbook.testing.decode_ops`.
+Counted on the device at hand. On CPU the model step runs through the fused C pass; ``--triton`` counts what CUDA
+runs instead (the Triton kernels, interpreted on a CPU: slow, hence small models and few tokens). What counts as an
+op and as a host sync: :mod:`rlrunbook.testing.decode_ops`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
+
+if "--triton" in sys.argv and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on this CPU: set before triton loads
 
 from rlrunbook.backend.lora import wrap_with_lora
 from rlrunbook.engines.base import GenerationRequest, SampleJob
@@ -36,7 +43,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="ops listed in each part")
     parser.add_argument("--eager-draw", action="store_true", help="draw by the eager reference path")
     parser.add_argument("--sync-every", type=int, default=SYNC_EVERY, help="decode steps between reads of tokens")
+    parser.add_argument("--triton", action="store_true",
+                        help="the fixed-order kernels in Triton, as on CUDA (interpreted where there is no GPU)")
     args = parser.parse_args()
+    if args.triton:
+        from rlrunbook.kernels import gpu, ops
+
+        ops._backend = lambda device: gpu  # CPU tensors to the Triton kernels; the fused C pass then stands aside
 
     model = load_causal_lm(resolve_model(args.model), getattr(torch, args.dtype))
     model = wrap_with_lora(model, rank=16, alpha=32, seed=0)
@@ -53,7 +66,7 @@ def main() -> None:
     counts = count_decode_ops(engine, jobs)
     steps, layers = counts.steps, config.num_hidden_layers
     print(f"{args.model} {args.dtype}, {args.rows} rows x {args.tokens} tokens: {steps} decode steps"
-          f"{' (eager draw)' if args.eager_draw else ''}")
+          f"{' (eager draw)' if args.eager_draw else ''}{', Triton kernels' if args.triton else ''}")
     print(f"top-level ops per decode step: {counts.model_step_per_step:.0f} in the model step "
           f"({counts.model_step_per_step / layers:.1f} per layer of {layers}), "
           f"{counts.rest_per_step:.0f} outside it (the draw and bookkeeping; "

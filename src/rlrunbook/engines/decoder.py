@@ -155,12 +155,36 @@ def fixed_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return weight * (x32 * torch.rsqrt(mean + eps)).to(x.dtype)
 
 
+def layer_kernels(device: torch.device) -> bool:
+    """Whether a fixed-numerics pass on ``device`` computes its norms, rotations and LoRA additions as single kernels
+    (:func:`rlrunbook.kernels.ops.layer_kernels`: on CUDA, and in a memory plan for CUDA), rather than as the chain of
+    operations the C kernels compute (and fuse where no gradient is recorded, :mod:`rlrunbook.engines.fused_pass`)."""
+    if device.type == "meta":
+        return device_kind(device) == "cuda"
+    return fixed.layer_kernels(device)
+
+
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The gated MLP's ``silu(gate) * up`` under fixed numerics (silu from the fixed-order sigmoid): on CPU (and in a
-    memory plan for one) the one-pass op that keeps only gate and up, elsewhere the chain; the same bits either way."""
-    if device_kind(gate.device) == "cpu":
-        return fixed.silu_mul(gate, up)
-    return fixed.silu(gate) * up
+    """The gated MLP's ``silu(gate) * up`` under fixed numerics (silu from the fixed-order sigmoid): the op that keeps
+    only gate and up, one kernel each way (:func:`rlrunbook.kernels.ops.silu_mul`)."""
+    return fixed.silu_mul(gate, up)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rotate(x, cos, sin)`` for ``[N, H, D]`` ``x`` and ``[N, D]`` ``cos``, ``sin`` under fixed numerics: one kernel
+    where :func:`layer_kernels` says so, else the chain."""
+    if layer_kernels(x.device) and cos.dtype == x.dtype:
+        return fixed.rotary(x, cos, sin)
+    return rotate(x, cos[:, None, :], sin[:, None, :])
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype, casts: dict | None) -> torch.Tensor:
+    """``x.to(dtype)``, kept in ``casts`` (when given) for the next projection reading the same ``x``."""
+    if casts is None or x.dtype == dtype:
+        return x.to(dtype)
+    if dtype not in casts:
+        casts[dtype] = x.to(dtype)
+    return casts[dtype]
 
 
 def _at_least_two_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -299,7 +323,8 @@ class Decoder:
         if plan.factors is not None and not torch.is_grad_enabled():
             add_group_updates(outputs, x, plan.factors)
             return list(outputs)
-        return [o if m is base else self._with_adapters(m, o, x)
+        casts = None if torch.is_grad_enabled() else {}  # x in the adapters' dtype, once for the group
+        return [o if m is base else self._with_adapters(m, o, x, casts)
                 for m, base, o in zip(modules, plan.bases, outputs)]
 
     @contextmanager
@@ -354,8 +379,10 @@ class Decoder:
 
         return self.per_call(self._plans, modules, build)
 
-    def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """A peft LoRA module's output from its base layer's ``result`` on input ``x``.
+    def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
+                       casts: dict | None = None) -> torch.Tensor:
+        """A peft LoRA module's output from its base layer's ``result`` on input ``x`` (``casts``: copies of ``x`` in
+        other dtypes by dtype, shared by the projections of a group where no gradient is recorded).
 
         With :attr:`row_adapters`, each slot's update is computed over every row and kept for that slot's rows
         only (``torch.where`` on the rows' slots: shapes that do not change as rows change slots, for captured
@@ -363,19 +390,19 @@ class Decoder:
         is row-wise), whatever the other slots compute."""
         rows = self.row_adapters
         if rows is None:
-            return self._adapters_added(module, result, x, self.pinned)
+            return self._adapters_added(module, result, x, self.pinned, casts)
         if torch.is_grad_enabled() or x.shape[0] != rows.rows:
             raise RuntimeError(f"several adapters over {rows.rows} rows in a pass of {x.shape[0]} rows "
                                f"(grad {torch.is_grad_enabled()}): only a decode step computes them")
         base = result
         for index, slot in enumerate(rows.slots):
-            added = self._adapters_added(module, base, x, slot)
+            added = self._adapters_added(module, base, x, slot, casts)
             if added is not base:
                 result = torch.where((rows.row_slot == index)[:, None], added, result)
         return result
 
     def _adapters_added(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
-                        pinned: PinnedAdapter | None) -> torch.Tensor:
+                        pinned: PinnedAdapter | None, casts: dict | None = None) -> torch.Tensor:
         result_dtype = result.dtype
         for name in adapter_names(module, pinned):
             if name in getattr(module, "lora_variant", {}):
@@ -386,6 +413,8 @@ class Decoder:
             if self.numerics.float64_matmuls:
                 delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling
                 result = (result.double() + delta).to(result_dtype)
+            elif self.fixed and layer_kernels(x.device) and a.dtype == b.dtype:  # the second product and the sum
+                result = fixed.lora_added(result, fixed.linear(_cast(x, a.dtype, casts), a), b, scaling)  # one kernel
             elif self.fixed:  # peft's order of operations, each product in fixed order
                 delta = fixed.linear(fixed.linear(x.to(a.dtype), a), b)
                 result = fixed.add_scaled(result, delta, scaling).to(result_dtype)
@@ -404,6 +433,8 @@ class Decoder:
         add a row's squares in different orders), which in float32 can move the rounded result by an ulp.
         """
         if self.fixed:
+            if layer_kernels(x.device) and norm.weight.dtype == x.dtype:
+                return fixed.rms_norm(x, norm.weight, norm.variance_epsilon)
             return fixed_norm(x, norm.weight, norm.variance_epsilon)
         stats_dtype = torch.float64 if self.numerics.float64_matmuls else torch.promote_types(x.dtype, torch.float32)
         x32 = x.to(stats_dtype)
@@ -420,8 +451,11 @@ class Decoder:
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if self.fixed:
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        else:
+            cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, D]
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = layout.attend(index, q, k, v, attn.scaling, self.attention_core)  # [N, H*D]
         return self.linears((attn.o_proj,), out)[0]
 

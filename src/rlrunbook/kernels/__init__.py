@@ -12,7 +12,8 @@ bit, and a sequence gets the same logprobs in any batch, at any thread count, fr
 - :mod:`~rlrunbook.kernels.cpu`: the C kernels of ``c/`` (orders stated in ``c/fixed_order.h``), compiled on first use
   by :mod:`~rlrunbook.kernels.build`;
 - :mod:`~rlrunbook.kernels.gpu`: the same operations in Triton for CUDA (constant tile sizes, no split-K, no
-  atomics).
+  atomics), with :mod:`~rlrunbook.kernels.gpu_draw` (the seeded draw) and :mod:`~rlrunbook.kernels.gpu_layer` (a
+  layer's norm, rotation and gated activation as one kernel each way, run by the trainer and the sampler alike).
 
 docs/numerics.md states the orders, why they are invariant, and what they cost.
 """

@@ -13,9 +13,9 @@ import ctypes
 import functools
 
 import torch
-from torch.autograd.profiler import record_function
 
 from rlrunbook.kernels.build import KernelBuildError, load_library
+from rlrunbook.kernels.profiling import profiled
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -47,18 +47,7 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _profiled(function):
-    """``function``, seen by ``torch.profiler`` as an event ``rlrunbook::<name>`` while a profiler runs."""
-    name = f"rlrunbook::{function.__name__}"
-
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        if not torch.autograd._profiler_enabled():
-            return function(*args, **kwargs)
-        with record_function(name):
-            return function(*args, **kwargs)
-
-    return wrapper
+_profiled = profiled  # the name this package's C wrappers use
 
 
 def _check(status: int, name: str) -> None:

@@ -24,6 +24,14 @@ import triton
 import triton.language as tl
 
 from rlrunbook.kernels.gpu_draw import seeded_draw  # noqa: F401  (dispatched to through this module)
+from rlrunbook.kernels.gpu_layer import (  # noqa: F401  (dispatched to through this module)
+    rms_norm,
+    rms_norm_backward,
+    rotary,
+    silu_mul,
+    silu_mul_backward,
+)
+from rlrunbook.kernels.profiling import profiled
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 ROW_BLOCK = 1024
@@ -53,9 +61,9 @@ def _block_dot(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "N", "K"])
-def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, scm, scn,
-                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   F32DOT: tl.constexpr):
+def _matmul_kernel(a_ptr, b_ptr, bias_ptr, base_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, sbase, scm, scn, scaling,
+                   HAS_BIAS: tl.constexpr, HAS_BASE: tl.constexpr, DELTA: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, F32DOT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -71,20 +79,35 @@ def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, sam, sak, sbk, sbn, s
         acc = _block_dot(a, b, acc, F32DOT)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BASE:  # base + (the product, stored as DELTA) * scaling (rounded as DELTA), in float32, stored as base's
+        delta = (acc.to(DELTA).to(tl.float32) * scaling).to(DELTA).to(tl.float32)
+        base = tl.load(base_ptr + rm[:, None] * sbase + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N),
+                       other=0.0)
+        acc = base.to(tl.float32) + delta
     tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 def _matmul(a: torch.Tensor, a_strides: tuple[int, int], b: torch.Tensor, b_strides: tuple[int, int], m: int, n: int,
-            k: int, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+            k: int, bias: torch.Tensor | None, out_dtype: torch.dtype,
+            added_to: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` of ``[M, K]`` and ``[K, N]`` given by their strides. ``added_to`` ``(base, scaling)``:
+    ``base + (a @ b, rounded to out_dtype) * scaling`` instead, rounded to ``base``'s dtype (``[M, N]``, rows
+    contiguous), the product computed as without it."""
+    base = None if added_to is None else added_to[0]
+    out = torch.empty(m, n, dtype=out_dtype if base is None else base.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     bias32 = None if bias is None else bias.detach().float().contiguous()
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _matmul_kernel[grid](a, b, bias32 if bias32 is not None else out, out, m, n, k, *a_strides, *b_strides,
-                         out.stride(0), out.stride(1), HAS_BIAS=bias32 is not None, BM=BLOCK_M, BN=BLOCK_N,
-                         BK=BLOCK_K, F32DOT=_interpreted(), num_warps=NUM_WARPS)
+    _matmul_kernel[grid](a, b, bias32 if bias32 is not None else out, base if base is not None else out, out, m, n, k,
+                         *a_strides, *b_strides, base.stride(0) if base is not None else 0, out.stride(0),
+                         out.stride(1), 1.0 if added_to is None else float(added_to[1]), HAS_BIAS=bias32 is not None,
+                         HAS_BASE=base is not None, DELTA=_TL_DTYPES[out_dtype], BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                         F32DOT=_interpreted(), num_warps=NUM_WARPS)
     return out
 
 
@@ -92,6 +115,7 @@ def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (a, b) if a.dtype == b.dtype else (a.float(), b.float())
 
 
+@profiled
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.T (+ bias)``: ``a`` ``[M, K]``, ``b`` ``[N, K]`` -> ``[M, N]``, ``k`` in blocks of ``BLOCK_K``."""
     a, b = _common(a, b)
@@ -99,6 +123,7 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dty
                    bias, out_dtype)
 
 
+@profiled
 def gemm_seq(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
              a_transposed: bool = False) -> torch.Tensor:
     """``a @ b (+ bias)`` (``a`` ``[M, K]``, or ``[K, M]`` standing for its transpose) ``b`` ``[K, N]``."""
@@ -106,6 +131,19 @@ def gemm_seq(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dt
     m, k = (a.shape[1], a.shape[0]) if a_transposed else a.shape
     strides = (a.stride(1), a.stride(0)) if a_transposed else (a.stride(0), a.stride(1))
     return _matmul(a, strides, b, (b.stride(0), b.stride(1)), m, b.shape[1], k, bias, out_dtype)
+
+
+@profiled
+def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A LoRA update added to its base result as peft adds it, in one kernel: ``base + (xa @ b.T) * scaling``
+    (``base`` ``[M, N]``, ``xa`` ``[M, r]`` and ``b`` ``[N, r]`` of one dtype), the product and its scaled value
+    rounded to that dtype, the sum in float32 rounded to ``base``'s dtype."""
+    if xa.dtype != b.dtype or base.shape != (xa.shape[0], b.shape[0]):
+        raise ValueError(f"lora_added: base {tuple(base.shape)} {base.dtype}, xa {tuple(xa.shape)} {xa.dtype}, "
+                         f"b {tuple(b.shape)} {b.dtype}")
+    base = base if base.stride(-1) == 1 else base.contiguous()
+    return _matmul(xa, (xa.stride(0), xa.stride(1)), b, (b.stride(1), b.stride(0)), xa.shape[0], b.shape[0],
+                   xa.shape[1], None, xa.dtype, added_to=(base, scaling))
 
 
 @triton.jit(do_not_specialize=["E"])
@@ -128,6 +166,7 @@ def _per_row(kernel, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@profiled
 def row_sumsq(x: torch.Tensor) -> torch.Tensor:
     """``(x.float() ** 2).sum(-1)`` of ``[M, E]`` ``x``: one program per row."""
     return _per_row(_row_sumsq_kernel, x)
@@ -151,6 +190,7 @@ def _row_logsumexp_kernel(x_ptr, out_ptr, V, sx, BLOCK: tl.constexpr):
     tl.store(out_ptr + row, shift + tl.log(tl.sum(acc, axis=0)))
 
 
+@profiled
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """``logsumexp(x, -1)`` of float32 ``[M, V]`` ``x``: one program per row, the max, then the sum of exps."""
     return _per_row(_row_logsumexp_kernel, x)
@@ -219,6 +259,7 @@ def _layout(q, k, v, query_positions, key_positions, key_valid):
     return q, k, v, query_positions, key_positions, key_valid, (keys if pos_rows > 1 else 0)
 
 
+@profiled
 def attention_forward(q, k, v, query_positions, key_positions, key_valid, scale: float):
     """``(out, lse)`` as :func:`rlrunbook.kernels.cpu.attention_forward` lays them out."""
     q, k, v, qpos, kpos, kvalid, pos_stride = _layout(q, k, v, query_positions, key_positions, key_valid)
@@ -307,6 +348,7 @@ def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, kvalid_ptr, do
              mask=qmask)
 
 
+@profiled
 def attention_backward(q, k, v, query_positions, key_positions, key_valid, out, grad_out, lse, scale: float):
     """``(dq, dk, dv)`` of :func:`attention_forward`: ``dk``, ``dv`` per key block (looping over the heads and
     query blocks in order), ``dq`` per query block (looping over the key blocks in order); no atomics."""

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlrunbook.kernels.profiling import profiled
+
 NUM_WARPS = 4  # as rlrunbook.kernels.gpu
 
 
@@ -119,6 +121,7 @@ def _mix(value: int) -> int:
     return z - (1 << 64) if z >= 1 << 63 else z
 
 
+@profiled
 def seeded_draw(logits: torch.Tensor, row_seeds: torch.Tensor, step: int, mode: str, temperature: float,
                 filtered: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor, policy: torch.Tensor,
                 column: int, feed: torch.Tensor | None = None, feed_index: torch.Tensor | None = None) -> None:

@@ -34,8 +34,8 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     """``x @ weight.T + bias`` (``x`` ``[M, K]``, ``weight`` ``[N, K]``) without autograd, in the forward order:
     sequential over k for ``K <= SMALL_K``, else lanes16 (float32) or pairs16 (two bfloat16 inputs)."""
     backend = _backend(x.device)
-    if weight.shape[1] <= SMALL_K:
-        return backend.gemm_seq(x, weight.t().contiguous(), bias, out_dtype)
+    if weight.shape[1] <= SMALL_K:  # the transposed view: the C kernels copy it, the Triton ones read its strides
+        return backend.gemm_seq(x, weight.t(), bias, out_dtype)
     return backend.gemm_nt(x, weight, bias, out_dtype)
 
 
@@ -239,35 +239,124 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 class _SiluMul(torch.autograd.Function):
-    """``silu(gate) * up`` as one C pass each way (CPU), keeping only ``gate`` and ``up`` for the backward (the
-    sigmoid is recomputed there); each step rounded where the chain's autograd rounds it, so values and gradients
-    are the bits of ``silu(gate) * up``. On meta (memory plans), what it allocates and keeps."""
+    """``silu(gate) * up`` as one kernel each way, keeping only ``gate`` and ``up`` for the backward (the sigmoid is
+    recomputed there), each step rounded where the chain's autograd rounds it. On meta (memory plans), what it
+    allocates and keeps."""
 
     @staticmethod
     def forward(ctx, gate, up):
-        from rlrunbook.kernels import cpu
-
         ctx.save_for_backward(gate, up)
-        return torch.empty_like(gate) if _meta(gate, up) else cpu.silu_mul(gate, up)
+        return torch.empty_like(gate) if _meta(gate, up) else _backend(gate.device).silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, grad):
-        from rlrunbook.kernels import cpu
-
         gate, up = ctx.saved_tensors
         d_gate, d_up = ((torch.empty_like(gate), torch.empty_like(up)) if _meta(grad, gate)
-                        else cpu.silu_mul_backward(gate, up, grad))
+                        else _backend(gate.device).silu_mul_backward(gate, up, grad))
         return d_gate if ctx.needs_input_grad[0] else None, d_up if ctx.needs_input_grad[1] else None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (the gated MLP's activation) with the bits of that expression and of its gradients: one C
-    pass each way for float32 and bfloat16 CPU (or meta) matrices of one shape, keeping only ``gate`` and ``up`` for
-    the backward; elsewhere that expression itself."""
-    if (gate.device.type in ("cpu", "meta") and gate.device == up.device and gate.dtype == up.dtype
-            and gate.dtype in (torch.float32, torch.bfloat16) and gate.shape == up.shape and gate.dim() == 2):
+    """``silu(gate) * up`` (the gated MLP's activation) for float32 and bfloat16 matrices of one shape: one kernel
+    each way, keeping only ``gate`` and ``up`` for the backward. On CPU (C) values and gradients are the bits of
+    that expression computed by the chain; on CUDA (Triton) the trainer and the sampler both run this kernel. Other
+    dtypes and shapes: that expression itself."""
+    if (gate.device == up.device and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16)
+            and gate.shape == up.shape and gate.dim() == 2):
         return _SiluMul.apply(gate, up)
     return silu(gate) * up
+
+
+def layer_kernels(device: torch.device) -> bool:
+    """Whether the kernels for ``device`` compute a layer's norm, rotation and LoRA additions as single kernels
+    (:func:`rms_norm`, :func:`rotary`, :func:`lora_added`): the Triton ones on CUDA. The C kernels compute them as a
+    chain, and fuse that chain where no gradient is recorded (:mod:`rlrunbook.kernels.fused`)."""
+    return device.type != "meta" and hasattr(_backend(device), "rotary")
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        if _meta(x, weight):
+            out, rstd = torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+        else:
+            out, rstd = _backend(x.device).rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        meta = _meta(grad, x)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty_like(x) if meta else _backend(x.device).rms_norm_backward(x, weight, rstd, grad)
+        if ctx.needs_input_grad[1]:  # as autograd differentiates weight * normed
+            dw = (grad * (x.float() * rstd[:, None]).to(x.dtype)).sum(0)
+        return dx, dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of ``[..., E]`` ``x`` (``weight`` ``[E]`` of ``x``'s dtype) as one kernel each way, where
+    :func:`layer_kernels` says so: ``weight * (x * rsqrt(mean of squares + eps))``, the statistics in float32 and
+    ``x * rsqrt(...)`` rounded to ``x``'s dtype. Keeps ``x`` and one float32 per row for the backward."""
+    flat = x.reshape(-1, x.shape[-1])
+    return _RmsNorm.apply(flat, weight, eps).view(x.shape)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device) if _meta(x) else _backend(x.device).rotary(x, cos,
+                                                                                                                 sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        dx = torch.empty_like(grad) if _meta(grad) else _backend(grad.device).rotary(grad, cos, sin, backward=True)
+        return dx, None, None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotation ``x * cos + rotate_half(x) * sin`` of ``[N, H, D]`` ``x`` (``cos``, ``sin`` ``[N, D]``
+    of ``x``'s dtype, shared by the heads) as one kernel each way, where :func:`layer_kernels` says so; each product
+    and the sum rounded to ``x``'s dtype, as the chain rounds them."""
+    return _Rotary.apply(x, cos, sin)
+
+
+class _LoraAdded(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base, xa, b, scaling):
+        ctx.save_for_backward(xa if b.requires_grad else None, b)
+        ctx.scaling, ctx.dtypes = scaling, (base.dtype, xa.dtype)
+        if _meta(base, xa, b):
+            return torch.empty_like(base)
+        return _backend(base.device).lora_added(base, xa, b, scaling)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xa, b = ctx.saved_tensors
+        base_dtype, delta_dtype = ctx.dtypes
+        # as autograd through (base + linear(xa, b) * scaling).to(base's dtype), the sum in the promoted dtype
+        summed = torch.promote_types(base_dtype, delta_dtype)
+        d_delta = grad.to(summed).to(delta_dtype) * ctx.scaling
+        d_xa = d_b = None
+        meta = _meta(grad, b)
+        if ctx.needs_input_grad[1]:
+            d_xa = (d_delta.new_empty(d_delta.shape[0], b.shape[1]) if meta
+                    else _backend(grad.device).gemm_seq(d_delta.contiguous(), b, None, b.dtype))
+        if ctx.needs_input_grad[2]:
+            d_b = b.new_empty(b.shape) if meta else _weight_gradient(d_delta.contiguous(), xa, b.dtype)
+        return grad if ctx.needs_input_grad[0] else None, d_xa, d_b, None
+
+
+def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A LoRA update added to its base product as peft adds it: ``(base + linear(xa, b) * scaling)`` in ``base``'s
+    dtype (``base`` ``[M, N]``, ``xa`` ``[M, r]`` the input times the first factor, ``b`` ``[N, r]`` of ``xa``'s dtype)
+    in one kernel where :func:`layer_kernels` says so: the product in the fixed order of :func:`linear`, the scaled
+    update and the sum rounded where the chain ``add_scaled(base, linear(xa, b), scaling)`` rounds them."""
+    return _LoraAdded.apply(base, xa, b, scaling)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from rlrunbook.kernels import gpu
+from rlrunbook.kernels import gpu, gpu_layer
 
 HEAD_DIM = 128  # the larger of the built-in shapes (Qwen2.5-1.5B; SmolLM2 has 64)
 
@@ -33,11 +33,13 @@ def kernels(dtype: str):
     shape = {"D": HEAD_DIM, "DP": HEAD_DIM, "F32DOT": False}
     torch_dtype = getattr(torch, _TORCH[dtype])
     forward, backward = gpu.ATTN_BLOCKS["forward"][torch_dtype], gpu.ATTN_BLOCKS["backward"][torch_dtype]
-    yield gpu._matmul_kernel, {
-        "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "bias_ptr": "*fp32", "c_ptr": f"*{dtype}",
-        **ints("M", "N", "K", "sam", "sak", "sbk", "sbn", "scm", "scn"), "HAS_BIAS": "constexpr", "BM": "constexpr",
-        "BN": "constexpr", "BK": "constexpr", "F32DOT": "constexpr"}, {
-        "HAS_BIAS": True, "BM": gpu.BLOCK_M, "BN": gpu.BLOCK_N, "BK": gpu.BLOCK_K, "F32DOT": False}
+    matmul = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "bias_ptr": "*fp32", "base_ptr": f"*{dtype}",
+              "c_ptr": f"*{dtype}", **ints("M", "N", "K", "sam", "sak", "sbk", "sbn", "sbase", "scm", "scn"),
+              "scaling": "fp32", "HAS_BIAS": "constexpr", "HAS_BASE": "constexpr", "DELTA": "constexpr",
+              "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "F32DOT": "constexpr"}
+    tiles = {"BM": gpu.BLOCK_M, "BN": gpu.BLOCK_N, "BK": gpu.BLOCK_K, "F32DOT": False, "DELTA": gpu._TL_DTYPES[torch_dtype]}
+    yield gpu._matmul_kernel, matmul, {"HAS_BIAS": True, "HAS_BASE": False, **tiles}
+    yield gpu._matmul_kernel, matmul, {"HAS_BIAS": False, "HAS_BASE": True, **tiles}  # a LoRA update added
     yield gpu._row_sumsq_kernel, {"x_ptr": f"*{dtype}", "out_ptr": "*fp32", "E": "i32", "sx": "i32",
                                   "BLOCK": "constexpr"}, {"BLOCK": gpu.ROW_BLOCK}
     yield gpu._row_logsumexp_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32", "sx": "i32",
@@ -56,6 +58,24 @@ def kernels(dtype: str):
         **attention, **gradients, "dq_ptr": f"*{dtype}",
         **ints("T", "S", "H", "G", "sq_r", "sq_t", "sk_r", "sk_s", "sp_r"), "scale": "fp32", **blocks}, {
         **shape, "BT": backward[0], "BS": backward[1]}
+
+
+    rows = {"E": "i32", "BLOCK": "constexpr"}
+    yield gpu_layer._rms_norm_kernel, {
+        "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rstd_ptr": "*fp32", **rows,
+        **ints("sx", "so"), "eps": "fp32"}, {"BLOCK": gpu_layer.ROW_BLOCK}
+    yield gpu_layer._rms_norm_backward_kernel, {
+        "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "g_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}",
+        **rows, **ints("sx", "sg", "sdx")}, {"BLOCK": gpu_layer.ROW_BLOCK}
+    for backward in (False, True):
+        yield gpu_layer._rotary_kernel, {
+            "x_ptr": f"*{dtype}", "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+            **ints("sxr", "sxh", "sc", "sor", "soh"), "HALF": "constexpr", "HP": "constexpr",
+            "BACKWARD": "constexpr"}, {"HALF": HEAD_DIM // 2, "HP": HEAD_DIM // 2, "BACKWARD": backward}
+        yield gpu_layer._silu_mul_kernel, {
+            "gate_ptr": f"*{dtype}", "up_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+            "d_up_ptr": f"*{dtype}", **ints("I", "sg_r", "su_r", "sgr_r", "so_r"), "BLOCK": "constexpr",
+            "BACKWARD": "constexpr"}, {"BLOCK": gpu_layer.ELEMENT_BLOCK, "BACKWARD": backward}
 
 
 def main(arch: int) -> None:
