@@ -74,3 +74,53 @@ def test_graph_decoding_equals_eager_decoding_across_weight_updates(model_name, 
     record_property("max_abs_logprob_diff", worst)
     record_property("captures", captures)
     assert worst <= 1e-5
+
+
+def test_bf16_lora_decode_steps_equal_the_training_pass_through_the_layer_kernels(model_name, record_property):
+    """The layer kernels on the GPU (rlrunbook.kernels.gpu_layer, ops.lora_added): a bf16 model with LoRA r8 on every
+    projection (float32 factors, B moved off zero) decodes token by token over its cache, and each step's final
+    hidden state equals the training pass's (recording gradients) at that token, bit for bit; the decode layer runs
+    one norm, rotation, activation and LoRA addition kernel each (``tests/unit/kernels`` checks the same
+    interpreted)."""
+    from collections import Counter
+
+    from torch.profiler import profile
+
+    from rlrunbook.backend.lora import wrap_with_lora
+    from rlrunbook.engines.decoder import Decoder
+    from rlrunbook.engines.layouts import RowCache, TreeLayout
+    from rlrunbook.models import load_causal_lm, resolve_model
+    from rlrunbook.prefix_tree import TokenTrie, plan_forward
+    from rlrunbook.testing.decode_ops import _top_level
+
+    model = wrap_with_lora(load_causal_lm(resolve_model(model_name), dtype=torch.bfloat16, device=DEVICE), rank=8,
+                           alpha=16, seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.02)
+    decoder = Decoder(model, "invariant")
+    layers = len(model.get_base_model().model.layers)
+    tokens = list(range(5, 45))
+    trie = TokenTrie()
+    plan = plan_forward(trie, [tokens])
+    flat = plan.flat_of()
+    device = torch.device(DEVICE)
+    full = decoder.hidden(torch.tensor([trie.tokens[n] for n in plan.nodes], device=device),
+                          torch.tensor([trie.positions[n] for n in plan.nodes], device=device),
+                          TreeLayout(plan.rows, flat, trie.positions, device))
+    cache = RowCache(layers, 2, 64, decoder.num_kv_heads, decoder.head_dim, torch.bfloat16, device)
+    with torch.no_grad(), decoder.weights_fixed():
+        for t, token in enumerate(tokens):
+            cache.lengths[:] = t
+            ids = torch.tensor([token, token], device=device)
+            if t == len(tokens) - 1:
+                with profile() as trace:
+                    step = decoder.hidden(ids, cache.lengths.clone(), cache)
+            else:
+                step = decoder.hidden(ids, cache.lengths.clone(), cache)
+            assert torch.equal(step[0], full[flat[plan.paths[0][t]]]), f"position {t}"
+    top = Counter(e.name for e in _top_level(trace.events()))
+    record_property("decode_ops_per_layer", sum(top.values()) / layers)
+    assert top["rlrunbook::rotary"] == 2 * layers and top["rlrunbook::silu_mul"] == layers
+    assert top["rlrunbook::lora_added"] >= 7 * layers and top["rlrunbook::rms_norm"] == 2 * layers + 1
