@@ -178,15 +178,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return rotate(x, cos[:, None, :], sin[:, None, :])
 
 
-def _cast(x: torch.Tensor, dtype: torch.dtype, casts: dict | None) -> torch.Tensor:
-    """``x.to(dtype)``, kept in ``casts`` (when given) for the next projection reading the same ``x``."""
-    if casts is None or x.dtype == dtype:
-        return x.to(dtype)
-    if dtype not in casts:
-        casts[dtype] = x.to(dtype)
-    return casts[dtype]
-
-
 def _at_least_two_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for a ``[M, ...]`` input, computed with ``M >= 2`` rows (see the module docstring)."""
     if x.shape[0] != 1:
@@ -323,8 +314,7 @@ class Decoder:
         if plan.factors is not None and not torch.is_grad_enabled():
             add_group_updates(outputs, x, plan.factors)
             return list(outputs)
-        casts = None if torch.is_grad_enabled() else {}  # x in the adapters' dtype, once for the group
-        return [o if m is base else self._with_adapters(m, o, x, casts)
+        return [o if m is base else self._with_adapters(m, o, x)
                 for m, base, o in zip(modules, plan.bases, outputs)]
 
     @contextmanager
@@ -379,10 +369,8 @@ class Decoder:
 
         return self.per_call(self._plans, modules, build)
 
-    def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
-                       casts: dict | None = None) -> torch.Tensor:
-        """A peft LoRA module's output from its base layer's ``result`` on input ``x`` (``casts``: copies of ``x`` in
-        other dtypes by dtype, shared by the projections of a group where no gradient is recorded).
+    def _with_adapters(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A peft LoRA module's output from its base layer's ``result`` on input ``x``.
 
         With :attr:`row_adapters`, each slot's update is computed over every row and kept for that slot's rows
         only (``torch.where`` on the rows' slots: shapes that do not change as rows change slots, for captured
@@ -390,19 +378,19 @@ class Decoder:
         is row-wise), whatever the other slots compute."""
         rows = self.row_adapters
         if rows is None:
-            return self._adapters_added(module, result, x, self.pinned, casts)
+            return self._adapters_added(module, result, x, self.pinned)
         if torch.is_grad_enabled() or x.shape[0] != rows.rows:
             raise RuntimeError(f"several adapters over {rows.rows} rows in a pass of {x.shape[0]} rows "
                                f"(grad {torch.is_grad_enabled()}): only a decode step computes them")
         base = result
         for index, slot in enumerate(rows.slots):
-            added = self._adapters_added(module, base, x, slot, casts)
+            added = self._adapters_added(module, base, x, slot)
             if added is not base:
                 result = torch.where((rows.row_slot == index)[:, None], added, result)
         return result
 
     def _adapters_added(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
-                        pinned: PinnedAdapter | None, casts: dict | None = None) -> torch.Tensor:
+                        pinned: PinnedAdapter | None) -> torch.Tensor:
         result_dtype = result.dtype
         for name in adapter_names(module, pinned):
             if name in getattr(module, "lora_variant", {}):
@@ -414,7 +402,9 @@ class Decoder:
                 delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling
                 result = (result.double() + delta).to(result_dtype)
             elif self.fixed and layer_kernels(x.device) and a.dtype == b.dtype:  # the second product and the sum
-                result = fixed.lora_added(result, fixed.linear(_cast(x, a.dtype, casts), a), b, scaling)  # one kernel
+                xa = (fixed.linear_float32(x, a) if a.dtype == torch.float32 and x.dtype != a.dtype  # x read as fp32
+                      else fixed.linear(x.to(a.dtype), a))
+                result = fixed.lora_added(result, xa, b, scaling)  # one kernel
             elif self.fixed:  # peft's order of operations, each product in fixed order
                 delta = fixed.linear(fixed.linear(x.to(a.dtype), a), b)
                 result = fixed.add_scaled(result, delta, scaling).to(result_dtype)

@@ -76,6 +76,8 @@ def _matmul_kernel(a_ptr, b_ptr, bias_ptr, base_ptr, c_ptr, M, N, K, sam, sak, s
                     other=0.0)
         b = tl.load(b_ptr + ks[:, None] * sbk + rn[None, :] * sbn, mask=(ks[:, None] < K) & (rn[None, :] < N),
                     other=0.0)
+        if a_ptr.dtype.element_ty != b_ptr.dtype.element_ty:  # one of them float32: both read as float32 (exact)
+            a, b = a.to(tl.float32), b.to(tl.float32)
         acc = _block_dot(a, b, acc, F32DOT)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
@@ -112,7 +114,10 @@ def _matmul(a: torch.Tensor, a_strides: tuple[int, int], b: torch.Tensor, b_stri
 
 
 def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (a, b) if a.dtype == b.dtype else (a.float(), b.float())
+    """Operands of two dtypes: as they are where one is float32 (the kernel reads both as float32), else float32."""
+    if a.dtype == b.dtype or torch.float32 in (a.dtype, b.dtype):
+        return a, b
+    return a.float(), b.float()
 
 
 @profiled

@@ -52,7 +52,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, out_dtype):
         ctx.save_for_backward(x if weight.requires_grad else None, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
         if _meta(x, weight):
             return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
         return product(x, weight, bias, out_dtype)
@@ -66,10 +66,10 @@ class _Linear(torch.autograd.Function):
             # A half-precision product whose result was kept in float32 (the output layer): its gradient in the
             # weight's dtype, as autograd would round it through a half-precision result converted to float32.
             grad = grad.to(weight.dtype)
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # in the weight's dtype, rounded to the input's (as a cast's backward rounds it)
             shape = (grad.shape[0], weight.shape[1])
-            dx = (grad.new_empty(shape, dtype=weight.dtype) if meta
-                  else _backend(grad.device).gemm_seq(grad.contiguous(), weight, None, weight.dtype))
+            dx = (grad.new_empty(shape, dtype=ctx.x_dtype) if meta
+                  else _backend(grad.device).gemm_seq(grad.contiguous(), weight, None, weight.dtype).to(ctx.x_dtype))
         if ctx.needs_input_grad[1]:
             dw = weight.new_empty(weight.shape) if meta else _weight_gradient(grad.contiguous(), x, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -87,6 +87,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         flat, weight = flat.float(), weight.float()
     out = _Linear.apply(flat, weight, bias, out_dtype or x.dtype)
     return out.view(*lead, weight.shape[0])
+
+
+def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear(x.float(), weight)`` for a float32 ``weight`` (LoRA's first factor beside a half-precision model), the
+    kernel reading ``x`` as float32: no float32 copy of ``x`` is made or kept for the backward, and the values and
+    gradients are those of the cast followed by the product. For the kernels :func:`layer_kernels` names (and meta)."""
+    if weight.dtype != torch.float32:
+        raise TypeError(f"linear_float32: the weight is {weight.dtype}, not float32")
+    flat = x.reshape(-1, x.shape[-1])
+    return _Linear.apply(flat, weight, None, torch.float32).view(*x.shape[:-1], weight.shape[0])
 
 
 class _AddScaled(torch.autograd.Function):

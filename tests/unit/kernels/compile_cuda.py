@@ -40,6 +40,8 @@ def kernels(dtype: str):
     tiles = {"BM": gpu.BLOCK_M, "BN": gpu.BLOCK_N, "BK": gpu.BLOCK_K, "F32DOT": False, "DELTA": gpu._TL_DTYPES[torch_dtype]}
     yield gpu._matmul_kernel, matmul, {"HAS_BIAS": True, "HAS_BASE": False, **tiles}
     yield gpu._matmul_kernel, matmul, {"HAS_BIAS": False, "HAS_BASE": True, **tiles}  # a LoRA update added
+    if dtype == "fp32":  # a bf16 input read as float32 by a float32 factor (LoRA's first, beside a bf16 model)
+        yield gpu._matmul_kernel, {**matmul, "a_ptr": "*bf16"}, {"HAS_BIAS": False, "HAS_BASE": False, **tiles}
     yield gpu._row_sumsq_kernel, {"x_ptr": f"*{dtype}", "out_ptr": "*fp32", "E": "i32", "sx": "i32",
                                   "BLOCK": "constexpr"}, {"BLOCK": gpu.ROW_BLOCK}
     yield gpu._row_logsumexp_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32", "sx": "i32",

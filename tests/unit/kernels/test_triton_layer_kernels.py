@@ -94,6 +94,21 @@ def test_a_lora_update_added_in_one_kernel_is_the_chains_bit_for_bit(base_dtype,
     assert torch.equal(gpu.lora_added(base[[3]], xa[[3]], b, 0.375), got[[3]])  # a row alone: its bits
 
 
+def test_a_bf16_input_read_as_float32_by_the_product_gives_the_casts_values_and_gradients(on_triton):
+    """LoRA's first factor (float32) beside a bf16 model: the product kernel reads x as float32, which is exact, so the
+    product and both gradients are the bits of casting x first, without the float32 copy of x kept for backward."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 200, generator=generator).bfloat16()
+    a = torch.randn(8, 200, generator=generator)
+    grad = torch.randn(37, 8, generator=generator)
+    expected, expected_grads = _grads(lambda x, a: ops.linear(x.float(), a), [x, a], grad)
+    got, got_grads = _grads(ops.linear_float32, [x, a], grad)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert got_grads[0].dtype == torch.bfloat16 and all(torch.equal(g, e) for g, e in zip(got_grads, expected_grads))
+    with pytest.raises(TypeError, match="not float32"):
+        ops.linear_float32(x, a.bfloat16())
+
+
 @DTYPES
 def test_the_norm_against_float64_and_a_row_alone(dtype, on_triton):
     generator = torch.Generator().manual_seed(2)
@@ -197,5 +212,5 @@ def test_a_decode_step_runs_one_kernel_per_norm_rotation_activation_and_lora_upd
     assert sum(per_layer.get(f"aten::{name}", 0) for name in ("mul", "rsqrt", "sigmoid", "neg", "cat")) == 0, top
     copies = sum(e.name == "aten::to" and any(c.name == "aten::_to_copy" for c in e.cpu_children)
                  for e in _top_level(events)) / layers
-    assert copies == 4, top  # q/k/v, o, gate/up and down: the input in the factors' float32, once per group
+    assert copies == 0, top  # the float32 factors read the bf16 input as float32 in the product kernel
     assert sum(top.values()) / layers <= 90, top  # 180 through the chains (views included; 2026-11-29)
