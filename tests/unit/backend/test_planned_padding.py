@@ -33,10 +33,8 @@ def test_h100_rlvr_planned_micro_batches_pad_under_two_percent(preset, lengths):
     sequences = grouped_sequences([config.data.max_prompt_tokens] * groups, completions)
     assert (groups, samples, new, config.data.max_prompt_tokens) == (64, 4, 1536, 1024)
     got = planned_padding(sequences, plan.micro_batch_tokens, config.backend.grad_accum_steps, "cuda")
-    # each of the grad_accum_steps chunks (16 rows) in micro-batches of the plan's budget: with full-length
-    # completions a group of 4 samples (7,168 tokens, its prompt once) per micro-batch of 9,472
+    # each of the grad_accum_steps chunks (16 rows) in one or more micro-batches of the plan's budget
     assert got.micro_batches >= config.backend.grad_accum_steps == 16
-    assert got.micro_batches == 64 or lengths != "full"
     assert got.queries.fraction < 0.02, got
     assert got.scores.fraction < 0.02, got
 
