@@ -88,10 +88,9 @@ def test_bf16_lora_decode_steps_equal_the_training_pass_through_the_layer_kernel
 
     from rlrunbook.backend.lora import wrap_with_lora
     from rlrunbook.engines.decoder import Decoder
-    from rlrunbook.engines.layouts import RowCache, TreeLayout
     from rlrunbook.models import load_causal_lm, resolve_model
-    from rlrunbook.prefix_tree import TokenTrie, plan_forward
     from rlrunbook.testing.decode_ops import _top_level
+    from rlrunbook.testing.decode_parity import assert_decode_steps_equal_the_training_pass
 
     model = wrap_with_lora(load_causal_lm(resolve_model(model_name), dtype=torch.bfloat16, device=DEVICE), rank=8,
                            alpha=16, seed=0)
@@ -102,24 +101,10 @@ def test_bf16_lora_decode_steps_equal_the_training_pass_through_the_layer_kernel
     decoder = Decoder(model, "invariant")
     layers = len(model.get_base_model().model.layers)
     tokens = list(range(5, 45))
-    trie = TokenTrie()
-    plan = plan_forward(trie, [tokens])
-    flat = plan.flat_of()
-    device = torch.device(DEVICE)
-    full = decoder.hidden(torch.tensor([trie.tokens[n] for n in plan.nodes], device=device),
-                          torch.tensor([trie.positions[n] for n in plan.nodes], device=device),
-                          TreeLayout(plan.rows, flat, trie.positions, device))
-    cache = RowCache(layers, 2, 64, decoder.num_kv_heads, decoder.head_dim, torch.bfloat16, device)
-    with torch.no_grad(), decoder.weights_fixed():
-        for t, token in enumerate(tokens):
-            cache.lengths[:] = t
-            ids = torch.tensor([token, token], device=device)
-            if t == len(tokens) - 1:
-                with profile() as trace:
-                    step = decoder.hidden(ids, cache.lengths.clone(), cache)
-            else:
-                step = decoder.hidden(ids, cache.lengths.clone(), cache)
-            assert torch.equal(step[0], full[flat[plan.paths[0][t]]]), f"position {t}"
+    cache = assert_decode_steps_equal_the_training_pass(decoder, tokens, record_grad=True)
+    cache.lengths[:] = len(tokens)
+    with torch.no_grad(), decoder.weights_fixed(), profile() as trace:
+        decoder.hidden(torch.tensor([5, 6], device=DEVICE), cache.lengths.clone(), cache)
     top = Counter(e.name for e in _top_level(trace.events()))
     record_property("decode_ops_per_layer", sum(top.values()) / layers)
     assert top["rlrunbook::rotary"] == 2 * layers and top["rlrunbook::silu_mul"] == layers

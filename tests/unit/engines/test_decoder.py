@@ -17,9 +17,7 @@ from rlrunbook.backend import LocalServiceClient, LocalSettings
 from rlrunbook.diagnostics import parity_gates, sampler_trainer_parity
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters
-from rlrunbook.engines.layouts import RowCache, TreeLayout
-from rlrunbook.prefix_tree import TokenTrie, plan_forward
-
+from rlrunbook.testing.decode_parity import assert_decode_steps_equal_the_training_pass
 
 QUESTION = "Write a short story about a cat and a dog who become friends."
 
@@ -65,15 +63,4 @@ def test_decode_step_equals_the_full_pass_layer_by_layer(tiny_folder, numerics):
     model = load_causal_lm(tiny_folder, dtype=torch.bfloat16)
     decoder = Decoder(model, numerics)
     tokens = [1, 285, 201, 279, 261, 223, 40, 41, 300, 12, 99, 7, 500, 18]
-    with torch.no_grad():
-        trie = TokenTrie()
-        plan = plan_forward(trie, [tokens])
-        flat = plan.flat_of()
-        full = decoder.hidden(torch.tensor([trie.tokens[n] for n in plan.nodes]),
-                              torch.tensor([trie.positions[n] for n in plan.nodes]),
-                              TreeLayout(plan.rows, flat, trie.positions, torch.device("cpu")))
-        cache = RowCache(len(model.model.layers), 2, 64, decoder.num_kv_heads, decoder.head_dim, torch.bfloat16, torch.device("cpu"))
-        for t, token in enumerate(tokens):
-            cache.lengths[:] = t
-            step = decoder.hidden(torch.tensor([token, token]), cache.lengths.clone(), cache)
-            assert torch.equal(step[0], full[flat[plan.paths[0][t]]]), f"position {t}"
+    assert_decode_steps_equal_the_training_pass(decoder, tokens)

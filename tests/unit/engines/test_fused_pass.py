@@ -18,8 +18,8 @@ from rlrunbook.engines.base import GenerationRequest, SampleJob
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.hf import HFSamplingEngine
-from rlrunbook.engines.layouts import RowCache, TreeLayout
-from rlrunbook.prefix_tree import TokenTrie, plan_forward
+from rlrunbook.engines.layouts import RowCache
+from rlrunbook.testing.decode_parity import assert_decode_steps_equal_the_training_pass
 
 _SHAPES = {
     "llama-64": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -70,21 +70,7 @@ def test_decode_steps_through_the_fused_pass_equal_the_trainers_pass(dtype):
     model = _model("qwen2-128", dtype)
     decoder = Decoder(model)
     tokens = [1, 285, 201, 279, 261, 223, 40, 41, 300, 12, 99, 7, 100, 18]
-    trie = TokenTrie()
-    plan = plan_forward(trie, [tokens])
-    flat = plan.flat_of()
-    with torch.enable_grad():
-        full = decoder.hidden(torch.tensor([trie.tokens[n] for n in plan.nodes]),
-                              torch.tensor([trie.positions[n] for n in plan.nodes]),
-                              TreeLayout(plan.rows, flat, trie.positions, torch.device("cpu")))
-    assert full.requires_grad  # the chain ran
-    cache = RowCache(len(model.get_base_model().model.layers), 2, 64, decoder.num_kv_heads, decoder.head_dim, dtype,
-                     torch.device("cpu"))
-    with torch.no_grad():
-        for t, token in enumerate(tokens):
-            cache.lengths[:] = t
-            step = decoder.hidden(torch.tensor([token, token]), cache.lengths.clone(), cache)
-            assert torch.equal(step[0], full[flat[plan.paths[0][t]]].detach()), f"position {t}"
+    assert_decode_steps_equal_the_training_pass(decoder, tokens, record_grad=True)
 
 
 _COUNTED = ("aten::", "rlrunbook::")

@@ -166,25 +166,11 @@ def _lora_decoder(tiny_folder):
 def test_a_lora_models_decode_steps_equal_its_training_pass_through_the_layer_kernels(tiny_folder, on_triton):
     """bf16 `tiny` with LoRA r4 (float32 factors, as peft keeps them) on the Triton kernels: each decode step's hidden
     state equals the training pass's (recording gradients) at that token, bit for bit."""
-    from rlrunbook.engines.layouts import RowCache, TreeLayout
-    from rlrunbook.prefix_tree import TokenTrie, plan_forward
+    from rlrunbook.testing.decode_parity import assert_decode_steps_equal_the_training_pass
 
-    model, decoder = _lora_decoder(tiny_folder)
-    tokens = [1, 285, 201, 279, 261, 223, 40]
-    trie = TokenTrie()
-    plan = plan_forward(trie, [tokens])
-    flat = plan.flat_of()
-    full = decoder.hidden(torch.tensor([trie.tokens[n] for n in plan.nodes]),
-                          torch.tensor([trie.positions[n] for n in plan.nodes]),
-                          TreeLayout(plan.rows, flat, trie.positions, torch.device("cpu")))
-    assert full.requires_grad
-    cache = RowCache(len(model.get_base_model().model.layers), 2, 16, decoder.num_kv_heads, decoder.head_dim,
-                     torch.bfloat16, torch.device("cpu"))
-    with torch.no_grad():
-        for t, token in enumerate(tokens):
-            cache.lengths[:] = t
-            step = decoder.hidden(torch.tensor([token, token]), cache.lengths.clone(), cache)
-            assert torch.equal(step[0], full[flat[plan.paths[0][t]]]), f"position {t}"
+    _, decoder = _lora_decoder(tiny_folder)
+    assert_decode_steps_equal_the_training_pass(decoder, [1, 285, 201, 279, 261, 223, 40], record_grad=True,
+                                                capacity=16)
 
 
 def test_a_decode_step_runs_one_kernel_per_norm_rotation_activation_and_lora_update(tiny_folder, on_triton):
