@@ -90,10 +90,21 @@ def updating_baselines() -> bool:
     return os.environ.get("RLRUNBOOK_UPDATE_BENCH_BASELINE") == "1"
 
 
+def _cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return f"{line.partition(':')[2].strip()}, {os.cpu_count()} CPUs"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def store_baseline(key: str, figures: dict[str, object], device: str) -> None:
     """Store ``figures`` under ``key`` with the machine they were measured on (the GPU's name on CUDA)."""
-    machine = torch.cuda.get_device_name() if device.startswith("cuda") else (
-        platform.processor() or platform.machine())
+    machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_model()
     stored = baselines()
     stored[key] = {**figures, "machine": machine, "torch": torch.__version__}
     BASELINES.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")

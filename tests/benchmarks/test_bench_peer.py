@@ -39,7 +39,7 @@ from peer_workload import (
     trl_trainer,
 )
 
-from rlrunbook.testing.bench_gates import device_kind, peer_failures
+from rlrunbook.testing.bench_gates import baseline_device, peer_failures
 
 pytestmark = [pytest.mark.benchmark(group="peer"), pytest.mark.trl]
 
@@ -48,7 +48,7 @@ ALONE = 2  # rlrunbook steps timed before TRL starts (after a warm-up of their o
 
 
 def _baseline_key(device: str, shape: PeerShape) -> str:
-    key = f"peer/{device_kind(device)}/{peer_model()}"
+    key = f"peer/{baseline_device(device)}/{peer_model()}"
     return key if shape == PeerShape() else f"{key}/{shape}"
 
 

@@ -31,7 +31,7 @@ from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.training.plan import plan_run
 from rlrunbook.rl.training.step import one_step
 from rlrunbook.run import RunWriter, new_run_dir
-from rlrunbook.testing.bench_gates import RL_STEP_REGRESSION, device_kind, regression_failures
+from rlrunbook.testing.bench_gates import RL_STEP_REGRESSION, baseline_device, regression_failures
 
 pytestmark = pytest.mark.benchmark(group="rl_step")
 
@@ -81,7 +81,7 @@ def test_rl_step(benchmark, tmp_path, model, shape):
     service.close()
     if median is None:
         return
-    key = f"rl_step/{device_kind(device)}/{model}/{shape}"
+    key = f"rl_step/{baseline_device(device)}/{model}/{shape}"
     if updating_baselines():
         store_baseline(key, {"seconds_per_step": round(median, 3)}, device)
         return

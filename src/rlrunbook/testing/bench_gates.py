@@ -39,8 +39,33 @@ UPDATE_ENV = "RLRUNBOOK_UPDATE_BENCH_BASELINE"
 
 
 def device_kind(device: str) -> str:
-    """``cuda:1`` -> ``cuda``: baselines and targets are per kind of device."""
+    """``cuda:1`` -> ``cuda``: targets are per kind of device."""
     return device.split(":")[0]
+
+
+CPU_VENDORS = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}
+
+
+def baseline_device(device: str, cpuinfo: str | None = None) -> str:
+    """The device part of a stored baseline's key: the device kind, and on CPU its vendor (``cpu-amd``,
+    ``cpu-intel``), read from ``cpuinfo`` (``/proc/cpuinfo``'s text; read here when not given). One vendor's
+    figures do not gate another's: the same commit's peer step was 0.34x TRL's on a 2-core AMD EPYC and 0.69x on a
+    2-core Intel Xeon virtual machine (docs/performance.md). A CPU whose vendor is not known here is ``cpu``."""
+    kind = device_kind(device)
+    if kind != "cpu":
+        return kind
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
+                cpuinfo = file.read(65536)
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "vendor_id":
+            vendor = CPU_VENDORS.get(value.strip())
+            return f"cpu-{vendor}" if vendor else "cpu"
+    return "cpu"
 
 
 def decode_failures(device: str, rows: int, new_tokens: int, engine_ms: float, generate_ms: float) -> list[str]:

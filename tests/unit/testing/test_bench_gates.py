@@ -85,3 +85,15 @@ def test_the_training_attention_gate_holds_attention_to_a_share_of_the_products_
     assert len(failures) == 2 and "forward ran at 47 GFLOP/s, 0.23x" in failures[0] and "limit 0.35x" in failures[0]
     (failure,) = training_attention_failures(150.0, 60.0, 200.0)
     assert failure.startswith("attention backward ran at 60 GFLOP/s, 0.30x")
+
+
+def test_cpu_baselines_are_kept_per_vendor():
+    from rlrunbook.testing.bench_gates import baseline_device
+
+    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+    assert baseline_device("cpu", amd) == "cpu-amd" and baseline_device("cpu", intel) == "cpu-intel"
+    assert baseline_device("cpu", "vendor_id : SomeoneElse\n") == baseline_device("cpu", "") == "cpu"
+    assert baseline_device("cuda:1", intel) == "cuda"
+    assert baseline_device("cpu").startswith("cpu")  # this machine's, read from /proc/cpuinfo where there is one
+
