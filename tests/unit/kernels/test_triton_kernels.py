@@ -24,12 +24,6 @@ from rlrunbook.kernels import gpu, ops
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
 
-@pytest.fixture
-def on_triton(monkeypatch):
-    """ops dispatches CPU tensors to the Triton kernels (interpreted) instead of the C kernels."""
-    monkeypatch.setattr(ops, "_backend", lambda device: gpu)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_products_are_right_and_a_rows_result_depends_on_that_row_only(dtype):
     generator = torch.Generator().manual_seed(0)

@@ -28,12 +28,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-@pytest.fixture
-def on_triton(monkeypatch):
-    """ops dispatches CPU tensors to the Triton kernels (interpreted) instead of the C kernels."""
-    monkeypatch.setattr(ops, "_backend", lambda device: gpu)
-
-
 def _grads(fn, inputs, grad):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
