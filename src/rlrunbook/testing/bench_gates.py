@@ -44,13 +44,28 @@ def device_kind(device: str) -> str:
 
 
 CPU_VENDORS = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}
+# AMD's x86 family 25 (19h) holds two generations; these model ranges are Zen 4 (Genoa, Raphael, Phoenix, ...).
+ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+
+
+def cpu_generation(vendor: str, family: int, model: int) -> str:
+    """A CPU's generation as baselines name it: ``amd-zen5`` (family 26), ``amd-zen4`` or ``amd-zen3`` (family 25),
+    else the numbers themselves, ``<vendor>-family<F>-model<M>``. Generations of one vendor differ by more than a
+    gate's tolerance: the same commit's peer step was 0.34x TRL's on a 2-core Zen 5 and 0.45x on a 2-core Zen 4,
+    whose AVX-512 products run at half the width (docs/performance.md)."""
+    if vendor == "amd" and family == 26:
+        return "amd-zen5"
+    if vendor == "amd" and family == 25:
+        return "amd-zen4" if any(model in models for models in ZEN4_MODELS) else "amd-zen3"
+    return f"{vendor}-family{family}-model{model}"
 
 
 def baseline_device(device: str, cpuinfo: str | None = None) -> str:
-    """The device part of a stored baseline's key: the device kind, and on CPU its vendor (``cpu-amd``,
-    ``cpu-intel``), read from ``cpuinfo`` (``/proc/cpuinfo``'s text; read here when not given). One vendor's
-    figures do not gate another's: the same commit's peer step was 0.34x TRL's on a 2-core AMD EPYC and 0.69x on a
-    2-core Intel Xeon virtual machine (docs/performance.md). A CPU whose vendor is not known here is ``cpu``."""
+    """The device part of a stored baseline's key: the device kind, and on CPU its vendor and generation
+    (``cpu-amd-zen5``, ``cpu-amd-zen4``, ``cpu-intel-family6-model143``: :func:`cpu_generation`), read from
+    ``cpuinfo`` (``/proc/cpuinfo``'s text; read here when not given). One generation's figures do not gate
+    another's. A CPU whose vendor is not known here is ``cpu``; one whose family or model is not given,
+    ``cpu-<vendor>``."""
     kind = device_kind(device)
     if kind != "cpu":
         return kind
@@ -60,12 +75,19 @@ def baseline_device(device: str, cpuinfo: str | None = None) -> str:
                 cpuinfo = file.read(65536)
         except OSError:
             cpuinfo = ""
+    fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() == "vendor_id":
-            vendor = CPU_VENDORS.get(value.strip())
-            return f"cpu-{vendor}" if vendor else "cpu"
-    return "cpu"
+        if not name.strip():
+            break  # the first processor's fields only
+        fields.setdefault(name.strip(), value.strip())
+    vendor = CPU_VENDORS.get(fields.get("vendor_id", ""))
+    if vendor is None:
+        return "cpu"
+    family, model = fields.get("cpu family", ""), fields.get("model", "")
+    if not (family.isdigit() and model.isdigit()):
+        return f"cpu-{vendor}"
+    return f"cpu-{cpu_generation(vendor, int(family), int(model))}"
 
 
 def decode_failures(device: str, rows: int, new_tokens: int, engine_ms: float, generate_ms: float) -> list[str]:

@@ -87,13 +87,21 @@ def test_the_training_attention_gate_holds_attention_to_a_share_of_the_products_
     assert failure.startswith("attention backward ran at 60 GFLOP/s, 0.30x")
 
 
-def test_cpu_baselines_are_kept_per_vendor():
+def test_cpu_baselines_are_kept_per_generation():
     from rlrunbook.testing.bench_gates import baseline_device
 
-    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
-    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n"
-    assert baseline_device("cpu", amd) == "cpu-amd" and baseline_device("cpu", intel) == "cpu-intel"
+    def cpuinfo(vendor, family, model):
+        processor = f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: CPU\n"
+        return f"processor\t: 0\n{processor}\nprocessor\t: 1\n{processor}"
+
+    assert baseline_device("cpu", cpuinfo("AuthenticAMD", 26, 2)) == "cpu-amd-zen5"
+    assert baseline_device("cpu", cpuinfo("AuthenticAMD", 25, 17)) == "cpu-amd-zen4"  # Genoa: 19h, model 11h
+    assert baseline_device("cpu", cpuinfo("AuthenticAMD", 25, 1)) == "cpu-amd-zen3"  # Milan: 19h, model 01h
+    assert baseline_device("cpu", cpuinfo("GenuineIntel", 6, 143)) == "cpu-intel-family6-model143"
+    assert baseline_device("cpu", "vendor_id\t: AuthenticAMD\n") == "cpu-amd"  # no family given
+    # only the first processor's fields count
+    assert baseline_device("cpu", cpuinfo("AuthenticAMD", 26, 2) + cpuinfo("AuthenticAMD", 25, 17)) == "cpu-amd-zen5"
     assert baseline_device("cpu", "vendor_id : SomeoneElse\n") == baseline_device("cpu", "") == "cpu"
-    assert baseline_device("cuda:1", intel) == "cuda"
+    assert baseline_device("cuda:1", cpuinfo("GenuineIntel", 6, 143)) == "cuda"
     assert baseline_device("cpu").startswith("cpu")  # this machine's, read from /proc/cpuinfo where there is one
 
