@@ -164,6 +164,19 @@ def layer_kernels(device: torch.device) -> bool:
     return fixed.layer_kernels(device)
 
 
+def lora_added_applies(result: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a fixed-numerics pass adds a LoRA update (second factor ``b`` ``[N, r]``) to its base ``result`` in one
+    kernel (:func:`rlrunbook.kernels.ops.lora_added_applies`: on CUDA; on CPU up to rank ``SMALL_K``, float32 and
+    bfloat16), rather than as a product then :func:`rlrunbook.kernels.ops.add_scaled`; a memory plan on the meta
+    device answers for the device it plans."""
+    if result.dtype not in (torch.float32, torch.bfloat16) or b.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if result.device.type == "meta":
+        kind = device_kind(result.device)
+        return kind == "cuda" or (kind == "cpu" and b.shape[1] <= fixed.SMALL_K)
+    return fixed.lora_added_applies(result.device, b.shape[1])
+
+
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated MLP's ``silu(gate) * up`` under fixed numerics (silu from the fixed-order sigmoid): the op that keeps
     only gate and up, one kernel each way (:func:`rlrunbook.kernels.ops.silu_mul`)."""
@@ -401,8 +414,9 @@ class Decoder:
             if self.numerics.float64_matmuls:
                 delta = F.linear(F.linear(x.double(), a.double()), b.double()) * scaling
                 result = (result.double() + delta).to(result_dtype)
-            elif self.fixed and layer_kernels(x.device) and a.dtype == b.dtype:  # the second product and the sum
-                xa = (fixed.linear_float32(x, a) if a.dtype == torch.float32 and x.dtype != a.dtype  # x read as fp32
+            elif self.fixed and a.dtype == b.dtype and lora_added_applies(result, b):  # the second product, the sum
+                xa = (fixed.linear_float32(x, a)  # x read as float32 by the layer kernels
+                      if layer_kernels(x.device) and a.dtype == torch.float32 and x.dtype != a.dtype
                       else fixed.linear(x.to(a.dtype), a))
                 result = fixed.lora_added(result, xa, b, scaling)  # one kernel
             elif self.fixed:  # peft's order of operations, each product in fixed order

@@ -18,6 +18,7 @@ from rlrunbook.kernels.build import KernelBuildError, load_library
 from rlrunbook.kernels.profiling import profiled
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
+SMALL_K = 64  # products reducing over at most this many terms (LoRA's second factor) use the sequential order
 
 
 def _code(t: torch.Tensor, what: str) -> int:
@@ -155,6 +156,28 @@ def add_scaled(result: torch.Tensor, delta: torch.Tensor, scaling: float) -> tor
 
 
 @_profiled
+def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``add_scaled(base, gemm_seq(xa, b.T), scaling)`` in one pass with the same bits (c/fused.c ``lora_added``):
+    ``base`` ``[M, N]``, ``xa`` ``[M, r]`` and ``b`` ``[N, r]`` of one dtype (float32 or bfloat16; ``base`` may be
+    the other one, the sum then in float32 rounded to ``base``'s dtype), ``r`` at most ``SMALL_K`` (the sequential
+    sum); a new contiguous tensor. The ``[M, N]`` product is never stored."""
+    m, n, r = base.shape[0], base.shape[1], xa.shape[1]
+    if xa.dtype != b.dtype or base.dim() != 2 or xa.shape[0] != m or b.shape != (n, r) or r > SMALL_K:
+        raise ValueError(f"lora_added: base {tuple(base.shape)} {base.dtype}, xa {tuple(xa.shape)} {xa.dtype}, "
+                         f"b {tuple(b.shape)} {b.dtype} (rank at most {SMALL_K})")
+    base, xa = _rows(base), _rows(xa)
+    bt = b.t().contiguous()
+    out = torch.empty(base.shape, dtype=base.dtype)
+    if out.numel():
+        if r == 0:
+            return out.copy_(base)
+        _check(load_library().lora_added(_ptr(base), base.stride(0), _ptr(xa), xa.stride(0), _ptr(bt), n, scaling,
+                                         _ptr(out), n, m, n, r, _code(xa, "xa"), _code(base, "base"), _threads()),
+               "lora_added")
+    return out
+
+
+@_profiled
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for two ``[N, I]`` tensors of one dtype (float32 or bfloat16) whose rows are contiguous:
     the bits of ``ops.silu(gate) * up`` (each step rounded where the chain rounds it); a new contiguous tensor."""
@@ -267,6 +290,7 @@ __all__ = [
     "exp",
     "gemm_nt",
     "gemm_seq",
+    "lora_added",
     "rope_table",
     "row_logsumexp",
     "row_sumsq",

@@ -21,10 +21,9 @@ import torch
 
 from rlrunbook.kernels import cpu, ops
 from rlrunbook.kernels.build import load_library
-from rlrunbook.kernels.cpu import _check, _code, _profiled, _ptr, _threads
+from rlrunbook.kernels.cpu import SMALL_K, _check, _code, _profiled, _ptr, _threads
 
 DTYPES = (torch.float32, torch.bfloat16)
-SMALL_K = 64  # as rlrunbook.kernels.ops
 
 
 def applies(dtype: torch.dtype, device: torch.device) -> bool:

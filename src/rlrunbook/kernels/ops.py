@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-SMALL_K = 64  # products reducing over at most this many terms (LoRA's second factor) use the sequential order
+from rlrunbook.kernels.cpu import SMALL_K  # as c/fused.c: products over at most this many terms are sequential
 
 
 def _backend(device: torch.device):
@@ -364,9 +364,17 @@ class _LoraAdded(torch.autograd.Function):
 def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """A LoRA update added to its base product as peft adds it: ``(base + linear(xa, b) * scaling)`` in ``base``'s
     dtype (``base`` ``[M, N]``, ``xa`` ``[M, r]`` the input times the first factor, ``b`` ``[N, r]`` of ``xa``'s dtype)
-    in one kernel where :func:`layer_kernels` says so: the product in the fixed order of :func:`linear`, the scaled
-    update and the sum rounded where the chain ``add_scaled(base, linear(xa, b), scaling)`` rounds them."""
+    in one kernel where :func:`lora_added_applies` says so: the product in the fixed order of :func:`linear`, the
+    scaled update and the sum rounded where the chain ``add_scaled(base, linear(xa, b), scaling)`` rounds them. The
+    ``[M, N]`` update is never stored; the backward keeps ``xa`` and ``b``, as the chain's product does."""
     return _LoraAdded.apply(base, xa, b, scaling)
+
+
+def lora_added_applies(device: torch.device, rank: int) -> bool:
+    """Whether :func:`lora_added` computes a rank-``rank`` update on ``device`` in one kernel: on CUDA (Triton, any
+    rank) and on CPU for ranks up to ``SMALL_K`` (the C kernel: the chain's sequential sum with the addition in its
+    epilogue). The float32 and bfloat16 tensors of a decoder's pass."""
+    return device.type != "meta" and (layer_kernels(device) or (device.type == "cpu" and rank <= SMALL_K))
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:

@@ -31,13 +31,13 @@ _SHAPES = {
 }
 
 
-def _model(shape: str, dtype: torch.dtype, layers: int = 2) -> torch.nn.Module:
+def _model(shape: str, dtype: torch.dtype, layers: int = 2, rank: int = 8) -> torch.nn.Module:
     config_class, model_class, sizes = _SHAPES[shape]
     torch.manual_seed(0)
     config = config_class(vocab_size=320, num_hidden_layers=layers, max_position_embeddings=256,
                           tie_word_embeddings=False, **sizes)
     model = model_class(config).to(dtype).eval()
-    model = wrap_with_lora(model, rank=8, alpha=24, seed=0)  # scaling 3: not a power of two
+    model = wrap_with_lora(model, rank=rank, alpha=3 * rank, seed=0)  # scaling 3: not a power of two
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
@@ -107,3 +107,27 @@ def test_a_decode_step_runs_a_few_fused_calls_per_layer(monkeypatch):
     chain = _ops_per_decode_step(decoder)
     assert fused <= 9 * 4 + 6, fused
     assert chain >= 40 * 4, chain
+
+
+@pytest.mark.parametrize("rank", [8, 65], ids=["r8", "r65"])
+def test_the_training_pass_adds_each_lora_update_in_one_kernel(rank):
+    """With gradients recorded (the trainer's pass) on CPU, each of the 7 projections' LoRA updates is one
+    ``lora_added`` call (the sequential product with peft's addition in its epilogue: no ``[tokens, out]`` update
+    tensor written and read again); a rank over SMALL_K, whose sum is lanes16, keeps the product then ``add_scaled``.
+    The bits are the chain's either way (tests/unit/kernels/test_fused_kernels.py)."""
+    from rlrunbook.engines.layouts import TreeLayout
+    from rlrunbook.prefix_tree import TokenTrie, plan_forward
+
+    model = _model("llama-64", torch.float32, rank=rank)
+    decoder = Decoder(model)
+    trie = TokenTrie()
+    plan = plan_forward(trie, [[5, 9, 14, 3]])
+    layout = TreeLayout(plan.rows, plan.flat_of(), trie.positions, torch.device("cpu"))
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        hidden = decoder.hidden(torch.tensor([trie.tokens[n] for n in plan.nodes]),
+                                torch.tensor([trie.positions[n] for n in plan.nodes]), layout)
+    assert hidden.requires_grad
+    calls = {name: sum(e.name == f"rlrunbook::{name}" for e in trace.events()) for name in ("lora_added", "add_scaled")}
+    layers = len(model.get_base_model().model.layers)
+    assert calls == ({"lora_added": 7 * layers, "add_scaled": 0} if rank <= 64 else
+                     {"lora_added": 0, "add_scaled": 7 * layers}), calls

@@ -149,3 +149,47 @@ def test_a_mismatched_dtype_is_refused_by_name(dtype):
     with pytest.raises(TypeError, match="one dtype"):
         fused.rms_norm(torch.ones(2, 4, dtype=dtype), torch.ones(4, dtype=torch.float64 if dtype == torch.float32
                                                                       else torch.float32), 1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 100), rank=st.sampled_from([1, 3, 16, 33, 64]), pair=st.sampled_from(
+       [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]),
+       scaling=st.sampled_from([2.0, 0.37, 1.0]), seed=st.integers(0, 2**16))
+def test_lora_added_gives_the_chain_bits_and_gradients(rows, cols, rank, pair, scaling, seed):
+    """ops.lora_added on CPU (the C kernel: gemm_seq's sums with peft's addition in their epilogue) against the
+    trainer's chain, a product then add_scaled (or PyTorch's promoted sum for float32 factors beside a bfloat16
+    model): values and the gradients of the base, the first product and the second factor, bit for bit."""
+    dtype, factor_dtype = pair
+    base = _values(seed, (rows, cols), dtype).requires_grad_()
+    xa = (_values(seed + 1, (rows, rank), factor_dtype) / 4).requires_grad_()
+    b = _values(seed + 2, (cols, rank), factor_dtype).requires_grad_()
+    grad = _values(seed + 3, (rows, cols), dtype)
+    assert fixed.lora_added_applies(torch.device("cpu"), rank)
+
+    def chain(base, xa, b):
+        delta = fixed.linear(xa, b)
+        return fixed.add_scaled(base, delta, scaling) if dtype == factor_dtype else (base + delta * scaling).to(dtype)
+
+    results = []
+    for function in (fixed.lora_added, chain):
+        leaves = [t.detach().clone().requires_grad_() for t in (base, xa, b)]
+        out = function(*leaves, scaling) if function is fixed.lora_added else function(*leaves)
+        out.backward(grad)
+        results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_lora_added_on_cpu_is_for_the_sequential_ranks():
+    """Ranks over SMALL_K sum in lanes16 order: the C kernel refuses them and the decoder keeps the chain there."""
+    from rlrunbook.engines.decoder import lora_added_applies
+
+    cpu = torch.device("cpu")
+    assert fixed.lora_added_applies(cpu, fixed.SMALL_K) and not fixed.lora_added_applies(cpu, fixed.SMALL_K + 1)
+    base, b = torch.zeros(2, 3), torch.zeros(3, fixed.SMALL_K + 1)
+    assert not lora_added_applies(base, b) and lora_added_applies(base, b[:, :fixed.SMALL_K])
+    assert not lora_added_applies(base.double(), b[:, :4])
+    with pytest.raises(ValueError, match="rank at most 64"):
+        from rlrunbook.kernels import cpu as kernels
+
+        kernels.lora_added(base, torch.zeros(2, fixed.SMALL_K + 1), b, 2.0)

@@ -52,6 +52,11 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 #define SEQ_ROWS 3
 #endif
 
+/* Where gemm_seq_to hands each row of its sums (products.c): columns n0 .. n0 + width of row m, in float32. */
+typedef void (*seq_store)(const void *context, int64_t m, int64_t n0, float *row, int64_t width);
+int gemm_seq_to(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int tb, int64_t ldb, int64_t M,
+                int64_t N, int64_t K, seq_store store_row, const void *context, int nthreads);
+
 /* -- loads, stores, conversions ------------------------------------------------------------------- */
 
 static inline float bf16_to_f32(uint16_t h) {

@@ -212,13 +212,46 @@ int silu_mul(const void *GU, int64_t ld, int64_t N, int64_t I, void *Y, int t, i
 
 /* -- projections with LoRA ------------------------------------------------------------------------------ */
 
-NO_CONTRACT static void add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t col0, int64_t cols,
-                                   const void *V, int ta, float scaling) {
+/* lora_added's store: C[m, n] = H[m, n] + round(round(v) * scaling) for the update's sum v (v and the scaled value
+ * rounded to the factors' type td, the sum in float32 rounded to C's type tc: peft's `result + lora_B(lora_A(x)) *
+ * scaling`, as the chain's product then add_scaled round it). H may be C itself. */
+typedef struct {
+  const void *H;
+  int64_t ldh;
+  void *C;
+  int64_t ldc;
+  float scaling;
+  int td, tc;
+} added_store;
+
+NO_CONTRACT static void add_update_row(const void *context, int64_t m, int64_t n0, float *row, int64_t width) {
+  CONTRACT_OFF
+  const added_store *s = context;
+  for (int64_t j = 0; j < width; j++) {
+    float delta = rounded(rounded(row[j], s->td) * s->scaling, s->td);
+    store1(s->C, m * s->ldc + n0 + j, load1(s->H, m * s->ldh + n0 + j, s->tc) + delta, s->tc);
+  }
+}
+
+/* C [M, N] = H + round(round(U @ Bt) * scaling): a LoRA update added to its base result in one pass, U [M, r] the input
+ * times the first factor and Bt [r, N] the second factor transposed (row strides ldu, ldbt; r at most SMALL_K, so
+ * the sum over r is gemm_seq's, in increasing index), both of type td; H and C of type tc (H may be C). The bits of
+ * the chain gemm_seq -> add_scaled (td == tc), or of PyTorch's promoted `H + D * scaling` rounded to tc. */
+int lora_added(const void *H, int64_t ldh, const void *U, int64_t ldu, const void *Bt, int64_t ldbt, float scaling,
+               void *C, int64_t ldc, int64_t M, int64_t N, int64_t r, int td, int tc, int nthreads) {
+  added_store s = {H, ldh, C, ldc, scaling, td, tc};
+  return gemm_seq_to(U, td, ldu, 1, Bt, td, ldbt, M, N, r, add_update_row, &s, nthreads);
+}
+
+/* C[m, n] += round(V[m, n] * scaling) over C's [M, cols] block (row stride ldc): add_update_row's arithmetic for
+ * an update computed beforehand (V contiguous [M, cols], type ta). */
+NO_CONTRACT static void add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, const void *V, int ta,
+                                   float scaling) {
   CONTRACT_OFF
   for (int64_t m = 0; m < M; m++)
     for (int64_t j = 0; j < cols; j++) {
       float delta = rounded(load1(V, m * cols + j, ta) * scaling, ta);
-      store1(C, m * ldc + col0 + j, load1(C, m * ldc + col0 + j, tc) + delta, tc);
+      store1(C, m * ldc + j, load1(C, m * ldc + j, tc) + delta, tc);
     }
 }
 
@@ -243,12 +276,16 @@ int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const
       int64_t r = ranks[at], cols_p = cols[p + 1] - cols[p];
       const char *x = (const char *)X + (size_t)(first * ldx) * esize(tx);
       char *c = (char *)C + (size_t)(first * ldc) * esize(tc);
-      char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = malloc((size_t)(rows * cols_p + 1) * esize(ta));
-      int failed = !u || !v || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads) ||
-                   (r <= SMALL_K
-                        ? gemm_seq(u, ta, r, 1, B[at], ta, cols_p, NULL, v, ta, cols_p, rows, cols_p, r, nthreads)
-                        : product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads));
-      if (!failed) add_update(c, tc, ldc, rows, cols[p], cols_p, v, ta, scalings[at]);
+      char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = NULL;
+      c += (size_t)cols[p] * esize(tc); /* this projection's columns */
+      int failed = !u || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads);
+      if (!failed && r <= SMALL_K) /* the second product, scaled and added, in one pass */
+        failed = lora_added(c, ldc, u, r, B[at], cols_p, scalings[at], c, ldc, rows, cols_p, r, ta, tc, nthreads);
+      else if (!failed) { /* a rank over SMALL_K: its product in lanes16 order, then the same addition */
+        failed = !(v = malloc((size_t)(rows * cols_p + 1) * esize(ta))) ||
+                 product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads);
+        if (!failed) add_update(c, tc, ldc, rows, cols_p, v, ta, scalings[at]);
+      }
       free(u);
       free(v);
       if (failed) return 1;

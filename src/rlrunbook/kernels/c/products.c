@@ -288,8 +288,33 @@ static void seq_item(const seq_a *A, int pairs, const void *B, int tb, int64_t l
   }
 }
 
+/* gemm_seq's own store: row + bias (float32 additions, then rounded to C's type) */
+typedef struct {
+  const float *bias;
+  void *C;
+  int tc;
+  int64_t ldc;
+} seq_plain;
+
+static void seq_plain_store(const void *context, int64_t m, int64_t n0, float *row, int64_t width) {
+  const seq_plain *s = context;
+  if (s->bias)
+    for (int64_t j = 0; j < width; j++) row[j] = row[j] + s->bias[n0 + j];
+  if (s->tc == F32) memcpy((float *)s->C + m * s->ldc + n0, row, (size_t)width * 4);
+  else
+    for (int64_t j = 0; j < width; j++) store1(s->C, m * s->ldc + n0 + j, row[j], s->tc);
+}
+
 int gemm_seq(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int tb, int64_t ldb, const float *bias,
              void *C, int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads) {
+  seq_plain plain = {bias, C, tc, ldc};
+  return gemm_seq_to(A, ta, sam, sak, B, tb, ldb, M, N, K, seq_plain_store, &plain, nthreads);
+}
+
+/* gemm_seq's sums, each row's float32 values (columns n0 .. n0 + width) handed to store(context, m, n0, row, width)
+ * once, by the thread that computed them (the row may be changed in place). */
+int gemm_seq_to(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int tb, int64_t ldb, int64_t M,
+                int64_t N, int64_t K, seq_store store_row, const void *context, int nthreads) {
   int pairs = ta == BF16 && tb == BF16 && sak == 1;
   seq_a a = {0};
   float *a32 = NULL;
@@ -346,14 +371,7 @@ int gemm_seq(const void *A, int ta, int64_t sam, int64_t sak, const void *B, int
         int64_t m = rb * SEQ_ROWS;
         int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
         float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
-        for (int i = 0; i < rows; i++) {
-          float *row = st + i * SEQ_PANEL;
-          if (bias)
-            for (int64_t j = 0; j < width; j++) row[j] = row[j] + bias[n0 + j];
-          if (tc == F32) memcpy((float *)C + (m + i) * ldc + n0, row, (size_t)width * 4);
-          else
-            for (int64_t j = 0; j < width; j++) store1(C, (m + i) * ldc + n0 + j, row[j], tc);
-        }
+        for (int i = 0; i < rows; i++) store_row(context, m + i, n0, st + i * SEQ_PANEL, width);
       }
     }
   }
