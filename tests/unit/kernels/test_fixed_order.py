@@ -87,6 +87,33 @@ def test_gemm_seq_float32_is_the_sequential_sum(k):
                        expected)
 
 
+def _lanes16_all(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """lanes16 for every (row, column) at once: numpy float32 additions, elementwise, in the same order."""
+    xs, ws = x.numpy(), w.numpy()
+    lanes = np.zeros((xs.shape[0], ws.shape[0], 16), dtype=np.float32)
+    for k in range(xs.shape[1]):
+        lanes[:, :, k % 16] = lanes[:, :, k % 16] + (xs[:, k, None] * ws[None, :, k]).astype(np.float32)
+    s = lanes[..., :8] + lanes[..., 8:]
+    t = s[..., :4] + s[..., 4:]
+    u = t[..., :2] + t[..., 2:]
+    return torch.from_numpy(u[..., 0] + u[..., 1])
+
+
+@pytest.mark.parametrize("n", [65, 130, 577, 960])
+def test_every_column_of_a_product_split_into_panels_is_the_lanes16_sum(n):
+    """The threads take panels of B's rows (about 64, as many as a multiple of the threads): whatever the split, each
+    column is computed once, in lanes16 order, on 1, 2 or 3 threads."""
+    x, w = _bf16_valued(6, 40, seed=n), _bf16_valued(n, 40, seed=n + 1)
+    expected = _lanes16_all(x, w)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(cpu.gemm_nt(x, w, None, torch.float32), expected), f"{count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bias_is_added_once_after_the_sum_and_the_result_rounded_once():
     x, w = _bf16_valued(3, 70, seed=1), _bf16_valued(4, 70, seed=2)
     bias = torch.randn(4)

@@ -40,6 +40,15 @@ static inline size_t esize(int type) { return type == BF16 ? 2 : 4; }
 /* x rounded to storage type t (float32: unchanged) */
 static inline float rounded(float x, int t) { return t == BF16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
 
+/* rounded() in each of 16 lanes */
+static inline v16 rounded16(v16 x, int t) {
+  if (t != BF16) return x;
+  v16u bits = to_bf16_bits(x) << 16;
+  v16 f;
+  memcpy(&f, &bits, 64);
+  return f;
+}
+
 /* ops.product: C = A @ B^T (+ bias), A [M, K], B [N, K]; lanes16/pairs16 over k, or sequential for K <= 64
  * (over B transposed, as ops.product passes it). */
 static int product(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias,
@@ -227,9 +236,11 @@ typedef struct {
 NO_CONTRACT static void add_update_row(const void *context, int64_t m, int64_t n0, float *row, int64_t width) {
   CONTRACT_OFF
   const added_store *s = context;
-  for (int64_t j = 0; j < width; j++) {
-    float delta = rounded(rounded(row[j], s->td) * s->scaling, s->td);
-    store1(s->C, m * s->ldc + n0 + j, load1(s->H, m * s->ldh + n0 + j, s->tc) + delta, s->tc);
+  for (int64_t j = 0; j < width; j += 16) { /* 16 elements at a time, each rounded as rounded() rounds it */
+    int n = (int)(width - j < 16 ? width - j : 16);
+    v16 delta = rounded16(rounded16(load16(row, j, F32, n), s->td) * s->scaling, s->td);
+    v16 h = load16(s->H, m * s->ldh + n0 + j, s->tc, n);
+    store16(s->C, m * s->ldc + n0 + j, h + delta, s->tc, n);
   }
 }
 

@@ -120,6 +120,13 @@ static void nt_tile_bf16(const nt_args *t, float out[NT_ROWS * NT_COLS]) {
   reduce_tile(acc, out);
 }
 
+/* The first B row of panel p of `panels` over `units` micro-tile columns (N rows in all; p = panels: N) */
+static inline int64_t panel_start(int64_t p, int64_t panels, int64_t units, int64_t N) {
+  if (p >= panels) return N;
+  int64_t n = p * units / panels * NT_COLS;
+  return n < N ? n : N;
+}
+
 int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias, void *C,
             int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads) {
   int pairs = ta == BF16 && tb == BF16;
@@ -138,15 +145,22 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
     b = b32, lb = K;
   }
   size_t esize = pairs ? 2 : 4;
-  /* work items: panels of B rows x groups of A rows, enough groups to feed every thread */
-  int64_t panels = (N + NT_PANEL - 1) / NT_PANEL, rowblocks = (M + NT_ROWS - 1) / NT_ROWS;
+  /* work items: panels of B rows x groups of A rows, enough groups to feed every thread. The panels (about NT_PANEL
+   * rows, whole micro-tiles) are as many as a multiple of the threads where there are at least as many: 9 panels of a
+   * 576-row B on 2 threads left one thread idle for a ninth of the product. */
+  int64_t units = (N + NT_COLS - 1) / NT_COLS, panels = (N + NT_PANEL - 1) / NT_PANEL;
+  int64_t rowblocks = (M + NT_ROWS - 1) / NT_ROWS;
+  if (nthreads > 1 && panels >= nthreads && panels % nthreads) {
+    panels += nthreads - panels % nthreads;
+    if (panels > units) panels = units;
+  }
   int64_t chunks = panels >= 4 * (int64_t)nthreads ? 1 : (4 * (int64_t)nthreads + panels - 1) / panels;
   if (chunks > rowblocks) chunks = rowblocks;
   int64_t items = panels * chunks;
 #pragma omp parallel for schedule(static) num_threads(threads_for(items, nthreads))
   for (int64_t item = 0; item < items; item++) {
     int64_t p = item % panels, c = item / panels;
-    int64_t n0 = p * NT_PANEL, n1 = n0 + NT_PANEL < N ? n0 + NT_PANEL : N;
+    int64_t n0 = panel_start(p, panels, units, N), n1 = panel_start(p + 1, panels, units, N);
     int64_t m0 = rowblocks * c / chunks * NT_ROWS, m1 = rowblocks * (c + 1) / chunks * NT_ROWS;
     if (m1 > M) m1 = M;
     /* With few rows (a decode step) the panel's first row group waits on memory and the others compute from L2:
@@ -154,7 +168,7 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
     const char *next = NULL;
     int64_t next_lines = 0, per_tile = 0;
     if (m1 - m0 <= NT_PREFETCH_ROWS && n1 < N) {
-      int64_t next_rows = N - n1 < NT_PANEL ? N - n1 : NT_PANEL;
+      int64_t next_rows = panel_start(p + 2, panels, units, N) - n1;
       int64_t tiles = (m1 - m0 + NT_ROWS - 1) / NT_ROWS * ((n1 - n0 + NT_COLS - 1) / NT_COLS);
       next = (const char *)b + n1 * lb * esize;
       next_lines = (next_rows * lb * (int64_t)esize + 63) / 64;
