@@ -114,6 +114,25 @@ def test_every_column_of_a_product_split_into_panels_is_the_lanes16_sum(n):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("k", [1, 17, 64])
+def test_a_short_sum_over_many_rows_is_the_sequential_sum_and_each_rows_own(k):
+    """Over at most 64 terms and many rows (a LoRA update at a training pass's size) the threads take whole row blocks
+    and go along their rows: each element is still the sequential sum, with the bits a few rows alone get (another
+    path), for float32 and for bfloat16 inputs."""
+    x, w = _bf16_valued(70, k, seed=k), _bf16_valued(100, k, seed=k + 1)
+    xs, ws = x.numpy(), w.numpy()
+    expected = np.zeros((70, 100), dtype=np.float32)
+    for i in range(k):
+        expected = expected + (xs[:, i, None] * ws[None, :, i]).astype(np.float32)
+    wt = w.t().contiguous()
+    assert torch.equal(cpu.gemm_seq(x, wt, None, torch.float32), torch.from_numpy(expected))
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(70, k).to(dtype), torch.randn(k, 100).to(dtype)
+        many = cpu.gemm_seq(a, b, None, torch.float32)
+        assert torch.equal(torch.cat([cpu.gemm_seq(a[i:i + 5], b, None, torch.float32) for i in range(0, 70, 5)]),
+                           many)
+
+
 def test_bias_is_added_once_after_the_sum_and_the_result_rounded_once():
     x, w = _bf16_valued(3, 70, seed=1), _bf16_valued(4, 70, seed=2)
     bias = torch.randn(4)

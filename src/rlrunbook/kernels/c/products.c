@@ -207,6 +207,8 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
 
 #define SEQ_PANEL 32
 #define SEQ_KCHUNK 512
+#define SEQ_SHORT_K 64 /* at most this many terms: seq_short */
+#define SEQ_SHORT_ROWS 64 /* and at least this many rows (fewer: too few blocks to feed the threads) */
 
 typedef struct {
   const float *a; /* fp32 A, row stride lda (f32 path) */
@@ -214,92 +216,136 @@ typedef struct {
   int64_t lda, lda2;
 } seq_a;
 
+/* The panel of B for k in [k0, k0 + kn) and columns n0 .. n0 + width into bp: per step (one k, or a pair of k for
+ * pairs), 32 values (fp32, or pair words), zeros past width. */
+static void seq_panel(int pairs, const void *B, int tb, int64_t ldb, int64_t K, int64_t n0, int64_t width, int64_t k0,
+                      int64_t kn, float *bp) {
+  int64_t steps = pairs ? (kn + 1) / 2 : kn;
+  for (int64_t i = 0; i < steps; i++) {
+    v16 lo, hi;
+    if (pairs) {
+      int64_t k = k0 + 2 * i;
+      v16u w[2];
+      for (int half = 0; half < 2; half++) {
+        int n = (int)(width - 16 * half);
+        n = n < 0 ? 0 : n > 16 ? 16 : n;
+        v16u even = (v16u){0}, odd = (v16u){0};
+        if (n > 0) { /* bf16 bits as the low half of 32-bit words: load16 gives them in the high half */
+          v16 e = load16(B, k * ldb + n0 + 16 * half, BF16, n);
+          memcpy(&even, &e, 64);
+          even >>= 16;
+          if (k + 1 < K) {
+            v16 o = load16(B, (k + 1) * ldb + n0 + 16 * half, BF16, n);
+            memcpy(&odd, &o, 64);
+            odd = odd >> 16 << 16;
+          }
+        }
+        w[half] = even | odd;
+      }
+      memcpy(&lo, &w[0], 64);
+      memcpy(&hi, &w[1], 64);
+    } else {
+      lo = load16(B, (k0 + i) * ldb + n0, tb, (int)width);
+      hi = width > 16 ? load16(B, (k0 + i) * ldb + n0 + 16, tb, (int)(width - 16)) : (v16){0};
+    }
+    memcpy(bp + i * SEQ_PANEL, &lo, 64);
+    memcpy(bp + i * SEQ_PANEL + 16, &hi, 64);
+  }
+}
+
+/* The sums of rows m .. m + SEQ_ROWS (the first `rows` real) over one panel and k chunk [k0, k0 + kn): the
+ * accumulators st ([SEQ_ROWS, SEQ_PANEL] floats) are read, each term added in increasing k, and written back. */
+static inline void seq_rows(const seq_a *A, int pairs, int64_t m, int rows, int64_t k0, int64_t kn, int64_t width,
+                            const float *bp, float *st) {
+  int64_t steps = pairs ? (kn + 1) / 2 : kn;
+  v16 acc0[SEQ_ROWS], acc1[SEQ_ROWS];
+  for (int i = 0; i < SEQ_ROWS; i++) {
+    memcpy(&acc0[i], st + i * SEQ_PANEL, 64);
+    memcpy(&acc1[i], st + i * SEQ_PANEL + 16, 64);
+  }
+  if (pairs) {
+    const uint32_t *ar[SEQ_ROWS];
+    for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a2 + (m + (i < rows ? i : 0)) * A->lda2 + k0 / 2;
+    for (int64_t i = 0; i < steps; i++) {
+      v16u b0, b1;
+      memcpy(&b0, bp + i * SEQ_PANEL, 64);
+      memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
+      for (int r = 0; r < SEQ_ROWS; r++) {
+        v16u av = (v16u){0} + ar[r][i];
+        acc0[r] = pair_step(acc0[r], av, b0);
+        acc1[r] = pair_step(acc1[r], av, b1);
+      }
+    }
+  } else {
+    const float *ar[SEQ_ROWS];
+    for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a + (m + (i < rows ? i : 0)) * A->lda + k0;
+    if (width <= 16) /* a panel of at most 16 columns: the second half would add zeros */
+      for (int64_t i = 0; i < steps; i++) {
+        v16 b0;
+        memcpy(&b0, bp + i * SEQ_PANEL, 64);
+        for (int r = 0; r < SEQ_ROWS; r++) acc0[r] += splat(ar[r][i]) * b0;
+      }
+    else
+      for (int64_t i = 0; i < steps; i++) {
+        v16 b0, b1;
+        memcpy(&b0, bp + i * SEQ_PANEL, 64);
+        memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
+        for (int r = 0; r < SEQ_ROWS; r++) {
+          v16 av = splat(ar[r][i]);
+          acc0[r] += av * b0;
+          acc1[r] += av * b1;
+        }
+      }
+  }
+  for (int i = 0; i < SEQ_ROWS; i++) {
+    memcpy(st + i * SEQ_PANEL, &acc0[i], 64);
+    memcpy(st + i * SEQ_PANEL + 16, &acc1[i], 64);
+  }
+}
+
 /* One work item's rows [rb0, rb1) (in blocks of SEQ_ROWS) against one 32-column panel of B, k in chunks. */
 static void seq_item(const seq_a *A, int pairs, const void *B, int tb, int64_t ldb, int64_t M, int64_t K, int64_t n0,
                      int64_t width, int64_t rb0, int64_t rb1, float *bp, float *store) {
-  int64_t step = pairs ? 2 : 1, chunk = SEQ_KCHUNK;
-  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-    int64_t kn = K - k0 < chunk ? K - k0 : chunk, steps = (kn + step - 1) / step;
-    /* the panel of B for this chunk: per step, 32 columns (fp32 values, or pair words) */
-    for (int64_t i = 0; i < steps; i++) {
-      v16 lo, hi;
-      if (pairs) {
-        int64_t k = k0 + 2 * i;
-        v16u w[2];
-        for (int half = 0; half < 2; half++) {
-          int n = (int)(width - 16 * half);
-          n = n < 0 ? 0 : n > 16 ? 16 : n;
-          v16u even = (v16u){0}, odd = (v16u){0};
-          if (n > 0) { /* bf16 bits as the low half of 32-bit words: load16 gives them in the high half */
-            v16 e = load16(B, k * ldb + n0 + 16 * half, BF16, n);
-            memcpy(&even, &e, 64);
-            even >>= 16;
-            if (k + 1 < K) {
-              v16 o = load16(B, (k + 1) * ldb + n0 + 16 * half, BF16, n);
-              memcpy(&odd, &o, 64);
-              odd = odd >> 16 << 16;
-            }
-          }
-          w[half] = even | odd;
-        }
-        memcpy(&lo, &w[0], 64);
-        memcpy(&hi, &w[1], 64);
-      } else {
-        lo = load16(B, (k0 + i) * ldb + n0, tb, (int)width);
-        hi = width > 16 ? load16(B, (k0 + i) * ldb + n0 + 16, tb, (int)(width - 16)) : (v16){0};
-      }
-      memcpy(bp + i * SEQ_PANEL, &lo, 64);
-      memcpy(bp + i * SEQ_PANEL + 16, &hi, 64);
-    }
+  for (int64_t k0 = 0; k0 < K; k0 += SEQ_KCHUNK) {
+    int64_t kn = K - k0 < SEQ_KCHUNK ? K - k0 : SEQ_KCHUNK;
+    seq_panel(pairs, B, tb, ldb, K, n0, width, k0, kn, bp);
     for (int64_t rb = rb0; rb < rb1; rb++) {
       int64_t m = rb * SEQ_ROWS;
       int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
-      float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
-      v16 acc0[SEQ_ROWS], acc1[SEQ_ROWS];
-      for (int i = 0; i < SEQ_ROWS; i++) {
-        memcpy(&acc0[i], st + i * SEQ_PANEL, 64);
-        memcpy(&acc1[i], st + i * SEQ_PANEL + 16, 64);
-      }
-      if (pairs) {
-        const uint32_t *ar[SEQ_ROWS];
-        for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a2 + (m + (i < rows ? i : 0)) * A->lda2 + k0 / 2;
-        for (int64_t i = 0; i < steps; i++) {
-          v16u b0, b1;
-          memcpy(&b0, bp + i * SEQ_PANEL, 64);
-          memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
-          for (int r = 0; r < SEQ_ROWS; r++) {
-            v16u av = (v16u){0} + ar[r][i];
-            acc0[r] = pair_step(acc0[r], av, b0);
-            acc1[r] = pair_step(acc1[r], av, b1);
-          }
-        }
-      } else {
-        const float *ar[SEQ_ROWS];
-        for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a + (m + (i < rows ? i : 0)) * A->lda + k0;
-        if (width <= 16) /* a panel of at most 16 columns: the second half would add zeros */
-          for (int64_t i = 0; i < steps; i++) {
-            v16 b0;
-            memcpy(&b0, bp + i * SEQ_PANEL, 64);
-            for (int r = 0; r < SEQ_ROWS; r++) acc0[r] += splat(ar[r][i]) * b0;
-          }
-        else
-        for (int64_t i = 0; i < steps; i++) {
-          v16 b0, b1;
-          memcpy(&b0, bp + i * SEQ_PANEL, 64);
-          memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
-          for (int r = 0; r < SEQ_ROWS; r++) {
-            v16 av = splat(ar[r][i]);
-            acc0[r] += av * b0;
-            acc1[r] += av * b1;
-          }
-        }
-      }
-      for (int i = 0; i < SEQ_ROWS; i++) {
-        memcpy(st + i * SEQ_PANEL, &acc0[i], 64);
-        memcpy(st + i * SEQ_PANEL + 16, &acc1[i], 64);
-      }
+      seq_rows(A, pairs, m, rows, k0, kn, width, bp, store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL);
     }
   }
+}
+
+/* gemm_seq_to over at most SEQ_SHORT_K terms (a LoRA factor's rank): all of B's panels built once, then each thread
+ * takes whole row blocks and goes along their rows, panel after panel, handing each block's sums to the store as
+ * they are done. The same sums as seq_item's (one chunk of k, the accumulators from zero); the rows of C are
+ * written along their length, where a panel at a time would write a 32-column strip of every row (each row of a
+ * 1,536-column strip on its own page, beyond the prefetchers' reach). */
+static int seq_short(const seq_a *A, int pairs, const void *B, int tb, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                     seq_store store_row, const void *context, int nthreads) {
+  int64_t panels = (N + SEQ_PANEL - 1) / SEQ_PANEL, rowblocks = (M + SEQ_ROWS - 1) / SEQ_ROWS;
+  int64_t steps = pairs ? (K + 1) / 2 : K;
+  float *bp = malloc((size_t)(panels * steps * SEQ_PANEL + 16) * sizeof(float));
+  if (!bp) return 1;
+  for (int64_t p = 0; p < panels; p++) {
+    int64_t n0 = p * SEQ_PANEL;
+    seq_panel(pairs, B, tb, ldb, K, n0, N - n0 < SEQ_PANEL ? N - n0 : SEQ_PANEL, 0, K, bp + p * steps * SEQ_PANEL);
+  }
+#pragma omp parallel for schedule(static) num_threads(threads_for(rowblocks, nthreads))
+  for (int64_t rb = 0; rb < rowblocks; rb++) {
+    int64_t m = rb * SEQ_ROWS;
+    int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
+    float st[SEQ_ROWS * SEQ_PANEL];
+    for (int64_t p = 0; p < panels; p++) {
+      int64_t n0 = p * SEQ_PANEL, width = N - n0 < SEQ_PANEL ? N - n0 : SEQ_PANEL;
+      memset(st, 0, sizeof st);
+      seq_rows(A, pairs, m, rows, 0, K, width, bp + p * steps * SEQ_PANEL, st);
+      for (int i = 0; i < rows; i++) store_row(context, m + i, n0, st + i * SEQ_PANEL, width);
+    }
+  }
+  free(bp);
+  return 0;
 }
 
 /* gemm_seq's own store: row + bias (float32 additions, then rounded to C's type) */
@@ -358,6 +404,12 @@ int gemm_seq_to(const void *A, int ta, int64_t sam, int64_t sak, const void *B, 
         for (int64_t m = 0; m < M; m++) a32[m * K + k] = load1(A, m * sam + k * sak, ta);
     }
     a.a = a32, a.lda = K;
+  }
+  if (K <= SEQ_SHORT_K && M >= SEQ_SHORT_ROWS) {
+    int status = seq_short(&a, pairs, B, tb, ldb, M, N, K, store_row, context, nthreads);
+    free(a32);
+    free(a2);
+    return status;
   }
   int64_t panels = (N + SEQ_PANEL - 1) / SEQ_PANEL;
   int64_t rowblocks = (M + SEQ_ROWS - 1) / SEQ_ROWS;
