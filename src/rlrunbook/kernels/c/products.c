@@ -207,7 +207,7 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
 
 #define SEQ_PANEL 32
 #define SEQ_KCHUNK 512
-#define SEQ_SHORT_K 64 /* at most this many terms (and SEQ_SHORT_ROWS rows): seq_short, for speed only (the same bits) */
+#define SEQ_SHORT_K 64 /* at most this many terms (and SEQ_SHORT_ROWS rows): seq_short, for speed (same bits) */
 #define SEQ_SHORT_ROWS 64 /* and at least this many rows (fewer: too few blocks to feed the threads) */
 
 typedef struct {
