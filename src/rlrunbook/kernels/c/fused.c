@@ -254,16 +254,19 @@ int lora_added(const void *H, int64_t ldh, const void *U, int64_t ldu, const voi
   return gemm_seq_to(U, td, ldu, 1, Bt, td, ldbt, M, N, r, add_update_row, &s, nthreads);
 }
 
-/* C[m, n] += round(V[m, n] * scaling) over C's [M, cols] block (row stride ldc): add_update_row's arithmetic for
- * an update computed beforehand (V contiguous [M, cols], type ta). */
-NO_CONTRACT static void add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, const void *V, int ta,
-                                   float scaling) {
-  CONTRACT_OFF
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t j = 0; j < cols; j++) {
-      float delta = rounded(load1(V, m * cols + j, ta) * scaling, ta);
-      store1(C, m * ldc + j, load1(C, m * ldc + j, tc) + delta, tc);
-    }
+/* C[m, n] += round(V[m, n] * scaling) over C's [M, cols] block (row stride ldc): add_update_row for an update
+ * computed and stored beforehand (V contiguous [M, cols], type ta; its values are already rounded to ta, so
+ * add_update_row's first rounding leaves them as they are). Returns 1 where its row buffer cannot be allocated. */
+static int add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, const void *V, int ta, float scaling) {
+  added_store s = {C, ldc, C, ldc, scaling, ta, tc};
+  float *row = malloc((size_t)(cols + 16) * sizeof(float));
+  if (!row) return 1;
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t j = 0; j < cols; j++) row[j] = load1(V, m * cols + j, ta);
+    add_update_row(&s, m, 0, row, cols);
+  }
+  free(row);
+  return 0;
 }
 
 /* C [M, N] = X @ W^T (+ bias), W the stacked base weights of P projections (their outputs are C's columns
@@ -295,7 +298,7 @@ int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const
       else if (!failed) { /* a rank over SMALL_K: its product in lanes16 order, then the same addition */
         failed = !(v = malloc((size_t)(rows * cols_p + 1) * esize(ta))) ||
                  product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads);
-        if (!failed) add_update(c, tc, ldc, rows, cols_p, v, ta, scalings[at]);
+        if (!failed) failed = add_update(c, tc, ldc, rows, cols_p, v, ta, scalings[at]);
       }
       free(u);
       free(v);
