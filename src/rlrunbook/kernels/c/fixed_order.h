@@ -47,7 +47,7 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 #define BF16 1
 
 #if defined(__AVX512F__)
-#define SEQ_ROWS 6 /* gemm_seq micro-tile: rows x 32 columns in registers */
+#define SEQ_ROWS 12 /* gemm_seq micro-tile: rows x 32 columns in registers (24 of the 32) */
 #else
 #define SEQ_ROWS 3
 #endif
@@ -134,11 +134,15 @@ static inline float tree16(v16 a) {
   return u[0] + u[1];
 }
 
-static inline v16 splat(float x) { return (v16){0} + x; }
+/* x in all 16 lanes. Written as a broadcast, not as (v16){0} + x: without -ffast-math that is an addition of +0 per
+ * call (it turns -0 into +0), a scalar add and a register broadcast that took two of the vector ports from the
+ * multiply-adds of gemm_seq's inner loop on Intel cores (about 60% of MKL's rate there); a broadcast from memory is
+ * a load. */
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 /* Keeps a loaded vector in a register for its several uses: without it GCC folds the load into each use's
- * multiply-add, and a 4 x 4 tile of gemm_nt then issues 20-21 loads per 16 multiply-adds (bound by the load ports,
- * not the FMA units); with it, 8. Values are unchanged. */
+ * multiply-add, and a 4 x 4 tile of gemm_nt issued 20-21 loads per 16 multiply-adds (bound by the load ports, not
+ * the FMA units); with it, 8. Values are unchanged. */
 #if defined(__x86_64__) && defined(__AVX512F__)
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 #else
