@@ -346,6 +346,36 @@ def test_the_vector_width_changes_no_bit(avx2_build):
     assert torch.equal(lse, cpu.row_logsumexp(x))
 
 
+AVX512_BF16_HOST = pytest.mark.skipif(not {"avx512f", "avx512_bf16"} <= set(build._cpu_flags().split()),
+                                      reason="needs an x86 CPU with AVX-512 and its bf16 instruction")
+
+
+@AVX512_BF16_HOST
+def test_the_bf16_instruction_changes_no_bit(tmp_path):
+    """An AVX-512 build without the bf16 instruction (pairs16 as two float32 multiply-adds per step, in a 4-row tile
+    where this machine's build uses 6 rows) gives the same products as this machine's: float32 and bf16 ``gemm_nt``
+    over row counts that fill neither tile, and bf16 ``gemm_seq``, whose pairs take the same step."""
+    import ctypes
+
+    other = build.load_variant(tmp_path, ("-march=native", "-mno-avx512bf16", "-mtune=generic", "-fopenmp"))
+    assert other.nt_uses_bf16_instruction() == 0 and cpu.load_library().nt_uses_bf16_instruction() == 1
+    generator = torch.Generator().manual_seed(10)
+    for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1)):
+        for rows in (1, 5, 7, 37):
+            a = torch.randn(rows, 577, generator=generator).to(dtype)
+            b = torch.randn(70, 577, generator=generator).to(dtype)
+            out = torch.empty(rows, 70)
+            other.gemm_nt(ctypes.c_void_p(a.data_ptr()), code, 577, ctypes.c_void_p(b.data_ptr()), code, 577, None,
+                          ctypes.c_void_p(out.data_ptr()), 0, 70, rows, 70, 577, 2)
+            assert torch.equal(out, cpu.gemm_nt(a, b, None, torch.float32)), (dtype, rows)
+    a = torch.randn(13, 301, generator=generator).bfloat16()
+    b = torch.randn(301, 45, generator=generator).bfloat16()
+    out = torch.empty(13, 45)
+    other.gemm_seq(ctypes.c_void_p(a.data_ptr()), 1, 301, 1, ctypes.c_void_p(b.data_ptr()), 1, 45, None,
+                   ctypes.c_void_p(out.data_ptr()), 0, 45, 13, 45, 301, 2)
+    assert torch.equal(out, cpu.gemm_seq(a, b, None, torch.float32))
+
+
 def _attention_and_gradients(generator, dtype, heads, kv_heads, dim):
     """Attention of 2 rows x 9 queries over 30 keys (some not allowed, one query padding) and its three gradients."""
     q = torch.randn(2, 9, heads, dim, generator=generator).to(dtype)
