@@ -204,6 +204,27 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) 
 
 
 @_profiled
+def rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+    """transformers' rotation ``x * cos + rotate_half(x) * sin`` of ``[N, H, D]`` ``x`` (``cos``, ``sin`` ``[N, D]``
+    of ``x``'s dtype, shared by the heads), each product and the sum rounded to ``x``'s dtype as that chain rounds
+    them; with ``backward``, ``x`` is the output's gradient and the result the gradient autograd gives through the
+    chain. A new contiguous tensor. (Named apart from the Triton backends' ``rotary``, whose presence
+    :func:`rlrunbook.kernels.ops.layer_kernels` reads.)"""
+    rows, heads, dim = x.shape
+    if cos.shape != (rows, dim) or sin.shape != (rows, dim) or dim % 2:
+        raise ValueError(f"rotation: x {tuple(x.shape)} with cos {tuple(cos.shape)} and sin {tuple(sin.shape)}")
+    out = x.clone(memory_format=torch.contiguous_format)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    t = _code(out, "x")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise TypeError(f"rotation: cos and sin must be x's dtype {x.dtype}, got {cos.dtype} and {sin.dtype}")
+    if out.numel():
+        kernel = load_library().rotary_grad if backward else load_library().rotary
+        _check(kernel(_ptr(out), heads * dim, rows, heads, dim, _ptr(cos), _ptr(sin), t, _threads()), "rotation")
+    return out
+
+
+@_profiled
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` ``[P, F]`` (float32) of ``float32(position * inv_freq)``, each from libm in double."""
     positions = positions.to(torch.int64).contiguous()

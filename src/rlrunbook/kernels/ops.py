@@ -335,6 +335,32 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return _Rotary.apply(x, cos, sin)
 
 
+class _Rotation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _backend(x.device).rotation(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _backend(grad.device).rotation(grad, cos, sin, backward=True), None, None
+
+
+def rotation_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether :func:`rotation` computes the rotation of ``x`` with ``cos``: on CPU, float32 or bfloat16 ``[N, H, D]``
+    ``x`` and ``[N, D]`` tables of its dtype."""
+    return (x.device.type == "cpu" and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == x.dtype and cos.dim() == 2)
+
+
+def rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotation of ``[N, H, D]`` ``x`` by ``[N, D]`` tables as one C pass each way on CPU
+    (:func:`rlrunbook.kernels.cpu.rotation`): the values and the gradient of the chain ``x * cos + rotate_half(x) *
+    sin`` bit for bit, without its six operations each way (the tables get no gradient)."""
+    return _Rotation.apply(x, cos, sin)
+
+
 class _LoraAdded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, base, xa, b, scaling):

@@ -428,6 +428,34 @@ def test_a_lora_update_added_in_one_pass_is_the_chain_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_rotation_in_one_pass_is_the_chain_bit_for_bit(dtype):
+    """``ops.rotation`` (the trainer's rotary positions on CPU, one C pass each way) gives the bits of transformers'
+    chain ``x * cos + rotate_half(x) * sin`` and of its gradient: every product rounded to the dtype before the sum,
+    and rotate_half's transpose in the backward. x is the query part of a wider row, as a stacked projection's
+    output is; it holds zeros of both signs and large values, and the gradient reaches both halves of a head."""
+    from rlrunbook.engines.decoder import rotate
+
+    generator = torch.Generator().manual_seed(23)
+    rows, heads, dim = 37, 3, 64
+    wide = (torch.randn(rows, heads * dim + 40, generator=generator) * 3).to(dtype)
+    wide[0, :4] = torch.tensor([0.0, -0.0, 3e4, -3e4]).to(dtype)
+    wide.requires_grad_()
+    angles = torch.randn(rows, dim // 2, generator=generator) * 5
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    grad = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    outputs = []
+    for turn in (ops.rotation, lambda x, c, s: rotate(x, c[:, None, :], s[:, None, :])):
+        x = wide[:, 20:20 + heads * dim].view(rows, heads, dim)
+        out = turn(x, cos, sin)
+        out.backward(grad)
+        outputs.append((out.detach(), wide.grad.clone()))
+        wide.grad = None
+    assert ops.rotation_applies(wide[:, :heads * dim].view(rows, heads, dim), cos)
+    for name, fused_value, chain_value in zip(("out", "d x"), *outputs, strict=True):
+        assert torch.equal(fused_value, chain_value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_gated_activation_in_one_pass_is_the_chain_bit_for_bit(dtype):
     """``ops.silu_mul`` (the trainer's ``silu(gate) * up`` as one C pass each way, sigmoid recomputed in the backward)
     gives the bits of ``ops.silu(gate) * up`` and of both its gradients: every product rounded where the chain's

@@ -1,6 +1,7 @@
 /* Fused kernels for passes that record no gradient (a decode step, scoring): each replaces a chain of the
  * fixed-order operations the trainer differentiates (rlrunbook/engines/decoder.py) with one call, and gives
- * every output element the bits that chain gives it.
+ * every output element the bits that chain gives it. The rotation's gradient is here too: the trainer's pass
+ * takes the rotation and its gradient from rotary and rotary_grad (kernels/ops.py), the chain's bits both ways.
  *
  * That holds by construction: every sum is computed by the same kernel as in the chain (row_sumsq, gemm_nt,
  * gemm_seq, sigmoid_row, attention_fwd are called, not rewritten), and the elementwise steps between them
@@ -107,10 +108,13 @@ int add_rms_norm(const void *H, const void *D, void *S, int64_t M, int64_t E, co
 
 /* -- rotary positions ------------------------------------------------------------------------------- */
 
-/* In place on each of the first `heads` heads (size Dh) of the N rows of X (row stride ld):
- * x = round(round(x * cos) + round(rotate_half(x) * sin)), cos and sin [N, Dh] in the same type t. */
-NO_CONTRACT int rotary(void *X, int64_t ld, int64_t N, int64_t heads, int64_t Dh, const void *cos_, const void *sin_,
-                       int t, int nthreads) {
+/* In place on each of the first `heads` heads (size Dh) of the N rows of X (row stride ld), cos and sin [N, Dh] in
+ * the same type t: forward, x = round(round(x * cos) + round(rotate_half(x) * sin)); backward (X holds the output's
+ * gradient g), the gradient autograd gives through that chain: round(round(g * cos) + r), where r is
+ * round(g[i + half] * sin[i + half]) for i < half and -round(g[i - half] * sin[i - half]) after (rotate_half's
+ * transpose applied to round(g * sin)), the two terms added as autograd adds a tensor's two uses. */
+NO_CONTRACT static int rotate_rows(void *X, int64_t ld, int64_t N, int64_t heads, int64_t Dh, const void *cos_,
+                                   const void *sin_, int t, int backward, int nthreads) {
   CONTRACT_OFF
   int64_t half = Dh / 2;
   int failed = 0;
@@ -125,9 +129,15 @@ NO_CONTRACT int rotary(void *X, int64_t ld, int64_t N, int64_t heads, int64_t Dh
         int64_t base = n * ld + h * Dh;
         for (int64_t i = 0; i < Dh; i++) x[i] = load1(X, base + i, t);
         for (int64_t i = 0; i < Dh; i++) {
-          float turned = i < half ? -x[i + half] : x[i - half];
-          float a = rounded(x[i] * load1(cos_, n * Dh + i, t), t);
-          float b = rounded(turned * load1(sin_, n * Dh + i, t), t);
+          float a = rounded(x[i] * load1(cos_, n * Dh + i, t), t), b;
+          if (!backward) {
+            float turned = i < half ? -x[i + half] : x[i - half];
+            b = rounded(turned * load1(sin_, n * Dh + i, t), t);
+          } else {
+            int64_t j = i < half ? i + half : i - half;
+            float moved = rounded(x[j] * load1(sin_, n * Dh + j, t), t);
+            b = i < half ? moved : -moved;
+          }
           store1(X, base + i, a + b, t);
         }
       }
@@ -135,6 +145,16 @@ NO_CONTRACT int rotary(void *X, int64_t ld, int64_t N, int64_t heads, int64_t Dh
     free(x);
   }
   return failed;
+}
+
+int rotary(void *X, int64_t ld, int64_t N, int64_t heads, int64_t Dh, const void *cos_, const void *sin_, int t,
+           int nthreads) {
+  return rotate_rows(X, ld, N, heads, Dh, cos_, sin_, t, 0, nthreads);
+}
+
+int rotary_grad(void *G, int64_t ld, int64_t N, int64_t heads, int64_t Dh, const void *cos_, const void *sin_, int t,
+                int nthreads) {
+  return rotate_rows(G, ld, N, heads, Dh, cos_, sin_, t, 1, nthreads);
 }
 
 /* -- gated MLP ---------------------------------------------------------------------------------------- */
