@@ -186,10 +186,8 @@ def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rotate(x, cos, sin)`` for ``[N, H, D]`` ``x`` and ``[N, D]`` ``cos``, ``sin`` under fixed numerics: one kernel
     where :func:`layer_kernels` says so, one C pass each way with the chain's bits on CPU, else the chain."""
-    if layer_kernels(x.device) and cos.dtype == x.dtype:
+    if (layer_kernels(x.device) and cos.dtype == x.dtype) or fixed.rotation_applies(x, cos):
         return fixed.rotary(x, cos, sin)
-    if fixed.rotation_applies(x, cos):
-        return fixed.rotation(x, cos, sin)
     return rotate(x, cos[:, None, :], sin[:, None, :])
 
 

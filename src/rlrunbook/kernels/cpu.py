@@ -213,11 +213,11 @@ def rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bo
     rows, heads, dim = x.shape
     if cos.shape != (rows, dim) or sin.shape != (rows, dim) or dim % 2:
         raise ValueError(f"rotation: x {tuple(x.shape)} with cos {tuple(cos.shape)} and sin {tuple(sin.shape)}")
-    out = x.clone(memory_format=torch.contiguous_format)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    t = _code(out, "x")
     if cos.dtype != x.dtype or sin.dtype != x.dtype:
         raise TypeError(f"rotation: cos and sin must be x's dtype {x.dtype}, got {cos.dtype} and {sin.dtype}")
+    t = _code(x, "x")
+    out = x.clone(memory_format=torch.contiguous_format)
+    cos, sin = cos.contiguous(), sin.contiguous()
     if out.numel():
         kernel = load_library().rotary_grad if backward else load_library().rotary
         _check(kernel(_ptr(out), heads * dim, rows, heads, dim, _ptr(cos), _ptr(sin), t, _threads()), "rotation")

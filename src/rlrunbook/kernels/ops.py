@@ -314,51 +314,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RmsNorm.apply(flat, weight, eps).view(x.shape)
 
 
+def _rotation_kernel(device: torch.device):
+    """The backend's rotation, ``(x, cos, sin, backward=False)``: the Triton layer kernel on CUDA, the C pass on CPU
+    (``cpu.rotation``, named apart because :func:`layer_kernels` reads the presence of ``rotary``)."""
+    backend = _backend(device)
+    return backend.rotary if hasattr(backend, "rotary") else backend.rotation
+
+
 class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device) if _meta(x) else _backend(x.device).rotary(x, cos,
-                                                                                                                 sin)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device) if _meta(x) else _rotation_kernel(x.device)(x, cos,
+                                                                                                                  sin)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        dx = torch.empty_like(grad) if _meta(grad) else _backend(grad.device).rotary(grad, cos, sin, backward=True)
+        dx = torch.empty_like(grad) if _meta(grad) else _rotation_kernel(grad.device)(grad, cos, sin, backward=True)
         return dx, None, None
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' rotation ``x * cos + rotate_half(x) * sin`` of ``[N, H, D]`` ``x`` (``cos``, ``sin`` ``[N, D]``
-    of ``x``'s dtype, shared by the heads) as one kernel each way, where :func:`layer_kernels` says so; each product
-    and the sum rounded to ``x``'s dtype, as the chain rounds them."""
+    of ``x``'s dtype, shared by the heads) as one kernel each way, where :func:`layer_kernels` or
+    :func:`rotation_applies` says so; each product and the sum rounded to ``x``'s dtype, as the chain rounds them, and
+    the gradient as autograd gives it through the chain (the tables get none)."""
     return _Rotary.apply(x, cos, sin)
 
 
-class _Rotation(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _backend(x.device).rotation(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _backend(grad.device).rotation(grad, cos, sin, backward=True), None, None
-
-
 def rotation_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether :func:`rotation` computes the rotation of ``x`` with ``cos``: on CPU, float32 or bfloat16 ``[N, H, D]``
-    ``x`` and ``[N, D]`` tables of its dtype."""
+    """Whether :func:`rotary` rotates ``x`` with ``cos`` on CPU, where the layer kernels do not apply: float32 or
+    bfloat16 ``[N, H, D]`` ``x`` and ``[N, D]`` tables of its dtype (one C pass each way instead of the chain's six
+    operations)."""
     return (x.device.type == "cpu" and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16)
             and cos.dtype == x.dtype and cos.dim() == 2)
-
-
-def rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotation of ``[N, H, D]`` ``x`` by ``[N, D]`` tables as one C pass each way on CPU
-    (:func:`rlrunbook.kernels.cpu.rotation`): the values and the gradient of the chain ``x * cos + rotate_half(x) *
-    sin`` bit for bit, without its six operations each way (the tables get no gradient)."""
-    return _Rotation.apply(x, cos, sin)
 
 
 class _LoraAdded(torch.autograd.Function):

@@ -429,7 +429,7 @@ def test_a_lora_update_added_in_one_pass_is_the_chain_bit_for_bit(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_rotation_in_one_pass_is_the_chain_bit_for_bit(dtype):
-    """``ops.rotation`` (the trainer's rotary positions on CPU, one C pass each way) gives the bits of transformers'
+    """``ops.rotary`` on CPU (the trainer's rotary positions on CPU, one C pass each way) gives the bits of transformers'
     chain ``x * cos + rotate_half(x) * sin`` and of its gradient: every product rounded to the dtype before the sum,
     and rotate_half's transpose in the backward. x is the query part of a wider row, as a stacked projection's
     output is; it holds zeros of both signs and large values, and the gradient reaches both halves of a head."""
@@ -444,7 +444,7 @@ def test_the_rotation_in_one_pass_is_the_chain_bit_for_bit(dtype):
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     grad = torch.randn(rows, heads, dim, generator=generator).to(dtype)
     outputs = []
-    for turn in (ops.rotation, lambda x, c, s: rotate(x, c[:, None, :], s[:, None, :])):
+    for turn in (ops.rotary, lambda x, c, s: rotate(x, c[:, None, :], s[:, None, :])):
         x = wide[:, 20:20 + heads * dim].view(rows, heads, dim)
         out = turn(x, cos, sin)
         out.backward(grad)
