@@ -345,10 +345,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rotation_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether :func:`rotary` rotates ``x`` with ``cos`` on CPU, where the layer kernels do not apply: float32 or
-    bfloat16 ``[N, H, D]`` ``x`` and ``[N, D]`` tables of its dtype (one C pass each way instead of the chain's six
-    operations)."""
+    bfloat16 ``[N, H, D]`` ``x`` (D even) and ``[N, D]`` tables of its dtype (one C pass each way instead of the chain's
+    six operations); tables that the chain would broadcast are left to it."""
     return (x.device.type == "cpu" and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16)
-            and cos.dtype == x.dtype and cos.dim() == 2)
+            and cos.dtype == x.dtype and tuple(cos.shape) == (x.shape[0], x.shape[2]) and x.shape[2] % 2 == 0)
 
 
 class _LoraAdded(torch.autograd.Function):

@@ -324,6 +324,18 @@ def avx2_build(tmp_path_factory):
     return build.load_variant(tmp_path_factory.mktemp("avx2"), ("-march=x86-64-v3", "-fopenmp"))
 
 
+def _gemm_nt_of(library, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` in float32 by another build's ``gemm_nt`` (``a``, ``b`` float32 or bfloat16, contiguous)."""
+    import ctypes
+
+    (rows, k), n = a.shape, b.shape[0]
+    out = torch.empty(rows, n)
+    code = 0 if a.dtype == torch.float32 else 1
+    library.gemm_nt(ctypes.c_void_p(a.data_ptr()), code, k, ctypes.c_void_p(b.data_ptr()), code, k, None,
+                    ctypes.c_void_p(out.data_ptr()), 0, n, rows, n, k, 2)
+    return out
+
+
 @AVX512_HOST
 def test_the_vector_width_changes_no_bit(avx2_build):
     """The orders are stated per element, not per register: the kernels built for AVX2 (8-lane registers, no bf16
@@ -335,11 +347,7 @@ def test_the_vector_width_changes_no_bit(avx2_build):
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(37, 577, generator=generator).to(dtype)
         b = torch.randn(70, 577, generator=generator).to(dtype)
-        code = 0 if dtype == torch.float32 else 1
-        out = torch.empty(37, 70)
-        other.gemm_nt(ctypes.c_void_p(a.data_ptr()), code, 577, ctypes.c_void_p(b.data_ptr()), code, 577, None,
-                      ctypes.c_void_p(out.data_ptr()), 0, 70, 37, 70, 577, 2)
-        assert torch.equal(out, cpu.gemm_nt(a, b, None, torch.float32)), dtype
+        assert torch.equal(_gemm_nt_of(other, a, b), cpu.gemm_nt(a, b, None, torch.float32)), dtype
     x = torch.randn(3, 1000, generator=generator) * 4
     lse = torch.empty(3)
     other.row_logsumexp(ctypes.c_void_p(x.data_ptr()), 1000, 3, 1000, ctypes.c_void_p(lse.data_ptr()), 2)
@@ -360,14 +368,11 @@ def test_the_bf16_instruction_changes_no_bit(tmp_path):
     other = build.load_variant(tmp_path, ("-march=native", "-mno-avx512bf16", "-mtune=generic", "-fopenmp"))
     assert other.nt_uses_bf16_instruction() == 0 and cpu.load_library().nt_uses_bf16_instruction() == 1
     generator = torch.Generator().manual_seed(10)
-    for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1)):
+    for dtype in (torch.float32, torch.bfloat16):
         for rows in (1, 5, 7, 37):
             a = torch.randn(rows, 577, generator=generator).to(dtype)
             b = torch.randn(70, 577, generator=generator).to(dtype)
-            out = torch.empty(rows, 70)
-            other.gemm_nt(ctypes.c_void_p(a.data_ptr()), code, 577, ctypes.c_void_p(b.data_ptr()), code, 577, None,
-                          ctypes.c_void_p(out.data_ptr()), 0, 70, rows, 70, 577, 2)
-            assert torch.equal(out, cpu.gemm_nt(a, b, None, torch.float32)), (dtype, rows)
+            assert torch.equal(_gemm_nt_of(other, a, b), cpu.gemm_nt(a, b, None, torch.float32)), (dtype, rows)
     a = torch.randn(13, 301, generator=generator).bfloat16()
     b = torch.randn(301, 45, generator=generator).bfloat16()
     out = torch.empty(13, 45)
