@@ -70,6 +70,15 @@ def test_gemm_nt_float32_is_the_lanes16_sum(k):
     assert torch.equal(cpu.gemm_nt(x, w, None, torch.float32), _reference(lanes16, x, w))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 8, 13, 16, 17])
+def test_gemm_nt_float32_at_a_decode_steps_rows_is_the_lanes16_sum(rows):
+    """Row counts a decode step has (an AVX-512 build takes an 8 x 3 tile at 7, 8 and 13-16 rows, 6 x 4 at others),
+    over enough B rows (200: four panels) that each work item requests the next panel's lines while it computes, and
+    a column count that fills neither tile's last column group."""
+    x, w = _bf16_valued(rows, 100, seed=rows), _bf16_valued(202, 100, seed=rows + 1)
+    assert torch.equal(cpu.gemm_nt(x, w, None, torch.float32), _lanes16_all(x, w))
+
+
 @pytest.mark.parametrize("k", [1, 31, 32, 33, 100, 577])
 def test_gemm_nt_bfloat16_is_the_pairs16_sum(k):
     x, w = _bf16_valued(5, k, seed=k), _bf16_valued(7, k, seed=k + 1)
