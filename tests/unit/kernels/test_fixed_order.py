@@ -142,6 +142,27 @@ def test_a_short_sum_over_many_rows_is_the_sequential_sum_and_each_rows_own(k):
                            many)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 9, 12, 16, 17, 36, 63])
+def test_a_short_sum_over_few_rows_is_the_sequential_sum(rows):
+    """Over at most 64 terms and fewer than 64 rows (a decode step's LoRA update) the threads split B's columns and
+    read B where it is, the last panel (4 of 100 columns) copied: each element is still the sequential sum, whether
+    the rows go in tiles of 8 (16 rows: none in vain) or 12 (12 and 36 rows), on 1, 2 or 3 threads."""
+    threads = torch.get_num_threads()
+    try:
+        for k in (1, 16, 64):
+            x, w = _bf16_valued(rows, k, seed=rows + k), _bf16_valued(100, k, seed=rows + k + 1)
+            xs, ws = x.numpy(), w.numpy()
+            expected = np.zeros((rows, 100), dtype=np.float32)
+            for i in range(k):
+                expected = expected + (xs[:, i, None] * ws[None, :, i]).astype(np.float32)
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                out = cpu.gemm_seq(x, w.t().contiguous(), None, torch.float32)
+                assert torch.equal(out, torch.from_numpy(expected)), f"{k} terms, {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bias_is_added_once_after_the_sum_and_the_result_rounded_once():
     x, w = _bf16_valued(3, 70, seed=1), _bf16_valued(4, 70, seed=2)
     bias = torch.randn(4)

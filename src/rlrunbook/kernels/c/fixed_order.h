@@ -48,8 +48,10 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 
 #if defined(__AVX512F__)
 #define SEQ_ROWS 12 /* gemm_seq micro-tile: rows x 32 columns in registers (24 of the 32) */
+#define SEQ_FEW_ROWS 8 /* the tile for a few rows where 12-row tiles would compute rows in vain (16 of 24 at 16) */
 #else
 #define SEQ_ROWS 3
+#define SEQ_FEW_ROWS 3
 #endif
 
 /* Where gemm_seq_to hands each row of its sums (products.c): columns n0 .. n0 + width of row m, in float32. */

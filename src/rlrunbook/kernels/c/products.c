@@ -337,24 +337,26 @@ static void seq_panel(int pairs, const void *B, int tb, int64_t ldb, int64_t K, 
   }
 }
 
-/* The sums of rows m .. m + SEQ_ROWS (the first `rows` real) over one panel and k chunk [k0, k0 + kn): the
- * accumulators st ([SEQ_ROWS, SEQ_PANEL] floats) are read, each term added in increasing k, and written back. */
-static inline void seq_rows(const seq_a *A, int pairs, int64_t m, int rows, int64_t k0, int64_t kn, int64_t width,
-                            const float *bp, float *st) {
+/* The sums of rows m .. m + R (the first `rows` real; R a constant, at most SEQ_ROWS) over one panel and k chunk
+ * [k0, k0 + kn): the accumulators st ([R, SEQ_PANEL] floats) are read, each term added in increasing k, and written
+ * back. The panel's step i (one k, or a pair) is at bp + i * bstep. */
+static inline __attribute__((always_inline)) void seq_rows_of(const int R, const seq_a *A, int pairs, int64_t m,
+                                                              int rows, int64_t k0, int64_t kn, int64_t width,
+                                                              const float *bp, int64_t bstep, float *st) {
   int64_t steps = pairs ? (kn + 1) / 2 : kn;
   v16 acc0[SEQ_ROWS], acc1[SEQ_ROWS];
-  for (int i = 0; i < SEQ_ROWS; i++) {
+  for (int i = 0; i < R; i++) {
     memcpy(&acc0[i], st + i * SEQ_PANEL, 64);
     memcpy(&acc1[i], st + i * SEQ_PANEL + 16, 64);
   }
   if (pairs) {
     const uint32_t *ar[SEQ_ROWS];
-    for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a2 + (m + (i < rows ? i : 0)) * A->lda2 + k0 / 2;
+    for (int i = 0; i < R; i++) ar[i] = A->a2 + (m + (i < rows ? i : 0)) * A->lda2 + k0 / 2;
     for (int64_t i = 0; i < steps; i++) {
       v16u b0, b1;
-      memcpy(&b0, bp + i * SEQ_PANEL, 64);
-      memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
-      for (int r = 0; r < SEQ_ROWS; r++) {
+      memcpy(&b0, bp + i * bstep, 64);
+      memcpy(&b1, bp + i * bstep + 16, 64);
+      for (int r = 0; r < R; r++) {
         v16u av = (v16u){0} + ar[r][i];
         acc0[r] = pair_step(acc0[r], av, b0);
         acc1[r] = pair_step(acc1[r], av, b1);
@@ -362,29 +364,34 @@ static inline void seq_rows(const seq_a *A, int pairs, int64_t m, int rows, int6
     }
   } else {
     const float *ar[SEQ_ROWS];
-    for (int i = 0; i < SEQ_ROWS; i++) ar[i] = A->a + (m + (i < rows ? i : 0)) * A->lda + k0;
+    for (int i = 0; i < R; i++) ar[i] = A->a + (m + (i < rows ? i : 0)) * A->lda + k0;
     if (width <= 16) /* a panel of at most 16 columns: the second half would add zeros */
       for (int64_t i = 0; i < steps; i++) {
         v16 b0;
-        memcpy(&b0, bp + i * SEQ_PANEL, 64);
-        for (int r = 0; r < SEQ_ROWS; r++) acc0[r] += splat(ar[r][i]) * b0;
+        memcpy(&b0, bp + i * bstep, 64);
+        for (int r = 0; r < R; r++) acc0[r] += splat(ar[r][i]) * b0;
       }
     else
       for (int64_t i = 0; i < steps; i++) {
         v16 b0, b1;
-        memcpy(&b0, bp + i * SEQ_PANEL, 64);
-        memcpy(&b1, bp + i * SEQ_PANEL + 16, 64);
-        for (int r = 0; r < SEQ_ROWS; r++) {
+        memcpy(&b0, bp + i * bstep, 64);
+        memcpy(&b1, bp + i * bstep + 16, 64);
+        for (int r = 0; r < R; r++) {
           v16 av = splat(ar[r][i]);
           acc0[r] += av * b0;
           acc1[r] += av * b1;
         }
       }
   }
-  for (int i = 0; i < SEQ_ROWS; i++) {
+  for (int i = 0; i < R; i++) {
     memcpy(st + i * SEQ_PANEL, &acc0[i], 64);
     memcpy(st + i * SEQ_PANEL + 16, &acc1[i], 64);
   }
+}
+
+static inline void seq_rows(const seq_a *A, int pairs, int64_t m, int rows, int64_t k0, int64_t kn, int64_t width,
+                            const float *bp, float *st) {
+  seq_rows_of(SEQ_ROWS, A, pairs, m, rows, k0, kn, width, bp, SEQ_PANEL, st);
 }
 
 /* One work item's rows [rb0, rb1) (in blocks of SEQ_ROWS) against one 32-column panel of B, k in chunks. */
@@ -430,6 +437,38 @@ static int seq_short(const seq_a *A, int pairs, const void *B, int tb, int64_t l
   }
   free(bp);
   return 0;
+}
+
+/* Rows computed for M rows in tiles of `tile` rows */
+static inline int64_t tiled_rows(int64_t M, int64_t tile) { return (M + tile - 1) / tile * tile; }
+
+/* gemm_seq_to over fewer than SEQ_SHORT_ROWS rows (a decode step's) and at most SEQ_SHORT_K terms (a LoRA factor's
+ * rank), A and B float32: the threads split B's 32-column panels, each read where it is in B (the last, partial one
+ * copied with zeros past its width), and take each panel's rows in tiles of SEQ_FEW_ROWS where that computes fewer
+ * rows in vain than SEQ_ROWS does (16 rows: 16 computed, not 24). Neither B's panels nor the threads' buffers are
+ * built or allocated first. The same sums as seq_item's: each term added in increasing k, from zero. */
+static void seq_few(const seq_a *A, const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                    seq_store store_row, const void *context, int nthreads) {
+  int64_t panels = (N + SEQ_PANEL - 1) / SEQ_PANEL;
+  int few = tiled_rows(M, SEQ_FEW_ROWS) < tiled_rows(M, SEQ_ROWS);
+#pragma omp parallel for schedule(static) num_threads(threads_for(panels, nthreads))
+  for (int64_t p = 0; p < panels; p++) {
+    int64_t n0 = p * SEQ_PANEL, width = N - n0 < SEQ_PANEL ? N - n0 : SEQ_PANEL, bstep = ldb;
+    float edge[SEQ_SHORT_K * SEQ_PANEL], st[SEQ_ROWS * SEQ_PANEL];
+    const float *bp = B + n0;
+    if (width < SEQ_PANEL) {
+      seq_panel(0, B, F32, ldb, K, n0, width, 0, K, edge);
+      bp = edge, bstep = SEQ_PANEL;
+    }
+    int64_t tile = few ? SEQ_FEW_ROWS : SEQ_ROWS;
+    for (int64_t m = 0; m < M; m += tile) {
+      int rows = (int)(M - m < tile ? M - m : tile);
+      memset(st, 0, sizeof st);
+      if (few) seq_rows_of(SEQ_FEW_ROWS, A, 0, m, rows, 0, K, width, bp, bstep, st);
+      else seq_rows_of(SEQ_ROWS, A, 0, m, rows, 0, K, width, bp, bstep, st);
+      for (int i = 0; i < rows; i++) store_row(context, m + i, n0, st + i * SEQ_PANEL, width);
+    }
+  }
 }
 
 /* gemm_seq's own store: row + bias (float32 additions, then rounded to C's type) */
@@ -488,6 +527,11 @@ int gemm_seq_to(const void *A, int ta, int64_t sam, int64_t sak, const void *B, 
         for (int64_t m = 0; m < M; m++) a32[m * K + k] = load1(A, m * sam + k * sak, ta);
     }
     a.a = a32, a.lda = K;
+  }
+  if (K <= SEQ_SHORT_K && M < SEQ_SHORT_ROWS && !pairs && tb == F32) {
+    seq_few(&a, B, ldb, M, N, K, store_row, context, nthreads);
+    free(a32);
+    return 0;
   }
   if (K <= SEQ_SHORT_K && M >= SEQ_SHORT_ROWS) {
     int status = seq_short(&a, pairs, B, tb, ldb, M, N, K, store_row, context, nthreads);
