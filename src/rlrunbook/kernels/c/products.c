@@ -439,9 +439,6 @@ static int seq_short(const seq_a *A, int pairs, const void *B, int tb, int64_t l
   return 0;
 }
 
-/* Rows computed for M rows in tiles of `tile` rows */
-static inline int64_t tiled_rows(int64_t M, int64_t tile) { return (M + tile - 1) / tile * tile; }
-
 /* gemm_seq_to over fewer than SEQ_SHORT_ROWS rows (a decode step's) and at most SEQ_SHORT_K terms (a LoRA factor's
  * rank), A and B float32: the threads split B's 32-column panels, each read where it is in B (the last, partial one
  * copied with zeros past its width), and take each panel's rows in tiles of SEQ_FEW_ROWS where that computes fewer
@@ -450,7 +447,7 @@ static inline int64_t tiled_rows(int64_t M, int64_t tile) { return (M + tile - 1
 static void seq_few(const seq_a *A, const float *B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                     seq_store store_row, const void *context, int nthreads) {
   int64_t panels = (N + SEQ_PANEL - 1) / SEQ_PANEL;
-  int few = tiled_rows(M, SEQ_FEW_ROWS) < tiled_rows(M, SEQ_ROWS);
+  int few = padded(M, SEQ_FEW_ROWS) < padded(M, SEQ_ROWS);
 #pragma omp parallel for schedule(static) num_threads(threads_for(panels, nthreads))
   for (int64_t p = 0; p < panels; p++) {
     int64_t n0 = p * SEQ_PANEL, width = N - n0 < SEQ_PANEL ? N - n0 : SEQ_PANEL, bstep = ldb;
