@@ -47,6 +47,16 @@ class TokenTrie:
             node = child
         return path, existing
 
+    def find(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes of the longest prefix of ``tokens`` already in the trie (one per token), inserting nothing."""
+        node, path = 0, []
+        for token in tokens:
+            node = self._children[node].get(token)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def path(self, node: int) -> list[int]:
         """The nodes from the first token down to ``node`` (inclusive)."""
         out = []

@@ -9,7 +9,7 @@ reference the first is tested against). Both return :class:`ChunkScores` with th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +18,7 @@ import torch
 from rlrunbook.backend import sharding
 from rlrunbook.engines.decoder import Decoder, Numerics
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
+from rlrunbook.engines.kept_products import KeptProducts
 from rlrunbook.engines.layouts import take_rows
 from rlrunbook.engines.scoring import gather_logprobs
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
@@ -55,8 +56,12 @@ class SharedPrefixScoring:
     """Scores through the shared-prefix decoder pass (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, numerics: Numerics | str, recompute_layers: bool = False,
-                 reference: torch.nn.Module | None = None):
+                 reference: torch.nn.Module | None = None,
+                 kept_products: Callable[[], KeptProducts | None] | None = None):
         self.scorer = SharedPrefixScorer(Decoder(model, numerics))
+        # The base products the sampling engine kept of its last calls (engines/kept_products.py), read by a
+        # training pass over those tokens while the adapter still holds the weights they were computed with.
+        self.kept_products = kept_products
         self.recompute_layers = recompute_layers  # activation checkpointing per decoder layer
         # The KL reference: a model of its own (full-parameter training), else this model with its adapter disabled.
         self.reference = None if reference is None else SharedPrefixScorer(Decoder(reference, numerics))
@@ -100,8 +105,18 @@ class SharedPrefixScoring:
                 base = self.scorer.run(sequences)
                 return self.scorer.score(base.hidden, rows, targets).logprobs
 
+    def _kept(self, recompute: bool) -> KeptProducts | None:
+        """The engine's kept products, where a training pass without recomputation may read them: their weights are
+        the adapter's now, bit for bit."""
+        kept = None if self.kept_products is None else self.kept_products()
+        if kept is None or recompute or not torch.is_grad_enabled():
+            return None
+        live = {name: p.detach() for name, p in self.scorer.decoder.model.named_parameters() if p.requires_grad}
+        return kept if kept.matches(live) else None
+
     def _score(self, chunk, filters, with_entropy, with_reference, recompute: bool) -> ChunkScores:
-        run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=recompute)
+        run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=recompute,
+                              kept=self._kept(recompute))
         pairs: dict[tuple[int, int], int] = {}  # (hidden row, target) -> index: each distinct pair once
         seen: list[int] = []  # pair index of every position the loss reads, datum by datum
         for i, item in enumerate(chunk):

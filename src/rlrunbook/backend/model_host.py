@@ -159,9 +159,12 @@ def host_over(resident: ResidentModel, name: str, settings: LocalSettings, *, ow
     if settings.sampler == "generate" or (settings.sampler == "vllm" and unsupported_reason(model) is not None):
         engine: SamplingEngine = GenerateEngine(model, **common)
     else:
+        # No kept products while sampling runs beside training (off-policy): a call could add to them while a
+        # training pass reads them.
+        kept = 0 if settings.concurrent_sampling else settings.kept_products_mb << 20
         engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(),
                                   cuda_graphs=settings.cuda_graphs and not own_weights,
-                                  prefix_cache_tokens=settings.prefix_cache_tokens, **common)
+                                  prefix_cache_tokens=settings.prefix_cache_tokens, kept_products_bytes=kept, **common)
     shared = None if own_weights or not resident.shareable else resident.key
     return ModelHost(name, resident.folder, tokenizer, model, engine, shared_base=shared)
 

@@ -26,7 +26,7 @@ ranks. Its training state is the full weights and the optimizer state keyed by p
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,7 @@ from rlrunbook.backend.memory import TokenCost, needs_recompute
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
 from rlrunbook.engines.decoder import Numerics, unsupported_reason
+from rlrunbook.engines.kept_products import KeptProducts
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
 from rlrunbook.metrics import merge_reduced
@@ -175,7 +176,7 @@ class Trainer:
                  accept_zero_advantages: bool = False, numerics: Numerics | str = "invariant",
                  micro_batch_tokens: int | None = None, recompute_layers: bool = False,
                  full_parameters: bool = False, reference: torch.nn.Module | None = None,
-                 plain_cost: TokenCost | None = None):
+                 plain_cost: TokenCost | None = None, kept_products: Callable[[], KeptProducts | None] | None = None):
         self.model = model
         self.full_parameters = full_parameters  # every weight trains (the model sharded by backend/sharding.py)
         if full_parameters and (not sharding.is_sharded(model) or unsupported_reason(model) is not None):
@@ -183,7 +184,8 @@ class Trainer:
                               "Qwen3, Mistral families), sharded first (backend.sharding.shard).")
         # The sampler's own forward (shared prefixes, logits only where needed) where it covers the model;
         # otherwise transformers' forward over padded datums.
-        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers, reference)
+        # kept_products: the sampling engine's kept base products (engines/kept_products.py), read where they apply.
+        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers, reference, kept_products)
                                       if unsupported_reason(model) is None else PaddedScoring(model, pad_token_id))
         self.micro_batch_tokens = micro_batch_tokens
         self.recompute_layers = recompute_layers

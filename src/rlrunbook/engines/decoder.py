@@ -38,7 +38,7 @@ frequency table, grouped-query attention, gated MLP), plain or with peft LoRA ad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from rlrunbook.engines.attention import device_kind
 from rlrunbook.engines.float64_weights import float64_weights
 from rlrunbook.engines.fused_pass import FusedPass
+from rlrunbook.engines.kept_products import GroupKey, KeptProducts, group_key
 from rlrunbook.engines.lora_groups import (
     GroupFactors,
     adapter_names,
@@ -258,6 +259,11 @@ class Decoder:
         # Where set (a decode step of several samplers' rows), each row's LoRA factors come from its slot's pinned
         # copies instead (engines/pinned_adapter.py RowAdapters); passes that compute no gradient only.
         self.row_adapters: RowAdapters | None = None
+        # Where set (a sampling call of the CPU engine), passes through the fused kernels keep their base products
+        # in it; where known_products is set (the trainer's pass over tokens a sampling call kept), linears() reads
+        # a group's base product from it instead of computing it (engines/kept_products.py).
+        self.keeping: KeptProducts | None = None
+        self.known_products: Mapping[GroupKey, torch.Tensor] | None = None
         self._fused = FusedPass(self)
 
     # Passes that record no gradient go through the fused kernels (engines/fused_pass.py) where they apply;
@@ -319,11 +325,17 @@ class Decoder:
         stacked weights (:mod:`rlrunbook.engines.stacked_projections`); float64 (``exact``) products and trained
         base weights go module by module. Inside :meth:`weights_fixed`, a float32 model on CPU computing
         no gradient adds the group's LoRA updates with stacked factors (:mod:`rlrunbook.engines.lora_groups`).
+        Where :attr:`known_products` holds the group's base product for these rows, it is read, not computed.
         """
         plan = self._group_plan(modules)
         if plan is None:
             return [self.linear(m, x) for m in modules]
-        outputs = self._product(x, plan.weight, plan.bias).split(plan.sizes, dim=-1)
+        known = None if self.known_products is None else self.known_products.get(group_key(modules))
+        if known is not None and self.fixed and known.shape[0] == x.shape[0] and x.dtype == plan.weight.dtype:
+            base = fixed.linear_known(x, plan.weight, plan.bias, known)
+        else:
+            base = self._product(x, plan.weight, plan.bias)
+        outputs = base.split(plan.sizes, dim=-1)
         if plan.factors is not None and not torch.is_grad_enabled():
             add_group_updates(outputs, x, plan.factors)
             return list(outputs)

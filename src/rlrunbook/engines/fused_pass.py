@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rlrunbook.engines.kept_products import group_key
 from rlrunbook.engines.lora_groups import adapter_names, adapter_weights
 from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.kernels import fused
@@ -87,8 +88,10 @@ class FusedPass:
         """The projections' outputs side by side, ``[N, sum of out_features]``."""
         group = self.group(modules)
         if group is not None:
-            rows = self.decoder.row_adapters
-            return fused.lora_linears(x, group, None if rows is None else rows.bounds)
+            rows, keeping = self.decoder.row_adapters, self.decoder.keeping
+            base = (None if keeping is None
+                    else keeping.buffer(group_key(modules), x.shape[0], group.weight.shape[0], x.dtype))
+            return fused.lora_linears(x, group, None if rows is None else rows.bounds, base)
         outputs = self.decoder.linears(modules, x)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
@@ -104,7 +107,18 @@ class FusedPass:
                              scale, decoder.attention_core)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, layout) -> torch.Tensor:
-        """Final-norm hidden states ``[N, E]``, bitwise those of the decoder's chain (see ``Decoder.hidden``)."""
+        """Final-norm hidden states ``[N, E]``, bitwise those of the decoder's chain (see ``Decoder.hidden``). Where
+        the decoder is :attr:`~rlrunbook.engines.decoder.Decoder.keeping` products, the pass's base products are kept
+        as one pass of it (:mod:`rlrunbook.engines.kept_products`)."""
+        keeping = self.decoder.keeping
+        if keeping is None:
+            return self._hidden(ids, positions, layout)
+        keeping.begin()  # a pass that raises is never ended: the next begin() drops what it kept
+        hidden = self._hidden(ids, positions, layout)
+        keeping.end()
+        return hidden
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, layout) -> torch.Tensor:
         decoder = self.decoder
         body = decoder.lm.model
         h = body.embed_tokens(ids)

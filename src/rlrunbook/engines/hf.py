@@ -45,6 +45,7 @@ from rlrunbook.engines.base import Completion, GenerationRequest, SampleJob, sha
 from rlrunbook.engines.decoder import Decoder, Numerics
 from rlrunbook.engines.filters import apply_filters
 from rlrunbook.engines.in_process import InProcessEngine
+from rlrunbook.engines.kept_products import KeptProducts
 from rlrunbook.engines.layouts import RowCache, SlotStore, TreeLayout
 from rlrunbook.engines.pinned_adapter import PinnedAdapter, RowAdapters
 from rlrunbook.engines.prefix_sharing import common_prefixes
@@ -169,11 +170,16 @@ class HFSamplingEngine(InProcessEngine):
                  max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
                  decode_batch: DecodeBatch | None = None, numerics: Numerics | str = "invariant",
                  prefix_cache_tokens: int = 65536, cuda_graphs: bool | None = None, sync_every: int = SYNC_EVERY,
-                 fused_draw: bool = True, share_prefixes: bool = True):
+                 fused_draw: bool = True, share_prefixes: bool = True, kept_products_bytes: int = 0):
         super().__init__(pad_token_id=pad_token_id, vocab_size=vocab_size, max_context=max_context,
                          max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.decoder = Decoder(model, numerics)
         self.prefix_cache_tokens = prefix_cache_tokens
+        # Base products of the last calls under one snapshot, kept for the trainer's pass over their tokens (CPU,
+        # one sampler per call; at most this many bytes; 0: none). See engines/kept_products.py.
+        self.kept_products_bytes = kept_products_bytes
+        self.kept: KeptProducts | None = None
+        self._pinned_weights: Mapping[str, torch.Tensor] | None = None  # the snapshot pinned_weights computes with
         self._pools: list[_PrefixPool] = []  # one per adapter of a call, matched to the adapters by key
         self._pinned: PinnedAdapter | None = None
         self._slot_pins: list[PinnedAdapter] = []  # slots of sample_adapters (the first is _pinned)
@@ -228,10 +234,12 @@ class HFSamplingEngine(InProcessEngine):
             self._pinned = PinnedAdapter(self.decoder.model)
         self._pinned.load(adapter, key)
         self.decoder.pinned = self._pinned
+        self._pinned_weights = adapter
         try:
             yield
         finally:
             self.decoder.pinned = None
+            self._pinned_weights = None
 
     def _drop_caches(self) -> None:
         self._dropped_captures = self.graph_captures
@@ -294,11 +302,29 @@ class HFSamplingEngine(InProcessEngine):
                     sources: Sequence[_Source]) -> list[Completion]:
         """Every row's completion, in batches of at most ``max_batch_rows`` (``row_slots``: each row's source)."""
         completions: list[Completion] = []
-        with self.decoder.weights_fixed():  # the weights cannot change during one sampling call
-            for start in range(0, len(rows), self.max_batch_rows):
-                end = start + self.max_batch_rows
-                completions += self._sample_rows(rows[start:end], row_slots[start:end], request, sources)
+        self.decoder.keeping = self._keeping(sources)
+        try:
+            with self.decoder.weights_fixed():  # the weights cannot change during one sampling call
+                for start in range(0, len(rows), self.max_batch_rows):
+                    end = start + self.max_batch_rows
+                    completions += self._sample_rows(rows[start:end], row_slots[start:end], request, sources)
+        finally:
+            self.decoder.keeping = None
         return completions
+
+    def _keeping(self, sources: Sequence[_Source]) -> KeptProducts | None:
+        """Where this call keeps its base products (``None``: it keeps none): :attr:`kept`, continued where the
+        last call computed with the same snapshot (its key and tensors), else made anew (dropping the last). Only a
+        call of one pinned snapshot on CPU, under the fixed numerics, with a budget (``kept_products_bytes``)."""
+        weights = self._pinned_weights
+        if (self.kept_products_bytes <= 0 or len(sources) != 1 or sources[0].pinned is not None or weights is None
+                or not self.decoder.fixed or self.device.type != "cpu"):
+            return None
+        key = sources[0].key
+        if self.kept is None or key is None or self.kept.key != key or self.kept.weights is not weights:
+            self.kept = None  # freed before the next is filled
+            self.kept = KeptProducts(weights, key, self.kept_products_bytes)
+        return self.kept
 
     # -- one batched call -------------------------------------------------------------------------
     def _pool_for(self, key: Hashable | None, needed: int, taken: Sequence[_PrefixPool],
@@ -343,6 +369,10 @@ class HFSamplingEngine(InProcessEngine):
         positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
         layout = TreeLayout(plan.rows, flat, trie.positions, device, pool.store)
         hidden = self.decoder.hidden(ids, positions, layout)  # [N, E]
+        keeping = self.decoder.keeping
+        if keeping is not None and keeping.last is not None:
+            for prompt, path in zip(prompts, plan.paths, strict=True):
+                keeping.place(prompt, {t: keeping.last + flat[node] for t, node in enumerate(path) if node in flat})
         self.prefill_tokens += len(plan.nodes)
         last = torch.tensor([flat[path[-1]] for path in plan.paths], device=device)
         logits = self.decoder.logits(hidden[last])
@@ -454,6 +484,8 @@ class HFSamplingEngine(InProcessEngine):
         own adapter (:class:`~rlrunbook.engines.pinned_adapter.RowAdapters`)."""
         device = self.device
         prompts = [prompt for prompt, _ in rows]
+        if self.decoder.keeping is not None:  # at most: every prompt token, then every cache row at every step
+            self.decoder.keeping.reserve(sum(map(len, prompts)) + _bucket(len(rows)) * request.max_tokens)
         pools: list[_PrefixPool] = []
         index: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its row of the prefill logits
         parts = []
@@ -485,6 +517,8 @@ class HFSamplingEngine(InProcessEngine):
         draws = StepDraws(len(rows), every, device, self.fused_draw and self.decoder.fixed and
                           device.type in ("cpu", "cuda"), self.decoder.log_softmax_at)
         live = list(range(len(rows)))  # cache rows drawn (and fed) in this block
+        keeping = self.decoder.keeping
+        kept_steps: list[tuple[int, int, list[tuple[int, int]]]] = []  # (first kept row, step, (cache row, row))
         slots_of = None  # the in_cache list the cache rows' adapters were made for
         step = 0
         while True:
@@ -516,6 +550,8 @@ class HFSamplingEngine(InProcessEngine):
                 if step + column:
                     needed = max(lengths) + 1
                     logits = self._step(cache, feed, live_index, needed, adapters)
+                    if keeping is not None and keeping.last is not None:
+                        kept_steps.append((keeping.last, step + column, [(i, in_cache[i]) for i in live]))
                     cache.lengths.add_(fed_mask)
                     for i in live:
                         lengths[i] += 1
@@ -540,10 +576,25 @@ class HFSamplingEngine(InProcessEngine):
             if not live:
                 break
         self._retire(pools, row_slots, cache, in_cache, prompts, tracker, lengths, final=True)
+        if kept_steps:
+            self._place_decoded(keeping, kept_steps, prompts, tracker)
         return [Completion(tokens=tracker.generated[r][:tracker.kept(r)], logprobs=sampled[r][:tracker.kept(r)],
                            policy_logprobs=policy[r][:tracker.kept(r)],
                            stop_reason="length" if tracker.ends[r] is None else "stop")
                 for r in range(len(rows))]
+
+    @staticmethod
+    def _place_decoded(keeping: KeptProducts, kept_steps: list[tuple[int, int, list[tuple[int, int]]]],
+                       prompts: list[list[int]], tracker: StopTracker) -> None:
+        """Name the token each kept decode step's rows computed: step ``s`` (from 1) fed row ``r``'s sampled token
+        ``s - 1``, at position ``len(prompt) + s - 1``; tokens drawn past a row's stop are not part of it."""
+        by_row: dict[int, dict[int, int]] = {}
+        for first, step, pairs in kept_steps:
+            for cache_row, row in pairs:
+                if step - 1 < tracker.kept(row):
+                    by_row.setdefault(row, {})[len(prompts[row]) + step - 1] = first + cache_row
+        for row, where in by_row.items():
+            keeping.place(prompts[row] + tracker.generated[row][:tracker.kept(row)], where)
 
     def _retire(self, pools: Sequence[_PrefixPool], row_slots: list[int], cache: RowCache, in_cache: list[int | None],
                 prompts: list[list[int]], tracker: StopTracker, lengths: list[int], final: bool = False

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
+from rlrunbook.engines.kept_products import KeptProducts
 from rlrunbook.engines.layouts import TreeLayout, take_rows
 from rlrunbook.engines.row_batches import ROW_QUERIES
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
@@ -60,10 +61,14 @@ class SharedPrefixScorer:
 
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
+        self.kept_tokens = 0  # tokens of the last run whose base products were read, not computed
 
-    def run(self, sequences: Sequence[Sequence[int]], recompute_layers: bool = False) -> SharedPass:
+    def run(self, sequences: Sequence[Sequence[int]], recompute_layers: bool = False,
+            kept: KeptProducts | None = None) -> SharedPass:
         """One forward over ``sequences`` (differentiable unless called under ``torch.no_grad``);
-        ``recompute_layers``: activation checkpointing per decoder layer (see :meth:`Decoder.hidden`)."""
+        ``recompute_layers``: activation checkpointing per decoder layer (see :meth:`Decoder.hidden`). ``kept``: base
+        products a sampling call computed under these very weights (the caller checked them), read where they hold
+        every token of the pass (:mod:`rlrunbook.engines.kept_products`)."""
         device = next(self.decoder.model.parameters()).device
         trie = TokenTrie()
         plan = plan_forward(trie, sequences, max_queries=ROW_QUERIES)
@@ -71,8 +76,15 @@ class SharedPrefixScorer:
         ids = torch.tensor([trie.tokens[n] for n in plan.nodes], device=device)
         positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
         layout = TreeLayout(plan.rows, flat_of, trie.positions, device)
-        hidden = self.decoder.hidden(ids, positions, layout, recompute_layers)
-        return SharedPass(hidden, [[flat_of[node] for node in path] for path in plan.paths])
+        flat = [[flat_of[node] for node in path] for path in plan.paths]
+        known = None if kept is None else kept.gather(sequences, flat, len(plan.nodes))
+        self.decoder.known_products = known
+        try:
+            hidden = self.decoder.hidden(ids, positions, layout, recompute_layers)
+        finally:
+            self.decoder.known_products = None
+        self.kept_tokens = 0 if known is None else len(plan.nodes)
+        return SharedPass(hidden, flat)
 
     def score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
               filters: SamplingFilters | None = None, with_entropy: bool = False) -> TokenScores:

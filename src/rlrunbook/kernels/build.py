@@ -147,7 +147,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "rotary": (i, [p, i64, i64, i64, i64, p, p, i, i]),
         "rotary_grad": (i, [p, i64, i64, i64, i64, p, p, i, i]),
         "silu_mul": (i, [p, i64, i64, i64, p, i, i]),
-        "lora_linears": (i, [p, i, i64, i64, i64, p, i64, p, i64, p, i, i64, i, p, p, p, p, p, i, i, p, i]),
+        "lora_linears": (i, [p, i, i64, i64, i64, p, i64, p, i64, p, i, i64, i, p, p, p, p, p, i, i, p, p, i]),
         "cached_attention": (i, [p, i64, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64, i, f, p, p, p, i64, i]),
         "add_scaled": (i, [p, i64, p, i64, f, p, i64, i64, i, i]),
         "lora_added": (i, [p, i64, p, i64, p, i64, f, p, i64, i64, i64, i64, i, i, i]),

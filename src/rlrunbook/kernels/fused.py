@@ -147,13 +147,17 @@ class LoraLinears:
 
 
 @_profiled
-def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | None = None) -> torch.Tensor:
+def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | None = None,
+                 base: torch.Tensor | None = None) -> torch.Tensor:
     """The group's outputs side by side (``[M, N]``, ``x``'s dtype): the base product over the stacked weights,
     then each adapter's update added in peft's order (see ``c/fused.c``).
 
     ``bounds`` (``S + 1`` ints from 0 to ``M``, not decreasing) cuts the rows into the group's ``S`` slots: rows
     ``bounds[s]`` to ``bounds[s + 1]`` get slot ``s``'s adapters, with the bits a one-slot group of those adapters
-    gives them. ``None``: a one-slot group's adapters for every row."""
+    gives them. ``None``: a one-slot group's adapters for every row.
+
+    ``base`` (a contiguous ``[M, N]`` tensor of ``x``'s dtype): also receives the base product alone, before the
+    updates (what the trainer's pass computes first; :mod:`rlrunbook.engines.kept_products`)."""
     x = _contiguous_rows(x)
     if x.dtype != group.weight.dtype:
         raise TypeError(f"lora_linears: input {x.dtype}, weights {group.weight.dtype}")
@@ -164,6 +168,9 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
     if (bounds is None or len(bounds) != count + 1 or bounds[0] != 0 or bounds[-1] != m
             or any(b < a for a, b in pairwise(bounds))):
         raise ValueError(f"lora_linears: row bounds {bounds} do not cut {m} rows into {count} slots")
+    if base is not None and (base.shape != (m, n) or base.dtype != x.dtype or not base.is_contiguous()):
+        raise ValueError(f"lora_linears: base {tuple(base.shape)} {base.dtype} is not a contiguous [{m}, {n}] "
+                         f"{x.dtype} tensor")
     out = torch.empty(m, n, dtype=x.dtype)
     if m and n:
         cols, a_ptrs, b_ptrs, ranks, scalings, adapter_code, _ = group._args
@@ -171,7 +178,7 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
         _check(load_library().lora_linears(
             _ptr(x), t, x.stride(0), m, k, _ptr(group.weight), group.weight.stride(0), _ptr(group.bias), n,
             _ptr(out), t, n, len(group.sizes), cols, a_ptrs, b_ptrs, ranks, scalings,
-            adapter_code, count, (ctypes.c_int64 * (count + 1))(*bounds), _threads()), "lora_linears")
+            adapter_code, count, (ctypes.c_int64 * (count + 1))(*bounds), _ptr(base), _threads()), "lora_linears")
     return out
 
 

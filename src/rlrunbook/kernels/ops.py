@@ -89,6 +89,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*lead, weight.shape[0])
 
 
+class _KnownLinear(torch.autograd.Function):
+    """:class:`_Linear` whose forward's value is given (``known``: what ``product`` gives for these inputs), with the
+    same backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, known):
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
+        return known
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Linear.backward(ctx, grad)
+
+
+def linear_known(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, known: torch.Tensor) -> torch.Tensor:
+    """``linear(x, weight, bias)`` (``x`` ``[M, K]``, both of ``known``'s dtype) whose value ``known`` (``[M, N]``) was
+    computed before, bit for bit (:mod:`rlrunbook.engines.kept_products`): nothing is computed forward, and the
+    backward is :func:`linear`'s."""
+    if x.dtype != weight.dtype or known.dtype != x.dtype or known.shape != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"linear_known: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+                         f"known {tuple(known.shape)} {known.dtype}")
+    return _KnownLinear.apply(x, weight, bias, known)
+
+
 def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``linear(x.float(), weight)`` for a float32 ``weight`` (LoRA's first factor beside a half-precision model), the
     kernel reading ``x`` as float32: no float32 copy of ``x`` is made or kept for the backward, and the values and

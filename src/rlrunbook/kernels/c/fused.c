@@ -297,24 +297,34 @@ static int add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, con
  * slot s's rows take adapter p * S + s (A [ranks[.], K]; B [cols[p+1] - cols[p], ranks[.]], given transposed,
  * [ranks[.], cols[p+1] - cols[p]], where the rank is at most SMALL_K, as product() would transpose it; storage
  * type ta; A NULL: none). Every product is computed in a fixed order per element, so a row's bits do not depend on the
- * rows or slots beside it: a slot's rows get what a pass of that adapter alone gives them. */
+ * rows or slots beside it: a slot's rows get what a pass of that adapter alone gives them.
+ * Base (not NULL): also the base product alone, before any update, as [M, N] contiguous rows of type tc (what the
+ * trainer's pass over the same tokens and weights computes first: rlrunbook.engines.kept_products). */
 int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const void *W, int64_t ldw,
                  const float *bias, int64_t N, void *C, int tc, int64_t ldc, int P, const int64_t *cols,
                  const void *const *A, const void *const *B, const int64_t *ranks, const float *scalings, int ta,
-                 int S, const int64_t *bounds, int nthreads) {
-  if (product(X, tx, ldx, W, tx, ldw, bias, C, tc, ldc, M, N, K, nthreads)) return 1;
+                 int S, const int64_t *bounds, void *Base, int nthreads) {
+  /* With Base, the base product is written there, and each projection's columns reach C from it: through the
+   * update's addition (which reads Base), or copied where no update is added. */
+  void *H = Base ? Base : C;
+  int64_t ldh = Base ? N : ldc;
+  if (product(X, tx, ldx, W, tx, ldw, bias, H, tc, ldh, M, N, K, nthreads)) return 1;
   for (int p = 0; p < P; p++) {
     for (int s = 0; s < S; s++) {
       int64_t at = p * S + s, first = bounds[s], rows = bounds[s + 1] - bounds[s];
-      if (!A[at] || rows <= 0) continue;
-      int64_t r = ranks[at], cols_p = cols[p + 1] - cols[p];
+      int64_t r = A[at] ? ranks[at] : 0, cols_p = cols[p + 1] - cols[p];
+      char *c = (char *)C + (size_t)(first * ldc + cols[p]) * esize(tc); /* this projection's columns */
+      const char *h = (const char *)H + (size_t)(first * ldh + cols[p]) * esize(tc);
+      if (rows <= 0) continue;
+      if (h != c && !(r > 0 && r <= SMALL_K))
+        for (int64_t m = 0; m < rows; m++)
+          memcpy(c + (size_t)(m * ldc) * esize(tc), h + (size_t)(m * ldh) * esize(tc), (size_t)cols_p * esize(tc));
+      if (!A[at]) continue;
       const char *x = (const char *)X + (size_t)(first * ldx) * esize(tx);
-      char *c = (char *)C + (size_t)(first * ldc) * esize(tc);
       char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = NULL;
-      c += (size_t)cols[p] * esize(tc); /* this projection's columns */
       int failed = !u || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads);
       if (!failed && r <= SMALL_K) /* the second product, scaled and added, in one pass */
-        failed = lora_added(c, ldc, u, r, B[at], cols_p, scalings[at], c, ldc, rows, cols_p, r, ta, tc, nthreads);
+        failed = lora_added(h, ldh, u, r, B[at], cols_p, scalings[at], c, ldc, rows, cols_p, r, ta, tc, nthreads);
       else if (!failed) { /* a rank over SMALL_K: its product in lanes16 order, then the same addition */
         failed = !(v = malloc((size_t)(rows * cols_p + 1) * esize(ta))) ||
                  product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads);

@@ -1,0 +1,144 @@
+"""The base products a sampling call computed, kept for the trainer's pass over the same tokens.
+
+On-policy RL trains on the tokens it has just sampled, under the weights it sampled them with (until the next
+``optim_step``). Under the default numerics a token's numbers depend only on its own tokens and the weights, so
+the trainer's forward over those tokens computes, bit for bit, what the sampler's prefill and decode steps
+computed. The bulk of that forward is the layers' products with the frozen base weights: 2 x the layers'
+weights in FLOPs per token, about 40% of a LoRA ``forward_backward``'s arithmetic. A sampling call of the CPU
+engine can keep them (:class:`KeptProducts`, written by the fused kernels next to the outputs they compute
+anyway); the trainer's pass then reads them instead of computing them (:meth:`KeptProducts.gather`, checked
+against the live adapter first). Everything else of its forward (the LoRA factors, norms, rotation, attention,
+the output layer) and its whole backward is computed as before: the same values and gradients, bit for bit.
+
+Memory: a token keeps each layer's base output columns (q, k, v, o, gate, up and down: for SmolLM2-135M 30 x
+5,184 values, 622 KB in float32), so a call's share grows linearly with the tokens it computes (prompt tokens
+once, then one token per row per decode step) and is bounded by ``budget`` bytes: past it, the call keeps
+nothing more, and the trainer computes what was not kept. Time: one copy of those values while sampling, and
+one gather per pass of the trainer's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+from rlrunbook.prefix_tree import TokenTrie
+
+GroupKey = tuple[int, ...]  # the ids of a projection group's modules (q/k/v, o, gate/up, down of one layer)
+
+
+def group_key(modules: Sequence[torch.nn.Module]) -> GroupKey:
+    """The key a projection group's products are kept under: the same modules in the sampler and the trainer."""
+    return tuple(map(id, modules))
+
+
+class KeptProducts:
+    """Base products of the passes of sampling calls under one adapter snapshot (``weights``, named ``key``).
+
+    Each projection group's products are rows of one growing ``[rows, columns]`` tensor: a pass (one prefill or one
+    decode step; :meth:`begin`, :meth:`buffer`, :meth:`end`) appends one row per token it computes. The engine then
+    says which token each row computed (:meth:`place`): a token is the prefix of tokens that ends with it, a node
+    of :attr:`trie`. Every pass keeps the same groups (those of the first), or is not kept.
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], key: Hashable | None, budget: int):
+        self.weights = weights  # the adapter factors the passes computed with, by parameter name
+        self.key = key
+        self.budget = budget
+        self.full = False  # a pass would have passed the budget: nothing more is kept
+        self.trie = TokenTrie()
+        self._where: dict[int, int] = {}  # trie node -> its row
+        self._groups: dict[GroupKey, torch.Tensor] = {}  # the rows kept so far, and room for more
+        self._rows = 0  # rows kept by the passes ended
+        self._open: set[GroupKey] | None = None  # the groups the open pass wrote (None: no pass kept)
+        self._open_rows = 0
+        self._reserve = 0
+        self.last: int | None = None  # the first row of the pass :meth:`end` closed last (None: not kept)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one token keeps (every group's columns)."""
+        return sum(t.shape[1] * t.dtype.itemsize for t in self._groups.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows kept."""
+        return self._rows * self.row_bytes
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more rows, made when the next pass grows the tensors (one allocation for a call whose
+        rows the engine knows ahead, not one per doubling)."""
+        self._reserve = rows
+
+    def begin(self) -> None:
+        """A pass starts: its products go to :meth:`buffer` until :meth:`end` (a pass never ended is dropped)."""
+        self._open, self._open_rows, self.last = (None if self.full else set()), 0, None
+
+    def buffer(self, key: GroupKey, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where the open pass keeps the base product of group ``key`` (``None``: the pass is not kept)."""
+        if self._open is None:
+            return None
+        if not self._open:
+            self._open_rows = rows
+            if self._groups and (self._rows + rows) * self.row_bytes > self.budget:
+                self.full, self._open = True, None
+                return None
+        tensor = self._groups.get(key)
+        if rows != self._open_rows or key in self._open or (tensor is None and self._rows > 0) or (
+                tensor is not None and (tensor.shape[1] != columns or tensor.dtype != dtype)):
+            self._open = None  # not the same groups as every other pass: not kept
+            return None
+        need = self._rows + rows
+        if tensor is None:
+            tensor = self._groups[key] = torch.empty(max(need, self._reserve), columns, dtype=dtype)
+        elif tensor.shape[0] < need:
+            self._grow(max(need, self._rows + self._reserve, 2 * tensor.shape[0]))
+            tensor = self._groups[key]
+        self._open.add(key)
+        return tensor[self._rows:need]
+
+    def _grow(self, capacity: int) -> None:
+        for key, tensor in self._groups.items():
+            grown = tensor.new_empty(capacity, tensor.shape[1])
+            grown[:self._rows] = tensor[:self._rows]
+            self._groups[key] = grown
+
+    def end(self) -> int | None:
+        """The pass ends; returns the index of its first row (``None``: it was not kept)."""
+        self.last = None
+        if self._open is not None and self._open == self._groups.keys():
+            if self._rows + self._open_rows > self.budget // max(1, self.row_bytes):
+                self.full = True
+            else:
+                self.last, self._rows = self._rows, self._rows + self._open_rows
+        self._open = None
+        return self.last
+
+    def place(self, tokens: Sequence[int], rows: Mapping[int, int]) -> None:
+        """Token ``t`` of ``tokens`` (for each ``t`` in ``rows``) was computed as kept row ``rows[t]``."""
+        path, _ = self.trie.insert(tokens)
+        for t, row in rows.items():
+            self._where[path[t]] = row
+
+    def matches(self, live: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``live`` (the trainer's adapter factors by name) holds exactly the weights these passes used."""
+        return (live.keys() == self.weights.keys()
+                and all(torch.equal(live[name], tensor) for name, tensor in self.weights.items()))
+
+    def gather(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
+               rows: int) -> dict[GroupKey, torch.Tensor] | None:
+        """The kept base products of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
+        ``sequences[i]``: per group, ``[rows, columns]`` in the pass's row order. ``None`` where a token of it
+        was not kept (the pass then computes its products)."""
+        source = [-1] * rows
+        for tokens, where in zip(sequences, flat, strict=True):
+            nodes = self.trie.find(tokens)
+            if len(nodes) < len(tokens):
+                return None
+            for node, row in zip(nodes, where, strict=True):
+                source[row] = self._where.get(node, -1)
+        if not self._rows or min(source, default=-1) < 0:
+            return None
+        index = torch.tensor(source)
+        return {key: tensor.index_select(0, index) for key, tensor in self._groups.items()}

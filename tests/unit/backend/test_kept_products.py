@@ -1,0 +1,81 @@
+"""The local backend's on-policy step reads the sampler's kept base products (engines/kept_products.py): a
+``forward_backward`` over the tokens just sampled, before any ``optim_step``, gives the bits of one that computes
+every product (``TINKER_LOCAL_KEPT_PRODUCTS_MB=0``), and a step whose weights moved computes them again."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tinker import types
+
+from rlrunbook.backend import LocalServiceClient, LocalSettings
+from rlrunbook.tokens import build_datum_arrays
+
+PROMPTS = ([5, 17, 42, 9, 11, 300, 7], [5, 17, 42, 8])
+PARAMS = types.SamplingParams(max_tokens=12, temperature=1.0, seed=3)
+
+
+@pytest.fixture
+def settings(tmp_path):
+    return LocalSettings(device="cpu", dtype=torch.float32, storage_dir=tmp_path / "tinker")
+
+
+def _rl_batch(sampler) -> list[types.Datum]:
+    data = []
+    for prompt in PROMPTS:
+        for index, sequence in enumerate(sampler.sample(types.ModelInput.from_ints(prompt), 3, PARAMS).result()
+                                         .sequences):
+            tokens = list(sequence.tokens)
+            arrays = build_datum_arrays(prompt, tokens, list(sequence.logprobs), [index - 1.0] * len(tokens))
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(arrays.input_tokens),
+                                    loss_fn_inputs={"target_tokens": arrays.target_tokens,
+                                                    "logprobs": arrays.logprobs, "advantages": arrays.advantages}))
+    return data
+
+
+def _steps(settings: LocalSettings, steps: int = 2) -> tuple[list, list[int]]:
+    """Per step: the logprobs ``forward_backward`` returned and the adapter's gradient; and how many tokens of its
+    last pass read kept products."""
+    with LocalServiceClient(settings) as service:
+        training = service.create_lora_training_client("tiny", rank=4, seed=0)
+        scorer = training._trainer.scoring.scorer
+        results, read = [], []
+        for _ in range(steps):
+            data = _rl_batch(training.save_weights_and_get_sampling_client())
+            output = training.forward_backward(data, "importance_sampling").result()
+            read.append(scorer.kept_tokens)
+            grads = [p.grad.clone() for p in training._trainer.trained_parameters().values()]
+            results.append(([o["logprobs"].tolist() for o in output.loss_fn_outputs], grads))
+            training.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        return results, read
+
+
+def test_an_on_policy_step_reads_the_kept_products_with_the_same_bits(settings):
+    kept, read = _steps(settings)
+    computed, none_read = _steps(dataclasses.replace(settings, kept_products_mb=0))
+    assert all(count > 0 for count in read) and none_read == [0, 0]
+    for (logprobs, grads), (expected_logprobs, expected_grads) in zip(kept, computed, strict=True):
+        assert logprobs == expected_logprobs
+        assert all(torch.equal(got, expected) for got, expected in zip(grads, expected_grads, strict=True))
+
+
+def test_a_step_after_the_weights_moved_computes_its_products(settings):
+    with LocalServiceClient(settings) as service:
+        training = service.create_lora_training_client("tiny", rank=4, seed=0)
+        scorer = training._trainer.scoring.scorer
+        data = _rl_batch(training.save_weights_and_get_sampling_client())
+        training.forward_backward(data, "importance_sampling").result()
+        assert scorer.kept_tokens > 0
+        training.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        first = training.forward_backward(data, "importance_sampling").result()  # the weights moved: computed
+        assert scorer.kept_tokens == 0
+        assert training._host.engine.kept is not None  # kept for its snapshot, which a sampler may still use
+    with LocalServiceClient(dataclasses.replace(settings, kept_products_mb=0)) as service:
+        training = service.create_lora_training_client("tiny", rank=4, seed=0)
+        training.forward_backward(data, "importance_sampling").result()
+        training.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        expected = training.forward_backward(data, "importance_sampling").result()
+    assert ([o["logprobs"].tolist() for o in first.loss_fn_outputs]
+            == [o["logprobs"].tolist() for o in expected.loss_fn_outputs])

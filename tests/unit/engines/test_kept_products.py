@@ -1,0 +1,163 @@
+"""Kept base products (engines/kept_products.py): a sampling call keeps the layers' base products of every token it
+computes, and the trainer's pass over those tokens reads them instead of computing them, with the same values and
+gradients, bit for bit.
+
+Models are built from small configs with random weights and random LoRA factors (B non-zero, so every adapter
+changes what the next layer reads).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlrunbook.backend.lora import clone_adapter, wrap_with_lora
+from rlrunbook.engines.base import GenerationRequest, SampleJob
+from rlrunbook.engines.decoder import Decoder
+from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.hf import HFSamplingEngine
+from rlrunbook.engines.kept_products import KeptProducts
+from rlrunbook.engines.shared_prefix import SharedPrefixScorer
+
+VOCAB = 320
+STOPS = tuple((token,) for token in range(3, 60))  # about one draw in six stops: rows stop inside decode blocks
+
+
+def _model(hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256, hidden_size=hidden,
+                         intermediate_size=hidden + hidden // 2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False)
+    model = wrap_with_lora(LlamaForCausalLM(config).to(dtype).eval(), rank=8, alpha=24, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.2)
+    return model
+
+
+def _sampled(model: torch.nn.Module, budget: int = 1 << 30, stop=STOPS) -> tuple[HFSamplingEngine, list[list[int]]]:
+    """An engine that kept its call's products, and the sequences a trainer reads (prompt + completion, last
+    token dropped)."""
+    engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=VOCAB, max_context=256, kept_products_bytes=budget)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(60, VOCAB, (length,), generator=generator).tolist() for length in (3, 11, 11, 30)]
+    request = GenerationRequest(max_tokens=12, filters=SamplingFilters(1.0), stop=stop, seed=7)
+    with engine.pinned_weights(clone_adapter(model), key="snapshot"):
+        results = engine.sample_jobs([SampleJob(p, 3, request) for p in prompts], weights_key="snapshot")
+    sequences = [prompt + list(c.tokens)[:-1] for prompt, group in zip(prompts, results) for c in group]
+    return engine, [s for s in sequences if len(s) > 1]
+
+
+def _training_pass(model: torch.nn.Module, sequences, kept: KeptProducts | None):
+    """The trainer's pass (its own decoder) over ``sequences``: final hidden states, every adapter gradient of a
+    fixed random projection of them, and how many tokens read kept products."""
+    scorer = SharedPrefixScorer(Decoder(model))
+    run = scorer.run(sequences, kept=kept)
+    weights = torch.randn(run.hidden.shape, generator=torch.Generator().manual_seed(3)).to(run.hidden.dtype)
+    (run.hidden * weights).float().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return run.hidden.detach(), grads, scorer.kept_tokens
+
+
+@pytest.mark.parametrize("hidden,dtype", [(64, torch.float32), (160, torch.float32), (160, torch.bfloat16)],
+                         ids=["llama-64-fp32", "llama-160-fp32", "llama-160-bf16"])
+def test_the_training_pass_over_sampled_tokens_reads_them_with_the_same_bits(hidden, dtype):
+    model = _model(hidden, dtype)
+    engine, sequences = _sampled(model)
+    assert engine.kept is not None and engine.kept.nbytes > 0
+    kept_hidden, kept_grads, read = _training_pass(model, sequences, engine.kept)
+    hidden_states, grads, computed = _training_pass(model, sequences, None)
+    assert read == hidden_states.shape[0] and computed == 0  # every token read its products
+    assert torch.equal(kept_hidden, hidden_states)
+    assert kept_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(kept_grads[name], grad), name
+
+
+def test_a_token_that_was_not_sampled_makes_the_pass_compute():
+    model = _model(64, torch.float32)
+    engine, sequences = _sampled(model)
+    changed = [*sequences[:-1], sequences[-1][:-1] + [(sequences[-1][-1] + 1) % VOCAB]]
+    kept_hidden, kept_grads, read = _training_pass(model, changed, engine.kept)
+    hidden_states, grads, _ = _training_pass(model, changed, None)
+    assert read == 0
+    assert torch.equal(kept_hidden, hidden_states)
+    assert all(torch.equal(kept_grads[name], grad) for name, grad in grads.items())
+
+
+def test_a_call_past_its_budget_keeps_what_fit_and_the_pass_computes():
+    model = _model(64, torch.float32)
+    # 3,584 bytes per token (2 layers x 896 columns in float32): the prefill's 55 tokens, then one decode step of
+    # 16 cache rows, fit in 300,000 bytes; a second step does not
+    engine, sequences = _sampled(model, budget=300_000)
+    kept = engine.kept
+    assert kept.row_bytes == 3_584 and kept.full and kept.nbytes == (55 + 16) * 3_584
+    assert _training_pass(model, sequences, kept)[2] == 0
+    prompt_only = [sequences[0][:3]]  # the first prompt was prefilled, within the budget
+    assert _training_pass(model, prompt_only, kept)[2] == 3
+
+
+def test_only_a_snapshot_equal_to_the_live_adapter_matches():
+    model = _model(64, torch.float32)
+    engine, _ = _sampled(model)
+    live = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    assert engine.kept.matches(live)
+    with torch.no_grad():
+        next(p for name, p in model.named_parameters() if "lora_A" in name).view(-1)[0] += 1e-7
+    assert not engine.kept.matches(live)
+    assert not engine.kept.matches({name: tensor for name, tensor in list(live.items())[1:]})
+
+
+def test_rows_are_gathered_in_the_pass_order_by_token_prefix():
+    """Two passes kept by hand: a prefill of [5, 6, 7] and [5, 8], then a decode step feeding 9 after [5, 6, 7]."""
+    kept = KeptProducts({}, "k", budget=1 << 20)
+    key = (1, 2)
+    values = torch.arange(8.0).view(4, 2)  # prefill rows: [5], [5, 6], [5, 6, 7], [5, 8]
+    kept.begin()
+    kept.reserve(8)
+    kept.buffer(key, 4, 2, torch.float32).copy_(values)
+    assert kept.end() == 0
+    kept.place([5, 6, 7], {0: 0, 1: 1, 2: 2})
+    kept.place([5, 8], {1: 3})
+    kept.begin()
+    kept.buffer(key, 2, 2, torch.float32).copy_(torch.tensor([[10.0, 11.0], [12.0, 13.0]]))  # cache rows 0, 1
+    assert kept.end() == 4
+    kept.place([5, 6, 7, 9], {3: 4 + 1})  # the step's cache row 1 fed token 9
+    assert kept.nbytes == 6 * 2 * 4
+    # A pass over [5, 8] and [5, 6, 7, 9], its rows in its own order: [5, 6, 7, 9], [5, 8], [5, 6, 7], [5], [5, 6]
+    gathered = kept.gather([[5, 8], [5, 6, 7, 9]], [[3, 1], [3, 4, 2, 0]], 5)
+    assert gathered[key].tolist() == [[12.0, 13.0], [6.0, 7.0], [4.0, 5.0], [0.0, 1.0], [2.0, 3.0]]
+    assert kept.gather([[5, 6, 7, 10]], [[0, 1, 2, 3]], 4) is None  # [.., 10] was never computed
+    assert kept.gather([[5, 7]], [[0, 1]], 2) is None
+
+
+def test_a_pass_with_other_groups_or_rows_is_not_kept():
+    kept = KeptProducts({}, None, budget=1 << 20)
+    kept.begin()
+    kept.buffer((1,), 2, 3, torch.float32)
+    kept.buffer((2,), 2, 5, torch.float32)
+    assert kept.end() == 0
+    kept.begin()
+    kept.buffer((1,), 2, 3, torch.float32)
+    assert kept.end() is None  # group (2,) missing
+    kept.begin()
+    kept.buffer((1,), 2, 3, torch.float32)
+    assert kept.buffer((2,), 3, 5, torch.float32) is None  # other rows than the pass's
+    assert kept.end() is None
+    kept.begin()
+    kept.buffer((1,), 2, 3, torch.float32)
+    assert kept.buffer((3,), 2, 5, torch.float32) is None  # a group the first pass did not keep
+    assert kept.end() is None
+    assert kept.nbytes == 2 * (3 + 5) * 4
+
+
+def test_the_pass_reads_the_kept_values_instead_of_computing_them():
+    model = _model(64, torch.float32)
+    engine, sequences = _sampled(model)
+    hidden_states = _training_pass(model, sequences, None)[0]
+    for tensor in engine.kept._groups.values():
+        tensor.mul_(1.5)  # no longer what the products give
+    assert not torch.equal(_training_pass(model, sequences, engine.kept)[0], hidden_states)
