@@ -62,6 +62,7 @@ class SharedPrefixScoring:
         # The base products the sampling engine kept of its last calls (engines/kept_products.py), read by a
         # training pass over those tokens while the adapter still holds the weights they were computed with.
         self.kept_products = kept_products
+        self.kept_tokens = 0  # tokens of the last training pass whose base products were read, not computed
         self.recompute_layers = recompute_layers  # activation checkpointing per decoder layer
         # The KL reference: a model of its own (full-parameter training), else this model with its adapter disabled.
         self.reference = None if reference is None else SharedPrefixScorer(Decoder(reference, numerics))
@@ -117,6 +118,7 @@ class SharedPrefixScoring:
     def _score(self, chunk, filters, with_entropy, with_reference, recompute: bool) -> ChunkScores:
         run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=recompute,
                               kept=self._kept(recompute))
+        self.kept_tokens = self.scorer.kept_tokens
         pairs: dict[tuple[int, int], int] = {}  # (hidden row, target) -> index: each distinct pair once
         seen: list[int] = []  # pair index of every position the loss reads, datum by datum
         for i, item in enumerate(chunk):
@@ -126,7 +128,7 @@ class SharedPrefixScoring:
         device = run.hidden.device
         rows = torch.tensor([row for row, _ in pairs], dtype=torch.long, device=device)
         targets = torch.tensor([target for _, target in pairs], dtype=torch.long, device=device)
-        scores = self.scorer.score(run.hidden, rows, targets, filters, with_entropy)
+        scores = self.scorer.score(run.hidden, rows, targets, filters, with_entropy, run.logits)
         seen_index = torch.tensor(seen, dtype=torch.long, device=device)
         per_datum = [torch.zeros(len(item.input_tokens)) for item in chunk]
         values = scores.logprobs.detach().float().cpu()

@@ -106,7 +106,8 @@ class LocalSettings:
             tokens it sampled, which then reads them instead of computing them while the weights are still the
             sampled ones (on-policy, before the next ``optim_step``): the same bits, about 40% less arithmetic
             in a LoRA ``forward_backward`` (``TINKER_LOCAL_KEPT_PRODUCTS_MB``, 4096; 0 = off). A token keeps
-            every layer's base output columns (SmolLM2-135M: 622 KB in float32); tokens past the budget are
+            every layer's base output columns and the logits it was drawn from (SmolLM2-135M: 622 + 197 KB in
+            float32); tokens past the budget are
             computed by the trainer as usual; none are kept while sampling runs concurrently with training
             (``concurrent_sampling``). See rlrunbook.engines.kept_products.
         storage_dir: where ``tinker://`` checkpoints live (``TINKER_LOCAL_STORAGE``;

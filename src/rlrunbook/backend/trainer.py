@@ -300,11 +300,13 @@ class Trainer:
         loss_total = 0.0
         parts: list[_ChunkOutput] = []
         self.recomputed_passes = 0
+        kept_tokens = 0
         for batch in batches:
             recompute = self.recompute_layers and backward and needs_recompute(self.plain_cost, batch.tokens,
                                                                                  self.device)
             self.recomputed_passes += recompute
             part = self._chunk_loss(items[batch.start:batch.stop], spec, config, reg, mismatch, recompute)
+            kept_tokens += getattr(self.scoring, "kept_tokens", 0)
             if backward:
                 part.loss.backward()
                 self._has_gradients = True
@@ -322,6 +324,8 @@ class Trainer:
             # LOCAL EXTENSION: how the batch was split (see micro_batches), for the step's log row.
             "micro_batches:sum": float(len(batches)),
             "micro_batch_tokens:max": float(max(batch.tokens for batch in batches)),
+            # LOCAL EXTENSION: distinct tokens whose base products the sampler had kept (engines/kept_products.py).
+            "kept_product_tokens:sum": float(kept_tokens),
         })
         outputs = [{"logprobs": types.TensorData.from_torch(lp)} for lp in logprobs]
         if sampling:  # the caller named the sampler's transform (a local extension)

@@ -535,11 +535,12 @@ class Decoder:
         return (self.fixed and type(head) is torch.nn.Linear and head.bias is None
                 and not head.weight.requires_grad)
 
-    def frozen_head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def frozen_head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
+                             logits: torch.Tensor | None = None) -> torch.Tensor:
         """``log_softmax_at(logits(hidden), targets)`` with the same bits, whose backward reads ``[M, E]`` floats kept
         by the forward instead of the logits (``rlrunbook.kernels.ops.frozen_head_logprobs``); needs
         :attr:`head_frozen`."""
-        return fixed.frozen_head_logprobs(hidden, self.lm.lm_head.weight, targets)
+        return fixed.frozen_head_logprobs(hidden, self.lm.lm_head.weight, targets, logits)
 
     def log_softmax_at(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``log_softmax(logits, -1)`` at ``targets`` (float32 ``[M, V]`` logits, ``[M]`` targets) as these numerics

@@ -63,6 +63,11 @@ MAX_ADAPTERS = 8  # most samplers' adapters one call decodes together (each keep
 _POOL_SPACING = 1 << 40  # pool slot ids of adapter s are offset by s times this: no two adapters' rows share
 
 
+# A decode step a sampling call kept (engines/kept_products.py): its first kept row and its kept logits (None: not
+# kept), the step (from 1), and per row it fed: (cache row, row of its logits, the call's row).
+_KeptStep = tuple[int | None, int | None, int, list[tuple[int, int, int]]]
+
+
 def _bucket(rows: int) -> int:
     """Batch rows padded to a power of two, at least 2 (a 1-row matrix product may round differently)."""
     return max(2, 1 << (rows - 1).bit_length())
@@ -369,13 +374,16 @@ class HFSamplingEngine(InProcessEngine):
         positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
         layout = TreeLayout(plan.rows, flat, trie.positions, device, pool.store)
         hidden = self.decoder.hidden(ids, positions, layout)  # [N, E]
-        keeping = self.decoder.keeping
-        if keeping is not None and keeping.last is not None:
-            for prompt, path in zip(prompts, plan.paths, strict=True):
-                keeping.place(prompt, {t: keeping.last + flat[node] for t, node in enumerate(path) if node in flat})
         self.prefill_tokens += len(plan.nodes)
         last = torch.tensor([flat[path[-1]] for path in plan.paths], device=device)
         logits = self.decoder.logits(hidden[last])
+        keeping = self.decoder.keeping
+        if keeping is not None:  # the products of every token computed here, the logits after each prompt
+            first, kept_logits = keeping.last, keeping.keep_logits(logits)
+            for i, (prompt, path) in enumerate(zip(prompts, plan.paths, strict=True)):
+                keeping.place(prompt, {} if first is None else
+                              {t: first + flat[node] for t, node in enumerate(path) if node in flat},
+                              None if kept_logits is None else {len(prompt) - 1: (kept_logits, i)})
         self.prefill_seconds += time.perf_counter() - started
         return logits
 
@@ -484,8 +492,9 @@ class HFSamplingEngine(InProcessEngine):
         own adapter (:class:`~rlrunbook.engines.pinned_adapter.RowAdapters`)."""
         device = self.device
         prompts = [prompt for prompt, _ in rows]
-        if self.decoder.keeping is not None:  # at most: every prompt token, then every cache row at every step
-            self.decoder.keeping.reserve(sum(map(len, prompts)) + _bucket(len(rows)) * request.max_tokens)
+        if self.decoder.keeping is not None:  # about: each distinct prompt's tokens, then every cache row per step
+            distinct = {tuple(prompt) for prompt in prompts}
+            self.decoder.keeping.reserve(sum(map(len, distinct)) + _bucket(len(rows)) * request.max_tokens)
         pools: list[_PrefixPool] = []
         index: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its row of the prefill logits
         parts = []
@@ -518,7 +527,7 @@ class HFSamplingEngine(InProcessEngine):
                           device.type in ("cpu", "cuda"), self.decoder.log_softmax_at)
         live = list(range(len(rows)))  # cache rows drawn (and fed) in this block
         keeping = self.decoder.keeping
-        kept_steps: list[tuple[int, int, list[tuple[int, int]]]] = []  # (first kept row, step, (cache row, row))
+        kept_steps: list[_KeptStep] = []
         slots_of = None  # the in_cache list the cache rows' adapters were made for
         step = 0
         while True:
@@ -550,8 +559,9 @@ class HFSamplingEngine(InProcessEngine):
                 if step + column:
                     needed = max(lengths) + 1
                     logits = self._step(cache, feed, live_index, needed, adapters)
-                    if keeping is not None and keeping.last is not None:
-                        kept_steps.append((keeping.last, step + column, [(i, in_cache[i]) for i in live]))
+                    if keeping is not None:
+                        kept_steps.append((keeping.last, keeping.keep_logits(logits), step + column,
+                                           [(i, k, in_cache[i]) for k, i in enumerate(live)]))
                     cache.lengths.add_(fed_mask)
                     for i in live:
                         lengths[i] += 1
@@ -584,17 +594,24 @@ class HFSamplingEngine(InProcessEngine):
                 for r in range(len(rows))]
 
     @staticmethod
-    def _place_decoded(keeping: KeptProducts, kept_steps: list[tuple[int, int, list[tuple[int, int]]]],
-                       prompts: list[list[int]], tracker: StopTracker) -> None:
+    def _place_decoded(keeping: KeptProducts, kept_steps: list[_KeptStep], prompts: list[list[int]],
+                       tracker: StopTracker) -> None:
         """Name the token each kept decode step's rows computed: step ``s`` (from 1) fed row ``r``'s sampled token
-        ``s - 1``, at position ``len(prompt) + s - 1``; tokens drawn past a row's stop are not part of it."""
-        by_row: dict[int, dict[int, int]] = {}
-        for first, step, pairs in kept_steps:
-            for cache_row, row in pairs:
+        ``s - 1``, at position ``len(prompt) + s - 1``, and drew from the logits after it; tokens drawn past a row's
+        stop are not part of it."""
+        products: dict[int, dict[int, int]] = {}
+        logits: dict[int, dict[int, tuple[int, int]]] = {}
+        for first, kept_logits, step, fed in kept_steps:
+            for cache_row, logits_row, row in fed:
                 if step - 1 < tracker.kept(row):
-                    by_row.setdefault(row, {})[len(prompts[row]) + step - 1] = first + cache_row
-        for row, where in by_row.items():
-            keeping.place(prompts[row] + tracker.generated[row][:tracker.kept(row)], where)
+                    position = len(prompts[row]) + step - 1
+                    if first is not None:
+                        products.setdefault(row, {})[position] = first + cache_row
+                    if kept_logits is not None:
+                        logits.setdefault(row, {})[position] = (kept_logits, logits_row)
+        for row in products.keys() | logits.keys():
+            keeping.place(prompts[row] + tracker.generated[row][:tracker.kept(row)], products.get(row, {}),
+                          logits.get(row))
 
     def _retire(self, pools: Sequence[_PrefixPool], row_slots: list[int], cache: RowCache, in_cache: list[int | None],
                 prompts: list[list[int]], tracker: StopTracker, lengths: list[int], final: bool = False

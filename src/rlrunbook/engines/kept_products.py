@@ -8,10 +8,12 @@ weights in FLOPs per token, about 40% of a LoRA ``forward_backward``'s arithmeti
 engine can keep them (:class:`KeptProducts`, written by the fused kernels next to the outputs they compute
 anyway); the trainer's pass then reads them instead of computing them (:meth:`KeptProducts.gather`, checked
 against the live adapter first). Everything else of its forward (the LoRA factors, norms, rotation, attention,
-the output layer) and its whole backward is computed as before: the same values and gradients, bit for bit.
+the output layer's second product) and its whole backward is computed as before: the same values and gradients,
+bit for bit. The output layer's logits the sampler computed to draw each token are kept too (by reference: the
+engine does not change them), for the trainer's logprob of that token (:class:`KnownLogits`).
 
 Memory: a token keeps each layer's base output columns (q, k, v, o, gate, up and down: for SmolLM2-135M 30 x
-5,184 values, 622 KB in float32), so a call's share grows linearly with the tokens it computes (prompt tokens
+5,184 values, 622 KB in float32) and, where a token was drawn after it, its float32 logits (197 KB), so a call's share grows linearly with the tokens it computes (prompt tokens
 once, then one token per row per decode step) and is bounded by ``budget`` bytes: past it, the call keeps
 nothing more, and the trainer computes what was not kept. Time: one copy of those values while sampling, and
 one gather per pass of the trainer's rows.
@@ -55,6 +57,9 @@ class KeptProducts:
         self._open_rows = 0
         self._reserve = 0
         self.last: int | None = None  # the first row of the pass :meth:`end` closed last (None: not kept)
+        self._logits: list[torch.Tensor] = []  # output-layer logits [rows, V] of the passes, as the engine drew from
+        self._logit_rows: dict[int, tuple[int, int]] = {}  # trie node -> (logits tensor, row) after it
+        self.logit_bytes = 0
 
     @property
     def row_bytes(self) -> int:
@@ -63,8 +68,8 @@ class KeptProducts:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the rows kept."""
-        return self._rows * self.row_bytes
+        """Bytes kept: the products' rows and the logits."""
+        return self._rows * self.row_bytes + self.logit_bytes
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows, made when the next pass grows the tensors (one allocation for a call whose
@@ -81,7 +86,7 @@ class KeptProducts:
             return None
         if not self._open:
             self._open_rows = rows
-            if self._groups and (self._rows + rows) * self.row_bytes > self.budget:
+            if self._groups and self.logit_bytes + (self._rows + rows) * self.row_bytes > self.budget:
                 self.full, self._open = True, None
                 return None
         tensor = self._groups.get(key)
@@ -108,18 +113,33 @@ class KeptProducts:
         """The pass ends; returns the index of its first row (``None``: it was not kept)."""
         self.last = None
         if self._open is not None and self._open == self._groups.keys():
-            if self._rows + self._open_rows > self.budget // max(1, self.row_bytes):
+            if self.logit_bytes + (self._rows + self._open_rows) * self.row_bytes > self.budget:
                 self.full = True
             else:
                 self.last, self._rows = self._rows, self._rows + self._open_rows
         self._open = None
         return self.last
 
-    def place(self, tokens: Sequence[int], rows: Mapping[int, int]) -> None:
-        """Token ``t`` of ``tokens`` (for each ``t`` in ``rows``) was computed as kept row ``rows[t]``."""
+    def keep_logits(self, logits: torch.Tensor) -> int | None:
+        """Keep a pass's output-layer logits (``[rows, V]`` float32, the tensor itself, which nothing changes after);
+        returns their index (``None``: past the budget, not kept)."""
+        size = logits.numel() * logits.element_size()
+        if self.full or self.nbytes + size > self.budget:
+            self.full = True
+            return None
+        self._logits.append(logits)
+        self.logit_bytes += size
+        return len(self._logits) - 1
+
+    def place(self, tokens: Sequence[int], rows: Mapping[int, int],
+              logits: Mapping[int, tuple[int, int]] | None = None) -> None:
+        """Token ``t`` of ``tokens`` (for each ``t`` in ``rows``) was computed as kept row ``rows[t]``; the logits after
+        token ``t`` (for each ``t`` in ``logits``) are row ``logits[t][1]`` of kept logits ``logits[t][0]``."""
         path, _ = self.trie.insert(tokens)
         for t, row in rows.items():
             self._where[path[t]] = row
+        for t, where in (logits or {}).items():
+            self._logit_rows[path[t]] = where
 
     def matches(self, live: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``live`` (the trainer's adapter factors by name) holds exactly the weights these passes used."""
@@ -142,3 +162,38 @@ class KeptProducts:
             return None
         index = torch.tensor(source)
         return {key: tensor.index_select(0, index) for key, tensor in self._groups.items()}
+
+    def gather_logits(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
+                      rows: int) -> KnownLogits | None:
+        """The kept logits after each of a pass's ``rows`` flat tokens (laid out as for :meth:`gather`) that has them;
+        ``None`` where none has."""
+        source: list[tuple[int, int] | None] = [None] * rows
+        for tokens, where in zip(sequences, flat, strict=True):
+            for node, row in zip(self.trie.find(tokens), where):
+                source[row] = self._logit_rows.get(node)
+        return KnownLogits(self._logits, source) if any(s is not None for s in source) else None
+
+
+class KnownLogits:
+    """The kept output-layer logits after some of a pass's rows (``source[row]``: (logits tensor, its row), or
+    ``None``)."""
+
+    def __init__(self, logits: Sequence[torch.Tensor], source: Sequence[tuple[int, int] | None]):
+        self._logits = logits
+        self._source = source
+
+    def select(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The logits after hidden rows ``rows`` (``[M]``), ``[M, V]`` (a new tensor); ``None`` unless all are kept."""
+        picks = [self._source[row] for row in rows.tolist()]
+        if not picks or any(pick is None for pick in picks):
+            return None
+        by_tensor: dict[int, tuple[list[int], list[int]]] = {}
+        for at, (index, row) in enumerate(picks):
+            targets, kept_rows = by_tensor.setdefault(index, ([], []))
+            targets.append(at)
+            kept_rows.append(row)
+        first = self._logits[picks[0][0]]
+        out = first.new_empty(len(picks), first.shape[1])
+        for index, (targets, kept_rows) in by_tensor.items():
+            out[torch.tensor(targets)] = self._logits[index].index_select(0, torch.tensor(kept_rows))
+        return out

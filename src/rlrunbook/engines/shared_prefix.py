@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters, apply_filters
-from rlrunbook.engines.kept_products import KeptProducts
+from rlrunbook.engines.kept_products import KeptProducts, KnownLogits
 from rlrunbook.engines.layouts import TreeLayout, take_rows
 from rlrunbook.engines.row_batches import ROW_QUERIES
 from rlrunbook.prefix_tree import TokenTrie, plan_forward
@@ -44,6 +44,7 @@ class SharedPass:
 
     hidden: torch.Tensor
     flat: list[list[int]]
+    logits: KnownLogits | None = None  # the sampler's kept logits after some rows (engines/kept_products.py)
 
 
 @dataclass(frozen=True)
@@ -84,15 +85,18 @@ class SharedPrefixScorer:
         finally:
             self.decoder.known_products = None
         self.kept_tokens = 0 if known is None else len(plan.nodes)
-        return SharedPass(hidden, flat)
+        return SharedPass(hidden, flat, None if kept is None else kept.gather_logits(sequences, flat, len(plan.nodes)))
 
     def score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
-              filters: SamplingFilters | None = None, with_entropy: bool = False) -> TokenScores:
+              filters: SamplingFilters | None = None, with_entropy: bool = False,
+              logits: KnownLogits | None = None) -> TokenScores:
         """Logprobs of ``targets`` (``[M]``) after hidden rows ``rows`` (``[M]``), chunked over rows.
 
         ``filters``: also the logprobs under that sampling transform (``logits / T`` and filters; the
         distribution a sampler with these settings drew from), detached. ``with_entropy``: also the
-        entropy of each row's T = 1 distribution (differentiable).
+        entropy of each row's T = 1 distribution (differentiable). ``logits``: the sampler's logits after hidden
+        rows that it kept (:class:`SharedPass`), read instead of computed where they cover a chunk of the output
+        layer's direct pass.
         """
         chunk = max(2, _HEAD_CHUNK_ELEMENTS // self.decoder.vocab_size)
         parts: list[tuple[torch.Tensor, ...]] = []
@@ -101,7 +105,8 @@ class SharedPrefixScorer:
             h = take_rows(hidden, rows[start:start + chunk])
             t = targets[start:start + chunk]
             if torch.is_grad_enabled() and h.requires_grad and direct:
-                logprobs = self.decoder.frozen_head_logprobs(h, t)
+                known = None if logits is None else logits.select(rows[start:start + chunk])
+                logprobs = self.decoder.frozen_head_logprobs(h, t, known)
                 parts.append((logprobs, logprobs.detach(), logprobs.new_zeros(0)))
             elif torch.is_grad_enabled() and h.requires_grad:
                 parts.append(checkpoint(self._head, h, t, filters, with_entropy, use_reentrant=False))

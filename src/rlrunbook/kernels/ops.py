@@ -209,7 +209,7 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
     sum so that a confident row (``p_it`` near 1) loses nothing to cancellation."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets):
+    def forward(ctx, hidden, weight, targets, logits=None):
         ctx.hidden_dtype = hidden.dtype
         rows, vocab = hidden.shape[0], weight.shape[0]
         if _meta(hidden, weight):  # what the pass allocates: logits, then the probabilities, then the sum
@@ -222,7 +222,7 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
             ctx.save_for_backward(weight, targets, hidden.new_empty(rows, dtype=torch.float32), rest)
             return hidden.new_empty(rows, dtype=torch.float32)
         backend = _backend(hidden.device)
-        logits = product(hidden, weight, None, torch.float32)
+        logits = product(hidden, weight, None, torch.float32) if logits is None else logits  # given: changed here
         lse = backend.row_logsumexp(logits)
         logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse  # the bits of log_softmax_at
         probs = backend.exp(logits.sub_(lse[:, None]))
@@ -237,21 +237,27 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad):
         weight, targets, complement, rest = ctx.saved_tensors
         if _meta(grad, weight):
-            return rest.new_empty(rest.shape, dtype=ctx.hidden_dtype), None, None
+            return rest.new_empty(rest.shape, dtype=ctx.hidden_dtype), None, None, None
         picked = weight.index_select(0, targets).float()
-        return (grad[:, None] * (complement[:, None] * picked - rest)).to(ctx.hidden_dtype), None, None
+        return (grad[:, None] * (complement[:, None] * picked - rest)).to(ctx.hidden_dtype), None, None, None
 
 
-def frozen_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def frozen_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         logits: torch.Tensor | None = None) -> torch.Tensor:
     """``log_softmax_at(linear(hidden, weight, out_dtype=float32), targets)`` (``hidden`` ``[M, E]``, ``weight``
     ``[V, E]`` not trained, ``targets`` ``[M]``): the same logprobs, bit for bit, with a gradient for ``hidden`` that
     keeps ``[M, E]`` floats for the backward instead of ``[M, V]`` logits (see :class:`_FrozenHeadLogprobs`).
-    Its gradient is the chain's up to the order of float32 additions."""
+    Its gradient is the chain's up to the order of float32 additions. ``logits`` (``[M, V]`` float32, consumed): the
+    product's value computed before, bit for bit (:mod:`rlrunbook.engines.kept_products`), used instead of computing
+    it."""
+    if logits is not None and (logits.shape != (hidden.shape[0], weight.shape[0]) or logits.dtype != torch.float32):
+        raise ValueError(f"frozen_head_logprobs: logits {tuple(logits.shape)} {logits.dtype} for {hidden.shape[0]} "
+                         f"rows of a {weight.shape[0]}-token vocabulary (float32)")
     if weight.requires_grad:
         raise ValueError("frozen_head_logprobs: the output layer's weight is trained; its gradient needs the logits")
     if hidden.dtype != weight.dtype:
         hidden, weight = hidden.float(), weight.float()
-    return _FrozenHeadLogprobs.apply(hidden, weight, targets)
+    return _FrozenHeadLogprobs.apply(hidden, weight, targets, logits)
 
 
 class _Sigmoid(torch.autograd.Function):

@@ -35,26 +35,26 @@ def _rl_batch(sampler) -> list[types.Datum]:
     return data
 
 
-def _steps(settings: LocalSettings, steps: int = 2) -> tuple[list, list[int]]:
+def _steps(settings: LocalSettings, config: dict | None, steps: int = 2) -> tuple[list, list[int]]:
     """Per step: the logprobs ``forward_backward`` returned and the adapter's gradient; and how many tokens of its
     last pass read kept products."""
     with LocalServiceClient(settings) as service:
         training = service.create_lora_training_client("tiny", rank=4, seed=0)
-        scorer = training._trainer.scoring.scorer
         results, read = [], []
         for _ in range(steps):
             data = _rl_batch(training.save_weights_and_get_sampling_client())
-            output = training.forward_backward(data, "importance_sampling").result()
-            read.append(scorer.kept_tokens)
+            output = training.forward_backward(data, "importance_sampling", config).result()
+            read.append(output.metrics["kept_product_tokens:sum"])
             grads = [p.grad.clone() for p in training._trainer.trained_parameters().values()]
             results.append(([o["logprobs"].tolist() for o in output.loss_fn_outputs], grads))
             training.optim_step(types.AdamParams(learning_rate=0.05)).result()
         return results, read
 
 
-def test_an_on_policy_step_reads_the_kept_products_with_the_same_bits(settings):
-    kept, read = _steps(settings)
-    computed, none_read = _steps(dataclasses.replace(settings, kept_products_mb=0))
+@pytest.mark.parametrize("config", [None, {"kl_coef": 0.05}], ids=["plain", "kl"])  # KL: a reference pass too
+def test_an_on_policy_step_reads_the_kept_products_with_the_same_bits(settings, config):
+    kept, read = _steps(settings, config)
+    computed, none_read = _steps(dataclasses.replace(settings, kept_products_mb=0), config)
     assert all(count > 0 for count in read) and none_read == [0, 0]
     for (logprobs, grads), (expected_logprobs, expected_grads) in zip(kept, computed, strict=True):
         assert logprobs == expected_logprobs
@@ -64,13 +64,12 @@ def test_an_on_policy_step_reads_the_kept_products_with_the_same_bits(settings):
 def test_a_step_after_the_weights_moved_computes_its_products(settings):
     with LocalServiceClient(settings) as service:
         training = service.create_lora_training_client("tiny", rank=4, seed=0)
-        scorer = training._trainer.scoring.scorer
         data = _rl_batch(training.save_weights_and_get_sampling_client())
-        training.forward_backward(data, "importance_sampling").result()
-        assert scorer.kept_tokens > 0
+        on_policy = training.forward_backward(data, "importance_sampling").result()
+        assert on_policy.metrics["kept_product_tokens:sum"] > 0
         training.optim_step(types.AdamParams(learning_rate=0.05)).result()
         first = training.forward_backward(data, "importance_sampling").result()  # the weights moved: computed
-        assert scorer.kept_tokens == 0
+        assert first.metrics["kept_product_tokens:sum"] == 0
         assert training._host.engine.kept is not None  # kept for its snapshot, which a sampler may still use
     with LocalServiceClient(dataclasses.replace(settings, kept_products_mb=0)) as service:
         training = service.create_lora_training_client("tiny", rank=4, seed=0)

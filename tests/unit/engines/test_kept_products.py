@@ -24,12 +24,13 @@ VOCAB = 320
 STOPS = tuple((token,) for token in range(3, 60))  # about one draw in six stops: rows stop inside decode blocks
 
 
-def _model(hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+def _model(hidden: int, dtype: torch.dtype, train_unembed: bool = True) -> torch.nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256, hidden_size=hidden,
                          intermediate_size=hidden + hidden // 2, num_attention_heads=4, num_key_value_heads=2,
                          tie_word_embeddings=False)
-    model = wrap_with_lora(LlamaForCausalLM(config).to(dtype).eval(), rank=8, alpha=24, seed=0)
+    model = wrap_with_lora(LlamaForCausalLM(config).to(dtype).eval(), rank=8, alpha=24, seed=0,
+                           train_unembed=train_unembed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
@@ -37,17 +38,21 @@ def _model(hidden: int, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def _sampled(model: torch.nn.Module, budget: int = 1 << 30, stop=STOPS) -> tuple[HFSamplingEngine, list[list[int]]]:
+def _sampled(model: torch.nn.Module, budget: int = 1 << 30, stop=STOPS, prompt_lengths: list[int] | None = None,
+             samples: int = 3, max_tokens: int = 12) -> tuple[HFSamplingEngine, list[list[int]]]:
     """An engine that kept its call's products, and the sequences a trainer reads (prompt + completion, last
-    token dropped)."""
+    token dropped); ``prompt_lengths`` gets each sequence's prompt length."""
     engine = HFSamplingEngine(model, pad_token_id=0, vocab_size=VOCAB, max_context=256, kept_products_bytes=budget)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(60, VOCAB, (length,), generator=generator).tolist() for length in (3, 11, 11, 30)]
-    request = GenerationRequest(max_tokens=12, filters=SamplingFilters(1.0), stop=stop, seed=7)
+    request = GenerationRequest(max_tokens=max_tokens, filters=SamplingFilters(1.0), stop=stop, seed=7)
     with engine.pinned_weights(clone_adapter(model), key="snapshot"):
-        results = engine.sample_jobs([SampleJob(p, 3, request) for p in prompts], weights_key="snapshot")
-    sequences = [prompt + list(c.tokens)[:-1] for prompt, group in zip(prompts, results) for c in group]
-    return engine, [s for s in sequences if len(s) > 1]
+        results = engine.sample_jobs([SampleJob(p, samples, request) for p in prompts], weights_key="snapshot")
+    pairs = [(prompt + list(c.tokens)[:-1], len(prompt)) for prompt, group in zip(prompts, results) for c in group]
+    pairs = [(tokens, length) for tokens, length in pairs if len(tokens) > length]  # at least one sampled target
+    if prompt_lengths is not None:
+        prompt_lengths[:] = [length for _, length in pairs]
+    return engine, [tokens for tokens, _ in pairs]
 
 
 def _training_pass(model: torch.nn.Module, sequences, kept: KeptProducts | None):
@@ -94,7 +99,8 @@ def test_a_call_past_its_budget_keeps_what_fit_and_the_pass_computes():
     # 16 cache rows, fit in 300,000 bytes; a second step does not
     engine, sequences = _sampled(model, budget=300_000)
     kept = engine.kept
-    assert kept.row_bytes == 3_584 and kept.full and kept.nbytes == (55 + 16) * 3_584
+    # (and the logits after the 4 prompts and the step's 12 rows, 320 floats each)
+    assert kept.row_bytes == 3_584 and kept.full and kept.nbytes == (55 + 16) * 3_584 + (4 + 12) * 320 * 4
     assert _training_pass(model, sequences, kept)[2] == 0
     prompt_only = [sequences[0][:3]]  # the first prompt was prefilled, within the budget
     assert _training_pass(model, prompt_only, kept)[2] == 3
@@ -161,3 +167,46 @@ def test_the_pass_reads_the_kept_values_instead_of_computing_them():
     for tensor in engine.kept._groups.values():
         tensor.mul_(1.5)  # no longer what the products give
     assert not torch.equal(_training_pass(model, sequences, engine.kept)[0], hidden_states)
+
+
+def _trained_logprobs(model: torch.nn.Module, sequences, prompts: list[int], kept: KeptProducts | None,
+                      read_logits: bool = True):
+    """The trainer's logprobs of every sampled token (the output layer not trained: its direct pass) and the
+    adapter's gradient of their sum with random weights."""
+    scorer = SharedPrefixScorer(Decoder(model))
+    run = scorer.run(sequences, kept=kept)
+    rows = torch.tensor([row for path, length in zip(run.flat, prompts) for row in path[length - 1:-1]])
+    targets = torch.tensor([token for tokens, length in zip(sequences, prompts) for token in tokens[length:]])
+    logprobs = scorer.score(run.hidden, rows, targets, logits=run.logits if read_logits else None).logprobs
+    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(5))
+    (logprobs * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logprobs.detach(), grads, run.logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_logprobs_of_sampled_tokens_read_the_kept_logits_with_the_same_bits(dtype):
+    model = _model(160, dtype, train_unembed=False)
+    prompts: list[int] = []
+    # 16 rows, about one draw in 30 stops: rows stop, and the batch goes on without them (not shrunk), so a step's
+    # logits rows (its running rows) are not its cache rows
+    engine, sequences = _sampled(model, stop=tuple((token,) for token in range(3, 14)), prompt_lengths=prompts,
+                                 samples=4, max_tokens=24)
+    assert min(map(len, sequences)) < max(map(len, sequences)) - 5
+    kept_logprobs, kept_grads, logits = _trained_logprobs(model, sequences, prompts, engine.kept)
+    logprobs, grads, _ = _trained_logprobs(model, sequences, prompts, None)
+    assert logits is not None and engine.kept.logit_bytes > 0
+    assert torch.equal(kept_logprobs, logprobs)
+    assert kept_grads.keys() == grads.keys() and all(torch.equal(kept_grads[n], g) for n, g in grads.items())
+
+
+def test_the_logprobs_read_the_kept_logits_instead_of_computing_them():
+    model = _model(64, torch.float32, train_unembed=False)
+    prompts: list[int] = []
+    engine, sequences = _sampled(model, prompt_lengths=prompts)
+    logprobs = _trained_logprobs(model, sequences, prompts, engine.kept, read_logits=False)[0]
+    for logits in engine.kept._logits:
+        logits.add_(0.5)  # log-softmax does not move; the target's logit alone does
+        logits[:, 0] += 7.0
+    assert not torch.equal(_trained_logprobs(model, sequences, prompts, engine.kept)[0], logprobs)

@@ -61,6 +61,9 @@ class MemoryPlan:
     concurrent_snapshots: int = 0
     chunks: int = 1  # backend.grad_accum_steps: the batch is first cut into this many parts by count
     full: FullShards | None = None  # finetune full: one rank's parts (weights: its reference shard); None: LoRA
+    # The base products one step's sampling calls keep for its training pass (CPU engine; engines/kept_products.py),
+    # held from sampling until the next step's first call replaces them.
+    kept_products: int = 0
 
     @property
     def usable(self) -> int:
@@ -82,7 +85,8 @@ class MemoryPlan:
     def resident(self) -> int:
         """Held from the first step to the last: weights, the adapter and its optimizer state, sampler caches."""
         state = self.training_state - self.gradient if self.full else self.training_state * 3 // 4
-        return self.weights + self.float64_copy + state + self.kv_cache + self.prefix_pool + self.vllm_share
+        return (self.weights + self.float64_copy + state + self.kv_cache + self.prefix_pool + self.vllm_share
+                + self.kept_products)
 
     @property
     def sampling_peak(self) -> int:
@@ -109,6 +113,15 @@ class MemoryPlan:
         (near-equal by count, here by tokens) split by the token budget."""
         per_chunk = -(-self.batch_tokens // self.chunks)
         return self.chunks * (1 if not self.micro_batch_tokens else -(-per_chunk // self.micro_batch_tokens))
+
+
+def kept_row_bytes(shape, dtype) -> int:
+    """Bytes a token's kept base products take (:mod:`rlrunbook.engines.kept_products`): every layer's q, k, v, o,
+    gate, up and down output columns, and the float32 logits a token was drawn from."""
+    head_dim = getattr(shape, "head_dim", None) or shape.hidden_size // shape.num_attention_heads
+    kv_heads = getattr(shape, "num_key_value_heads", None) or shape.num_attention_heads
+    columns = (shape.num_attention_heads + 2 * kv_heads) * head_dim + 2 * shape.hidden_size + 2 * shape.intermediate_size
+    return shape.num_hidden_layers * columns * dtype.itemsize + shape.vocab_size * 4
 
 
 def parse_size(text: str, what: str = "device memory") -> int:
@@ -196,7 +209,7 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
     if shards is not None and shards.reference and settings.numerics == "exact":
         notes.append("exact numerics: the float64 copies of the KL reference's weights are not planned")
     rows = min(config.num_rollouts, settings.max_batch_rows)
-    kv = kv_cache = pool = activations = vllm_share = 0
+    kv = kv_cache = pool = activations = vllm_share = kept = 0
     sampler = settings.sampler
     max_context = getattr(shape, "max_position_embeddings", None)
     if sampler == "hf":
@@ -210,6 +223,11 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
                                                      prefill_tokens=min(prompt_tokens, PREFILL_TOKENS),
                                                      rows=row_bucket, window=capacity, device_type=device_type)
         activations = max(prefill, decode)
+        if (device_type == "cpu" and not full and config.off_policy == 0 and settings.numerics == "invariant"
+                and dtype in (torch.float32, torch.bfloat16)):  # where the engine keeps them
+            calls = DEBATE_ROUNDS if config.mode == "debate" else 1  # sampling calls under one snapshot
+            kept = min(settings.kept_products_mb << 20,
+                       calls * (prompt_tokens + row_bucket * config.max_tokens) * kept_row_bytes(shape, dtype))
         shape_text = (f"{rows} rows per sampling call, KV cache {row_bucket} x {capacity} positions "
                       f"({kv / 1024:.1f} KiB per token), prompts <= {longest} tokens, {config.max_tokens} new")
     elif sampler == "vllm":
@@ -225,6 +243,7 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
         total=total, model=f"{config.model} ({source})", sampler=sampler, weights=weights,
         training_state=training_state, float64_copy=float64, kv_cache=kv_cache, prefix_pool=pool,
         sampling_activations=activations, vllm_share=vllm_share, micro_batch_tokens=None, recompute_layers=False,
+        kept_products=kept,
         training_activations=0, batch_tokens=batch_tokens, shape=shape_text, notes=notes,
         concurrent_snapshots=config.off_policy + 2 if config.off_policy > 0 else 0,
         chunks=max(1, min(settings.grad_accum_chunks, config.num_rollouts)), full=shards)
@@ -266,8 +285,9 @@ def format_plan(plan: MemoryPlan) -> list[str]:
         gathered, gradient = "", f"gradient {gib(plan.training_state // 4)}"
     if plan.sampler == "hf":
         lines.append(f"sampling: {plan.shape}; {gathered}KV cache {gib(plan.kv_cache)}, prefix pool "
-                     f"{gib(plan.prefix_pool)}, prefill/decode activations {gib(plan.sampling_activations)}; peak "
-                     f"{gib(plan.sampling_peak)}")
+                     f"{gib(plan.prefix_pool)}, prefill/decode activations {gib(plan.sampling_activations)}"
+                     + (f", kept products {gib(plan.kept_products)}" if plan.kept_products else "")
+                     + f"; peak {gib(plan.sampling_peak)}")
     else:
         lines.append(f"sampling: {plan.shape}" + (f" ({gib(plan.vllm_share)})" if plan.vllm_share else "")
                      + (f"; {gathered.rstrip(', ')}" if gathered else ""))
@@ -293,6 +313,7 @@ def check_fits(plan: MemoryPlan) -> None:
                                               "or shorter sequences (--max-tokens, data.max_prompt_tokens), or "
                                               "backend.sampler=vllm"),
         "the prefix pool": (plan.prefix_pool, "a smaller TINKER_LOCAL_PREFIX_CACHE_TOKENS"),
+        "the kept products": (plan.kept_products, "a smaller TINKER_LOCAL_KEPT_PRODUCTS_MB (0: none)"),
         "the weights": (plan.weights + plan.float64_copy, "backend.load_in_4bit (CUDA), bfloat16, a smaller model, "
                                                           "or numerics other than exact"),
         "a micro-batch's activations": (plan.training_activations, "a smaller backend.micro_batch_tokens, or "

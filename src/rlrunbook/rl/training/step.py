@@ -36,6 +36,7 @@ TRAINER_METRICS = {
     "mismatch/abs_logprob_diff:mean": "mismatch/abs_logprob_diff", "mismatch/kl:mean": "mismatch/kl",
     "mismatch/corrected_fraction:mean": "mismatch/corrected_fraction",
     "micro_batches:sum": "micro_batches", "micro_batch_tokens:max": "micro_batch_tokens",
+    "kept_product_tokens:sum": "kept_product_tokens",
 }
 
 

@@ -200,3 +200,19 @@ def test_any_layer_count_and_pattern_is_planned(tmp_path, tiny_folder, capsys, m
         assert "training runs transformers' forward over padded datums (sliding-window attention" in out
     else:
         assert "micro-batch(es) of" in training and "no limit" not in training and "padded" not in out
+
+
+def test_kept_products_are_planned_per_token_and_held_through_both_phases():
+    """A token keeps every layer's q, k, v, o, gate, up and down outputs (engines/kept_products.py) and the logits it
+    was drawn from: SmolLM2-135M, 30 layers x ((9 + 2 x 3) heads x 64 + 2 x 576 + 2 x 1,536) = 30 x 5,184 values,
+    622,080 bytes in float32 (311,040 in bfloat16), and 49,152 float32 logits, 196,608 bytes."""
+    from rlrunbook.models.shapes import model_shape
+    from rlrunbook.rl.setup.memory_plan import kept_row_bytes
+
+    shape, _ = model_shape("smollm2-135m")
+    assert kept_row_bytes(shape, torch.float32) == 622_080 + 196_608
+    assert kept_row_bytes(shape, torch.bfloat16) == 311_040 + 196_608
+    plan = _plan(kept_products=2 * GIB)
+    assert plan.resident == 30 * GIB and plan.sampling_peak == 32 * GIB and plan.training_peak == 71 * GIB
+    with pytest.raises(ConfigError, match=r"largest part is the kept products \(50.0 GiB\).*KEPT_PRODUCTS_MB"):
+        check_fits(_plan(kept_products=50 * GIB))
