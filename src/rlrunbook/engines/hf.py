@@ -327,8 +327,7 @@ class HFSamplingEngine(InProcessEngine):
             return None
         key = sources[0].key
         if self.kept is None or key is None or self.kept.key != key or self.kept.weights is not weights:
-            self.kept = None  # freed before the next is filled
-            self.kept = KeptProducts(weights, key, self.kept_products_bytes)
+            self.kept = KeptProducts(weights, key, self.kept_products_bytes, spares=self.kept)  # its memory reused
         return self.kept
 
     # -- one batched call -------------------------------------------------------------------------
@@ -492,9 +491,6 @@ class HFSamplingEngine(InProcessEngine):
         own adapter (:class:`~rlrunbook.engines.pinned_adapter.RowAdapters`)."""
         device = self.device
         prompts = [prompt for prompt, _ in rows]
-        if self.decoder.keeping is not None:  # about: each distinct prompt's tokens, then every cache row per step
-            distinct = {tuple(prompt) for prompt in prompts}
-            self.decoder.keeping.reserve(sum(map(len, distinct)) + _bucket(len(rows)) * request.max_tokens)
         pools: list[_PrefixPool] = []
         index: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its row of the prefill logits
         parts = []

@@ -21,6 +21,7 @@ one gather per pass of the trainer's rows.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
@@ -35,27 +36,44 @@ def group_key(modules: Sequence[torch.nn.Module]) -> GroupKey:
     return tuple(map(id, modules))
 
 
+BLOCK_ROWS = 256  # rows of a block of kept products (a pass with more rows gets a block of its own size)
+
+
+class _Block:
+    """``capacity`` rows of every group's products, the first of them row ``first`` of the record."""
+
+    def __init__(self, first: int, capacity: int):
+        self.first = first
+        self.capacity = capacity
+        self.used = 0
+        self.tensors: dict[GroupKey, torch.Tensor] = {}
+
+
 class KeptProducts:
     """Base products of the passes of sampling calls under one adapter snapshot (``weights``, named ``key``).
 
-    Each projection group's products are rows of one growing ``[rows, columns]`` tensor: a pass (one prefill or one
-    decode step; :meth:`begin`, :meth:`buffer`, :meth:`end`) appends one row per token it computes. The engine then
-    says which token each row computed (:meth:`place`): a token is the prefix of tokens that ends with it, a node
-    of :attr:`trie`. Every pass keeps the same groups (those of the first), or is not kept.
+    A pass (one prefill or one decode step; :meth:`begin`, :meth:`buffer`, :meth:`end`) keeps one row per token it
+    computes in each projection group's tensor of a block (:data:`BLOCK_ROWS` rows, or the pass's own if more); the
+    engine then says which token each row computed (:meth:`place`): a token is the prefix of tokens that ends with
+    it, a node of :attr:`trie`. Every pass keeps the same groups (those of the first), or is not kept.
+
+    ``spares``: the record these products replace, whose blocks are written again rather than allocated anew (a
+    step's sampling then writes memory the last step's already touched).
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], key: Hashable | None, budget: int):
+    def __init__(self, weights: Mapping[str, torch.Tensor], key: Hashable | None, budget: int,
+                 spares: KeptProducts | None = None):
         self.weights = weights  # the adapter factors the passes computed with, by parameter name
         self.key = key
         self.budget = budget
         self.full = False  # a pass would have passed the budget: nothing more is kept
         self.trie = TokenTrie()
         self._where: dict[int, int] = {}  # trie node -> its row
-        self._groups: dict[GroupKey, torch.Tensor] = {}  # the rows kept so far, and room for more
-        self._rows = 0  # rows kept by the passes ended
+        self._blocks: list[_Block] = []
+        self._spares = [] if spares is None else spares._release()
+        self._groups: dict[GroupKey, tuple[int, torch.dtype]] = {}  # every pass's groups: columns, dtype
         self._open: set[GroupKey] | None = None  # the groups the open pass wrote (None: no pass kept)
         self._open_rows = 0
-        self._reserve = 0
         self.last: int | None = None  # the first row of the pass :meth:`end` closed last (None: not kept)
         self._logits: list[torch.Tensor] = []  # output-layer logits [rows, V] of the passes, as the engine drew from
         self._logit_rows: dict[int, tuple[int, int]] = {}  # trie node -> (logits tensor, row) after it
@@ -64,59 +82,84 @@ class KeptProducts:
     @property
     def row_bytes(self) -> int:
         """Bytes one token keeps (every group's columns)."""
-        return sum(t.shape[1] * t.dtype.itemsize for t in self._groups.values())
+        return sum(columns * dtype.itemsize for columns, dtype in self._groups.values())
 
     @property
     def nbytes(self) -> int:
-        """Bytes kept: the products' rows and the logits."""
-        return self._rows * self.row_bytes + self.logit_bytes
+        """Bytes held: the blocks' rows (used or not) and the logits."""
+        return sum(block.capacity for block in self._blocks) * self.row_bytes + self.logit_bytes
 
-    def reserve(self, rows: int) -> None:
-        """Room for ``rows`` more rows, made when the next pass grows the tensors (one allocation for a call whose
-        rows the engine knows ahead, not one per doubling)."""
-        self._reserve = rows
+    def _release(self) -> list[_Block]:
+        blocks, self._blocks = self._blocks, []
+        self._where.clear()
+        return blocks
 
     def begin(self) -> None:
         """A pass starts: its products go to :meth:`buffer` until :meth:`end` (a pass never ended is dropped)."""
         self._open, self._open_rows, self.last = (None if self.full else set()), 0, None
 
+    def _block_for(self, rows: int) -> _Block | None:
+        """The block the open pass writes: the last one if it has room, else a new one (a spare where one fits)."""
+        last = self._blocks[-1] if self._blocks else None
+        if last is not None and last.capacity - last.used >= rows:
+            return last
+        capacity = max(BLOCK_ROWS, rows)
+        if self._groups and self.nbytes + capacity * self.row_bytes > self.budget:
+            return None
+        first = 0 if last is None else last.first + last.capacity
+        spare = next((b for b in self._spares if b.capacity >= rows and self._fits(b)), None)
+        if spare is not None:
+            self._spares.remove(spare)
+            spare.first, spare.used = first, 0
+            self._blocks.append(spare)
+            return spare
+        self._blocks.append(_Block(first, capacity))
+        return self._blocks[-1]
+
+    def _fits(self, block: _Block) -> bool:
+        return all(key in block.tensors and block.tensors[key].shape[1] == columns and block.tensors[key].dtype == dtype
+                   for key, (columns, dtype) in self._groups.items())
+
     def buffer(self, key: GroupKey, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Where the open pass keeps the base product of group ``key`` (``None``: the pass is not kept)."""
         if self._open is None:
             return None
-        if not self._open:
+        first_group = not self._open
+        if first_group:
             self._open_rows = rows
-            if self._groups and self.logit_bytes + (self._rows + rows) * self.row_bytes > self.budget:
-                self.full, self._open = True, None
-                return None
-        tensor = self._groups.get(key)
-        if rows != self._open_rows or key in self._open or (tensor is None and self._rows > 0) or (
-                tensor is not None and (tensor.shape[1] != columns or tensor.dtype != dtype)):
+        known = self._groups.get(key)
+        if rows != self._open_rows or key in self._open or (known is None and self.last_rows > 0) or (
+                known is not None and known != (columns, dtype)):
             self._open = None  # not the same groups as every other pass: not kept
             return None
-        need = self._rows + rows
-        if tensor is None:
-            tensor = self._groups[key] = torch.empty(max(need, self._reserve), columns, dtype=dtype)
-        elif tensor.shape[0] < need:
-            self._grow(max(need, self._rows + self._reserve, 2 * tensor.shape[0]))
-            tensor = self._groups[key]
+        block = self._block_for(rows) if first_group else self._blocks[-1]
+        if block is None:
+            self.full, self._open = True, None
+            return None
+        self._groups[key] = (columns, dtype)
+        tensor = block.tensors.get(key)
+        if tensor is None or tensor.shape[1] != columns or tensor.dtype != dtype:
+            tensor = block.tensors[key] = torch.empty(block.capacity, columns, dtype=dtype)
         self._open.add(key)
-        return tensor[self._rows:need]
+        return tensor[block.used:block.used + rows]
 
-    def _grow(self, capacity: int) -> None:
-        for key, tensor in self._groups.items():
-            grown = tensor.new_empty(capacity, tensor.shape[1])
-            grown[:self._rows] = tensor[:self._rows]
-            self._groups[key] = grown
+    @property
+    def last_rows(self) -> int:
+        """Rows kept by the passes ended."""
+        return sum(block.used for block in self._blocks)
 
     def end(self) -> int | None:
-        """The pass ends; returns the index of its first row (``None``: it was not kept)."""
+        """The pass ends; returns the record's row of its first token (``None``: it was not kept)."""
         self.last = None
         if self._open is not None and self._open == self._groups.keys():
-            if self.logit_bytes + (self._rows + self._open_rows) * self.row_bytes > self.budget:
+            block = self._blocks[-1]
+            if self.nbytes > self.budget:  # the first pass, whose size was not known ahead
                 self.full = True
+                if block.used == 0:
+                    self._spares.append(self._blocks.pop())
             else:
-                self.last, self._rows = self._rows, self._rows + self._open_rows
+                self.last = block.first + block.used
+                block.used += self._open_rows
         self._open = None
         return self.last
 
@@ -158,10 +201,27 @@ class KeptProducts:
                 return None
             for node, row in zip(nodes, where, strict=True):
                 source[row] = self._where.get(node, -1)
-        if not self._rows or min(source, default=-1) < 0:
+        if not self._blocks or min(source, default=-1) < 0:
             return None
-        index = torch.tensor(source)
-        return {key: tensor.index_select(0, index) for key, tensor in self._groups.items()}
+        starts = [block.first for block in self._blocks]
+        by_block: dict[int, tuple[list[int], list[int]]] = {}
+        for at, row in enumerate(source):
+            index = bisect_right(starts, row) - 1
+            targets, offsets = by_block.setdefault(index, ([], []))
+            targets.append(at)
+            offsets.append(row - starts[index])
+        moves = [(self._blocks[index], torch.tensor(targets), torch.tensor(offsets))
+                 for index, (targets, offsets) in by_block.items()]
+        out: dict[GroupKey, torch.Tensor] = {}
+        for key, (columns, dtype) in self._groups.items():
+            if len(moves) == 1:  # one block: every row, in order, in one selection
+                out[key] = moves[0][0].tensors[key].index_select(0, moves[0][2])
+                continue
+            values = torch.empty(rows, columns, dtype=dtype)
+            for block, targets, offsets in moves:
+                values[targets] = block.tensors[key].index_select(0, offsets)
+            out[key] = values
+        return out
 
     def gather_logits(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
                       rows: int) -> KnownLogits | None:

@@ -95,12 +95,13 @@ def test_a_token_that_was_not_sampled_makes_the_pass_compute():
 
 def test_a_call_past_its_budget_keeps_what_fit_and_the_pass_computes():
     model = _model(64, torch.float32)
-    # 3,584 bytes per token (2 layers x 896 columns in float32): the prefill's 55 tokens, then one decode step of
-    # 16 cache rows, fit in 300,000 bytes; a second step does not
-    engine, sequences = _sampled(model, budget=300_000)
+    # 3,584 bytes per token (2 layers x 896 columns in float32) in a block of 256 rows, and 1,280 bytes of logits
+    # per drawn token: the budget holds the block, the logits after the 4 prompts and after the first decode step's
+    # 12 rows; the second step's products fit the block, its logits do not, and nothing more is kept
+    budget = 256 * 3_584 + (4 + 12) * 1_280
+    engine, sequences = _sampled(model, budget=budget)
     kept = engine.kept
-    # (and the logits after the 4 prompts and the step's 12 rows, 320 floats each)
-    assert kept.row_bytes == 3_584 and kept.full and kept.nbytes == (55 + 16) * 3_584 + (4 + 12) * 320 * 4
+    assert kept.row_bytes == 3_584 and kept.full and kept.nbytes == budget and kept.last_rows == 55 + 2 * 16
     assert _training_pass(model, sequences, kept)[2] == 0
     prompt_only = [sequences[0][:3]]  # the first prompt was prefilled, within the budget
     assert _training_pass(model, prompt_only, kept)[2] == 3
@@ -123,7 +124,6 @@ def test_rows_are_gathered_in_the_pass_order_by_token_prefix():
     key = (1, 2)
     values = torch.arange(8.0).view(4, 2)  # prefill rows: [5], [5, 6], [5, 6, 7], [5, 8]
     kept.begin()
-    kept.reserve(8)
     kept.buffer(key, 4, 2, torch.float32).copy_(values)
     assert kept.end() == 0
     kept.place([5, 6, 7], {0: 0, 1: 1, 2: 2})
@@ -132,7 +132,7 @@ def test_rows_are_gathered_in_the_pass_order_by_token_prefix():
     kept.buffer(key, 2, 2, torch.float32).copy_(torch.tensor([[10.0, 11.0], [12.0, 13.0]]))  # cache rows 0, 1
     assert kept.end() == 4
     kept.place([5, 6, 7, 9], {3: 4 + 1})  # the step's cache row 1 fed token 9
-    assert kept.nbytes == 6 * 2 * 4
+    assert kept.last_rows == 6 and kept.nbytes == 256 * 2 * 4  # one block
     # A pass over [5, 8] and [5, 6, 7, 9], its rows in its own order: [5, 6, 7, 9], [5, 8], [5, 6, 7], [5], [5, 6]
     gathered = kept.gather([[5, 8], [5, 6, 7, 9]], [[3, 1], [3, 4, 2, 0]], 5)
     assert gathered[key].tolist() == [[12.0, 13.0], [6.0, 7.0], [4.0, 5.0], [0.0, 1.0], [2.0, 3.0]]
@@ -157,15 +157,16 @@ def test_a_pass_with_other_groups_or_rows_is_not_kept():
     kept.buffer((1,), 2, 3, torch.float32)
     assert kept.buffer((3,), 2, 5, torch.float32) is None  # a group the first pass did not keep
     assert kept.end() is None
-    assert kept.nbytes == 2 * (3 + 5) * 4
+    assert kept.last_rows == 2
 
 
 def test_the_pass_reads_the_kept_values_instead_of_computing_them():
     model = _model(64, torch.float32)
     engine, sequences = _sampled(model)
     hidden_states = _training_pass(model, sequences, None)[0]
-    for tensor in engine.kept._groups.values():
-        tensor.mul_(1.5)  # no longer what the products give
+    for block in engine.kept._blocks:
+        for tensor in block.tensors.values():
+            tensor.mul_(1.5)  # no longer what the products give
     assert not torch.equal(_training_pass(model, sequences, engine.kept)[0], hidden_states)
 
 
@@ -210,3 +211,24 @@ def test_the_logprobs_read_the_kept_logits_instead_of_computing_them():
         logits.add_(0.5)  # log-softmax does not move; the target's logit alone does
         logits[:, 0] += 7.0
     assert not torch.equal(_trained_logprobs(model, sequences, prompts, engine.kept)[0], logprobs)
+
+
+def test_passes_fill_blocks_and_a_new_record_writes_the_last_ones_blocks_again():
+    kept = KeptProducts({}, "a", budget=1 << 30)
+    firsts = []
+    for rows in (200, 100, 100, 300):  # 200 fits block 0 (256 rows); 100 opens block 1, 100 fits it; 300 is its own
+        kept.begin()
+        kept.buffer((1,), rows, 3, torch.float32).fill_(rows)
+        firsts.append(kept.end())
+    assert firsts == [0, 256, 356, 512]
+    gathered = kept.gather([[7]], [[0]], 1) is None  # nothing placed yet
+    kept.place(list(range(4)), {0: 0, 1: 256, 2: 356, 3: 512})
+    values = kept.gather([list(range(4))], [[3, 2, 1, 0]], 4)[(1,)]
+    assert gathered and values[:, 0].tolist() == [300.0, 100.0, 100.0, 200.0]
+    blocks = {id(t) for block in kept._blocks for t in block.tensors.values()}
+    renewed = KeptProducts({}, "b", budget=1 << 30, spares=kept)
+    renewed.begin()
+    renewed.buffer((1,), 50, 3, torch.float32)
+    renewed.end()
+    assert {id(t) for block in renewed._blocks for t in block.tensors.values()} <= blocks
+    assert kept.gather([list(range(4))], [[3, 2, 1, 0]], 4) is None  # the old record gave its blocks away
