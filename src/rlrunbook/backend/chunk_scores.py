@@ -9,7 +9,7 @@ reference the first is tested against). Both return :class:`ChunkScores` with th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,12 +56,11 @@ class SharedPrefixScoring:
     """Scores through the shared-prefix decoder pass (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, numerics: Numerics | str, recompute_layers: bool = False,
-                 reference: torch.nn.Module | None = None,
-                 kept_products: Callable[[], KeptProducts | None] | None = None):
+                 reference: torch.nn.Module | None = None, kept_source: object = None):
         self.scorer = SharedPrefixScorer(Decoder(model, numerics))
-        # The base products the sampling engine kept of its last calls (engines/kept_products.py), read by a
-        # training pass over those tokens while the adapter still holds the weights they were computed with.
-        self.kept_products = kept_products
+        # The sampling engine whose ``kept`` products of its last calls (engines/kept_products.py) a training pass
+        # over those tokens reads while the adapter still holds the weights they were computed with.
+        self.kept_source = kept_source
         self.kept_tokens = 0  # tokens of the last training pass whose base products were read, not computed
         self.recompute_layers = recompute_layers  # activation checkpointing per decoder layer
         # The KL reference: a model of its own (full-parameter training), else this model with its adapter disabled.
@@ -109,11 +108,17 @@ class SharedPrefixScoring:
     def _kept(self, recompute: bool) -> KeptProducts | None:
         """The engine's kept products, where a training pass without recomputation may read them: their weights are
         the adapter's now, bit for bit."""
-        kept = None if self.kept_products is None else self.kept_products()
+        kept = getattr(self.kept_source, "kept", None)
         if kept is None or recompute or not torch.is_grad_enabled():
             return None
         live = {name: p.detach() for name, p in self.scorer.decoder.model.named_parameters() if p.requires_grad}
         return kept if kept.matches(live) else None
+
+    def drop_kept(self) -> None:
+        """The weights moved: the engine's kept products can no longer be read; their memory is freed."""
+        drop = getattr(self.kept_source, "drop_kept", None)
+        if drop is not None:
+            drop()
 
     def _score(self, chunk, filters, with_entropy, with_reference, recompute: bool) -> ChunkScores:
         run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=recompute,

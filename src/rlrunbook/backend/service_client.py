@@ -220,7 +220,7 @@ class LocalServiceClient:
                               accept_zero_advantages=settings.zero_advantage_batches == "accept",
                               numerics=settings.decoder_numerics(), micro_batch_tokens=batching.tokens,
                               recompute_layers=batching.recompute_layers, full_parameters=full, reference=reference,
-                              plain_cost=batching.plain, kept_products=lambda: getattr(host.engine, "kept", None))
+                              plain_cost=batching.plain, kept_source=host.engine)
             self._store.write_run(record)
             return LocalTrainingClient(host, trainer, self._worker.lane(id(host)), model_id=record.model_id,
                                        rank=record.lora_rank, store=self._store,

@@ -26,7 +26,7 @@ ranks. Its training state is the full weights and the optimizer state keyed by p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +42,6 @@ from rlrunbook.backend.memory import TokenCost, needs_recompute
 from rlrunbook.backend.micro_batches import micro_batches
 from rlrunbook.backend.mismatch import MismatchConfig, split_mismatch_config
 from rlrunbook.engines.decoder import Numerics, unsupported_reason
-from rlrunbook.engines.kept_products import KeptProducts
 from rlrunbook.errors import ConfigError, InputError, NoLearningSignalError, RlrunbookError
 from rlrunbook.losses import LossSpec, get_loss, resolve_loss_config
 from rlrunbook.metrics import merge_reduced
@@ -176,7 +175,7 @@ class Trainer:
                  accept_zero_advantages: bool = False, numerics: Numerics | str = "invariant",
                  micro_batch_tokens: int | None = None, recompute_layers: bool = False,
                  full_parameters: bool = False, reference: torch.nn.Module | None = None,
-                 plain_cost: TokenCost | None = None, kept_products: Callable[[], KeptProducts | None] | None = None):
+                 plain_cost: TokenCost | None = None, kept_source: object = None):
         self.model = model
         self.full_parameters = full_parameters  # every weight trains (the model sharded by backend/sharding.py)
         if full_parameters and (not sharding.is_sharded(model) or unsupported_reason(model) is not None):
@@ -184,8 +183,9 @@ class Trainer:
                               "Qwen3, Mistral families), sharded first (backend.sharding.shard).")
         # The sampler's own forward (shared prefixes, logits only where needed) where it covers the model;
         # otherwise transformers' forward over padded datums.
-        # kept_products: the sampling engine's kept base products (engines/kept_products.py), read where they apply.
-        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers, reference, kept_products)
+        # kept_source: the sampling engine, whose kept base products (engines/kept_products.py) are read where they
+        # apply, and dropped when the weights move.
+        self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers, reference, kept_source)
                                       if unsupported_reason(model) is None else PaddedScoring(model, pad_token_id))
         self.micro_batch_tokens = micro_batch_tokens
         self.recompute_layers = recompute_layers
@@ -334,6 +334,14 @@ class Trainer:
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
                                            metrics=metrics)
 
+    def _weights_moved(self) -> None:
+        """An optimizer step or a load changed the weights: a new version, and the sampler's kept products, which no
+        pass can read any more, freed."""
+        self.weights_version += 1
+        drop = getattr(self.scoring, "drop_kept", None)
+        if drop is not None:
+            drop()
+
     def join_passes(self, passes: int, *, backward: bool, with_reference: bool = False) -> None:
         """A sharded model under torchrun: as many extra passes as other ranks run beyond this rank's ``passes``.
 
@@ -412,7 +420,7 @@ class Trainer:
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._has_gradients = False
-        self.weights_version += 1
+        self._weights_moved()
         # Full-parameter training: the new weights in place for sampling until the next training pass, so that
         # sampling calls (whose number may differ between ranks) need no collective.
         sharding.gather(self.model)
@@ -529,7 +537,7 @@ class Trainer:
         self._drop_gradients()
         self._optimizer = torch.optim.AdamW(list(params.values())) if keep else None
         sharding.load_full_state(self.model, state.adapter, self._optimizer, state.optimizer if keep else None)
-        self.weights_version += 1
+        self._weights_moved()
         sharding.gather(self.model)
 
     def _import_shards(self, state: TrainingState, with_optimizer: bool) -> None:
@@ -551,7 +559,7 @@ class Trainer:
             self._optimizer = None
             raise ConfigError(f"the saved shards do not load: {problems[0]}. Load a checkpoint of the run's model "
                               "(at another world size its shards are joined into whole tensors first).")
-        self.weights_version += 1
+        self._weights_moved()
         sharding.gather(self.model)
 
     def _drop_gradients(self) -> None:
@@ -576,4 +584,4 @@ class Trainer:
             optimizer = torch.optim.AdamW(list(self.trained_parameters().values()))
             optimizer.load_state_dict(optimizer_state)
             self._optimizer = optimizer
-        self.weights_version += 1
+        self._weights_moved()

@@ -317,6 +317,10 @@ class HFSamplingEngine(InProcessEngine):
             self.decoder.keeping = None
         return completions
 
+    def drop_kept(self) -> None:
+        """Free :attr:`kept` (the trainer's weights moved away from the snapshot it was computed with)."""
+        self.kept = None
+
     def _keeping(self, sources: Sequence[_Source]) -> KeptProducts | None:
         """Where this call keeps its base products (``None``: it keeps none): :attr:`kept`, continued where the
         last call computed with the same snapshot (its key and tensors), else made anew (dropping the last). Only a

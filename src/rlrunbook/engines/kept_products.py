@@ -57,8 +57,8 @@ class KeptProducts:
     engine then says which token each row computed (:meth:`place`): a token is the prefix of tokens that ends with
     it, a node of :attr:`trie`. Every pass keeps the same groups (those of the first), or is not kept.
 
-    ``spares``: the record these products replace, whose blocks are written again rather than allocated anew (a
-    step's sampling then writes memory the last step's already touched).
+    ``spares``: the record these products replace (a call under another snapshot before any optimizer step), whose
+    blocks are written again rather than allocated anew.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], key: Hashable | None, budget: int,

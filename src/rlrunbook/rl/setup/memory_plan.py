@@ -62,7 +62,7 @@ class MemoryPlan:
     chunks: int = 1  # backend.grad_accum_steps: the batch is first cut into this many parts by count
     full: FullShards | None = None  # finetune full: one rank's parts (weights: its reference shard); None: LoRA
     # The base products one step's sampling calls keep for its training pass (CPU engine; engines/kept_products.py),
-    # held from sampling until the next step's first call replaces them.
+    # held from sampling until the step's optimizer step frees them.
     kept_products: int = 0
 
     @property
