@@ -13,10 +13,11 @@ bit for bit. The output layer's logits the sampler computed to draw each token a
 engine does not change them), for the trainer's logprob of that token (:class:`KnownLogits`).
 
 Memory: a token keeps each layer's base output columns (q, k, v, o, gate, up and down: for SmolLM2-135M 30 x
-5,184 values, 622 KB in float32) and, where a token was drawn after it, its float32 logits (197 KB), so a call's share grows linearly with the tokens it computes (prompt tokens
-once, then one token per row per decode step) and is bounded by ``budget`` bytes: past it, the call keeps
-nothing more, and the trainer computes what was not kept. Time: one copy of those values while sampling, and
-one gather per pass of the trainer's rows.
+5,184 values, 622 KB in float32) and, where a token was drawn after it, its float32 logits (197 KB). A call's share
+grows linearly with the tokens it computes (prompt tokens once, then one token per row per decode step) and is
+bounded by ``budget`` bytes: past it, the call keeps nothing more, and the trainer computes what was not kept.
+Time: the products are written where the fused kernel adds the LoRA updates from (no extra pass), and the
+trainer's pass gathers its rows once per group.
 """
 
 from __future__ import annotations
