@@ -190,49 +190,72 @@ class KeptProducts:
         return (live.keys() == self.weights.keys()
                 and all(torch.equal(live[name], tensor) for name, tensor in self.weights.items()))
 
+    def _nodes(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]], rows: int) -> list[int]:
+        """The trie node of each of a pass's ``rows`` flat tokens (``flat[i][t]`` the row of token ``t`` of
+        ``sequences[i]``); ``-1`` where the token was never kept."""
+        nodes = [-1] * rows
+        for tokens, where in zip(sequences, flat, strict=True):
+            for node, row in zip(self.trie.find(tokens), where):
+                nodes[row] = node
+        return nodes
+
+    def read(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
+             rows: int) -> tuple[dict[GroupKey, torch.Tensor] | None, KnownLogits | None]:
+        """:meth:`gather` and :meth:`gather_logits` of one pass, its tokens looked up once."""
+        nodes = self._nodes(sequences, flat, rows)
+        return self._products_at(nodes), self._logits_at(nodes)
+
     def gather(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
                rows: int) -> dict[GroupKey, torch.Tensor] | None:
         """The kept base products of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
         ``sequences[i]``: per group, ``[rows, columns]`` in the pass's row order. ``None`` where a token of it
         was not kept (the pass then computes its products)."""
-        source = [-1] * rows
-        for tokens, where in zip(sequences, flat, strict=True):
-            nodes = self.trie.find(tokens)
-            if len(nodes) < len(tokens):
-                return None
-            for node, row in zip(nodes, where, strict=True):
-                source[row] = self._where.get(node, -1)
-        if not self._blocks or min(source, default=-1) < 0:
-            return None
-        starts = [block.first for block in self._blocks]
-        by_block: dict[int, tuple[list[int], list[int]]] = {}
-        for at, row in enumerate(source):
-            index = bisect_right(starts, row) - 1
-            targets, offsets = by_block.setdefault(index, ([], []))
-            targets.append(at)
-            offsets.append(row - starts[index])
-        moves = [(self._blocks[index], torch.tensor(targets), torch.tensor(offsets))
-                 for index, (targets, offsets) in by_block.items()]
-        out: dict[GroupKey, torch.Tensor] = {}
-        for key, (columns, dtype) in self._groups.items():
-            if len(moves) == 1:  # one block: every row, in order, in one selection
-                out[key] = moves[0][0].tensors[key].index_select(0, moves[0][2])
-                continue
-            values = torch.empty(rows, columns, dtype=dtype)
-            for block, targets, offsets in moves:
-                values[targets] = block.tensors[key].index_select(0, offsets)
-            out[key] = values
-        return out
+        return self._products_at(self._nodes(sequences, flat, rows))
 
     def gather_logits(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
                       rows: int) -> KnownLogits | None:
         """The kept logits after each of a pass's ``rows`` flat tokens (laid out as for :meth:`gather`) that has them;
         ``None`` where none has."""
-        source: list[tuple[int, int] | None] = [None] * rows
-        for tokens, where in zip(sequences, flat, strict=True):
-            for node, row in zip(self.trie.find(tokens), where):
-                source[row] = self._logit_rows.get(node)
+        return self._logits_at(self._nodes(sequences, flat, rows))
+
+    def _products_at(self, nodes: list[int]) -> dict[GroupKey, torch.Tensor] | None:
+        source = [self._where.get(node, -1) for node in nodes]
+        if not self._blocks or min(source, default=-1) < 0:
+            return None
+        starts = [block.first for block in self._blocks]
+        picks = []
+        for row in source:
+            index = bisect_right(starts, row) - 1
+            picks.append((index, row - starts[index]))
+        moves = _grouped(picks)
+        return {key: _taken([block.tensors.get(key) for block in self._blocks], moves, len(nodes))
+                for key in self._groups}
+
+    def _logits_at(self, nodes: list[int]) -> KnownLogits | None:
+        source = [self._logit_rows.get(node) for node in nodes]
         return KnownLogits(self._logits, source) if any(s is not None for s in source) else None
+
+
+def _grouped(picks: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``picks[i] = (tensor, row)`` grouped by tensor: ``(tensor, the positions i, their rows)``."""
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    for at, (index, row) in enumerate(picks):
+        targets, rows = groups.setdefault(index, ([], []))
+        targets.append(at)
+        rows.append(row)
+    return [(index, torch.tensor(targets), torch.tensor(rows)) for index, (targets, rows) in groups.items()]
+
+
+def _taken(tensors: Sequence[torch.Tensor], moves: list[tuple[int, torch.Tensor, torch.Tensor]],
+           count: int) -> torch.Tensor:
+    """The rows :func:`_grouped` named, ``[count, columns]`` in the order of the picks (a new tensor)."""
+    if len(moves) == 1:  # every pick from one tensor, in order: one selection
+        return tensors[moves[0][0]].index_select(0, moves[0][2])
+    first = tensors[moves[0][0]]
+    out = first.new_empty(count, first.shape[1])
+    for index, targets, rows in moves:
+        out[targets] = tensors[index].index_select(0, rows)
+    return out
 
 
 class KnownLogits:
@@ -248,13 +271,4 @@ class KnownLogits:
         picks = [self._source[row] for row in rows.tolist()]
         if not picks or any(pick is None for pick in picks):
             return None
-        by_tensor: dict[int, tuple[list[int], list[int]]] = {}
-        for at, (index, row) in enumerate(picks):
-            targets, kept_rows = by_tensor.setdefault(index, ([], []))
-            targets.append(at)
-            kept_rows.append(row)
-        first = self._logits[picks[0][0]]
-        out = first.new_empty(len(picks), first.shape[1])
-        for index, (targets, kept_rows) in by_tensor.items():
-            out[torch.tensor(targets)] = self._logits[index].index_select(0, torch.tensor(kept_rows))
-        return out
+        return _taken(self._logits, _grouped(picks), len(picks))

@@ -78,14 +78,14 @@ class SharedPrefixScorer:
         positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
         layout = TreeLayout(plan.rows, flat_of, trie.positions, device)
         flat = [[flat_of[node] for node in path] for path in plan.paths]
-        known = None if kept is None else kept.gather(sequences, flat, len(plan.nodes))
+        known, logits = (None, None) if kept is None else kept.read(sequences, flat, len(plan.nodes))
         self.decoder.known_products = known
         try:
             hidden = self.decoder.hidden(ids, positions, layout, recompute_layers)
         finally:
             self.decoder.known_products = None
         self.kept_tokens = 0 if known is None else len(plan.nodes)
-        return SharedPass(hidden, flat, None if kept is None else kept.gather_logits(sequences, flat, len(plan.nodes)))
+        return SharedPass(hidden, flat, logits)
 
     def score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
               filters: SamplingFilters | None = None, with_entropy: bool = False,

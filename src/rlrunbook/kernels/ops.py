@@ -49,10 +49,15 @@ def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) ->
 
 
 class _Linear(torch.autograd.Function):
+    """``x @ weight.T + bias`` in fixed order; ``known`` (not ``None``): that value, computed before bit for bit
+    (:func:`linear_known`), returned instead of computed, with the same backward."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
+    def forward(ctx, x, weight, bias, out_dtype, known):
         ctx.save_for_backward(x if weight.requires_grad else None, weight)
         ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
+        if known is not None:
+            return known
         if _meta(x, weight):
             return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
         return product(x, weight, bias, out_dtype)
@@ -74,7 +79,7 @@ class _Linear(torch.autograd.Function):
             dw = weight.new_empty(weight.shape) if meta else _weight_gradient(grad.contiguous(), x, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = grad.float().sum(0)
-        return dx, dw, dbias, None
+        return dx, dw, dbias, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -85,23 +90,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flat = x.reshape(-1, x.shape[-1])
     if flat.dtype != weight.dtype:
         flat, weight = flat.float(), weight.float()
-    out = _Linear.apply(flat, weight, bias, out_dtype or x.dtype)
+    out = _Linear.apply(flat, weight, bias, out_dtype or x.dtype, None)
     return out.view(*lead, weight.shape[0])
-
-
-class _KnownLinear(torch.autograd.Function):
-    """:class:`_Linear` whose forward's value is given (``known``: what ``product`` gives for these inputs), with the
-    same backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, known):
-        ctx.save_for_backward(x if weight.requires_grad else None, weight)
-        ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
-        return known
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _Linear.backward(ctx, grad)
 
 
 def linear_known(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, known: torch.Tensor) -> torch.Tensor:
@@ -111,7 +101,7 @@ def linear_known(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.dtype != weight.dtype or known.dtype != x.dtype or known.shape != (x.shape[0], weight.shape[0]):
         raise ValueError(f"linear_known: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"known {tuple(known.shape)} {known.dtype}")
-    return _KnownLinear.apply(x, weight, bias, known)
+    return _Linear.apply(x, weight, bias, known.dtype, known)
 
 
 def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -121,7 +111,7 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.float32:
         raise TypeError(f"linear_float32: the weight is {weight.dtype}, not float32")
     flat = x.reshape(-1, x.shape[-1])
-    return _Linear.apply(flat, weight, None, torch.float32).view(*x.shape[:-1], weight.shape[0])
+    return _Linear.apply(flat, weight, None, torch.float32, None).view(*x.shape[:-1], weight.shape[0])
 
 
 class _AddScaled(torch.autograd.Function):
