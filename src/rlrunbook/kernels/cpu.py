@@ -13,6 +13,7 @@ import ctypes
 import functools
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rlrunbook.kernels.build import KernelBuildError, load_library
 from rlrunbook.kernels.profiling import profiled
@@ -155,6 +156,25 @@ def add_scaled(result: torch.Tensor, delta: torch.Tensor, scaling: float) -> tor
     return out
 
 
+# A LoRA second factor's transpose ([r, N], what lora_added reads), by factor: made again only when the factor changed
+# in place (its version counter) or moved. A decoder's factors are the same tensors call after call (a pinned snapshot,
+# a parameter between optimizer steps), and the output layer's is the largest (vocabulary x rank: 1.5 ms to copy at
+# rank 16): its copy once per snapshot, not once per decode step.
+_TRANSPOSES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _transposed(b: torch.Tensor) -> torch.Tensor:
+    """``b.t().contiguous()``, kept per factor while ``b`` lives and holds the same values (see ``_TRANSPOSES``)."""
+    if b.is_inference() or torch.is_inference_mode_enabled():  # no version counter to tell a change by: not kept
+        return b.t().contiguous()
+    stamp = (b._version, b.data_ptr(), b.shape, b.stride())
+    held = _TRANSPOSES.get(b)
+    if held is None or held[0] != stamp:
+        held = (stamp, b.detach().t().contiguous())
+        _TRANSPOSES[b] = held
+    return held[1]
+
+
 @_profiled
 def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """``add_scaled(base, gemm_seq(xa, b.T), scaling)`` in one pass with the same bits (c/fused.c ``lora_added``):
@@ -166,7 +186,7 @@ def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: f
         raise ValueError(f"lora_added: base {tuple(base.shape)} {base.dtype}, xa {tuple(xa.shape)} {xa.dtype}, "
                          f"b {tuple(b.shape)} {b.dtype} (rank at most {SMALL_K})")
     base, xa = _rows(base), _rows(xa)
-    bt = b.t().contiguous()
+    bt = _transposed(b)
     out = torch.empty(base.shape, dtype=base.dtype)
     if out.numel():
         if r == 0:

@@ -208,3 +208,23 @@ def test_lora_added_on_cpu_is_for_the_sequential_ranks():
         from rlrunbook.kernels import cpu as kernels
 
         kernels.lora_added(base, torch.zeros(2, fixed.SMALL_K + 1), b, 2.0)
+
+
+def test_lora_added_reads_a_factor_changed_in_place():
+    """The C kernel reads the second factor transposed, a copy kept per factor (the output layer's is made once per
+    snapshot, not per decode step): a factor changed in place (an optimizer step, a load) is read as it is now,
+    and an unchanged one is not copied again."""
+    from rlrunbook.kernels import cpu as kernels
+
+    base, xa, b = _values(0, (3, 40), torch.float32), _values(1, (3, 4), torch.float32), _values(2, (40, 4), torch.float32)
+
+    def want() -> torch.Tensor:
+        return fixed.add_scaled(base, fixed.linear(xa, b), 0.5)
+
+    assert torch.equal(kernels.lora_added(base, xa, b, 0.5), want())
+    assert kernels._transposed(b) is kernels._transposed(b)  # kept
+    with torch.no_grad():
+        b.mul_(-3.0)  # in place, as AdamW steps a factor
+    assert torch.equal(kernels.lora_added(base, xa, b, 0.5), want())
+    b.data = _values(3, (40, 4), torch.float32)  # new storage under the same tensor
+    assert torch.equal(kernels.lora_added(base, xa, b, 0.5), want())
