@@ -415,7 +415,10 @@ class Decoder:
         return result
 
     def _adapters_added(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
-                        pinned: PinnedAdapter | None) -> torch.Tensor:
+                        pinned: PinnedAdapter | None, known: torch.Tensor | None = None) -> torch.Tensor:
+        """``result`` with ``module``'s adapters added as peft adds them; ``known``: the sum's value, computed before
+        bit for bit, returned with the same backward (only where :meth:`reads_known_logits` holds: one adapter, added
+        by one kernel)."""
         result_dtype = result.dtype
         for name in adapter_names(module, pinned):
             if name in getattr(module, "lora_variant", {}):
@@ -430,7 +433,7 @@ class Decoder:
                 xa = (fixed.linear_float32(x, a)  # x read as float32 by the layer kernels
                       if layer_kernels(x.device) and a.dtype == torch.float32 and x.dtype != a.dtype
                       else fixed.linear(x.to(a.dtype), a))
-                result = fixed.lora_added(result, xa, b, scaling)  # one kernel
+                result = fixed.lora_added(result, xa, b, scaling, known)  # one kernel
             elif self.fixed:  # peft's order of operations, each product in fixed order
                 delta = fixed.linear(fixed.linear(x.to(a.dtype), a), b)
                 result = fixed.add_scaled(result, delta, scaling).to(result_dtype)
@@ -516,16 +519,44 @@ class Decoder:
                 h = through(layer, self._layer, index, layer, h, cos, sin, layout)
         return self._norm(body.norm, h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
         """Output-layer logits ``[M, V]`` of final hidden states ``[M, E]``, in float32 (float64 for a float64 model).
 
         Under fixed numerics the products accumulate in float32 and are kept in float32 (not rounded to a
         half-precision model's dtype first).
+
+        ``known`` (``[M, V]`` float32, where :meth:`reads_known_logits`): these logits, computed before from the same
+        hidden states and weights bit for bit (the sampler's kept logits, :mod:`rlrunbook.engines.kept_products`),
+        returned instead of computed, with the backward of the computing pass (the output layer's and its adapter's
+        gradients, which read neither the logits nor the base product).
         """
+        if known is not None:
+            if not self.reads_known_logits():
+                raise RuntimeError("Decoder.logits: known logits for an output layer it cannot read them for "
+                                   "(see Decoder.reads_known_logits)")
+            head = self.lm.lm_head
+            base = getattr(head, "base_layer", head)
+            result = fixed.linear_known(hidden, base.weight, None, known)
+            return result if base is head else self._adapters_added(head, result, hidden, self.pinned, known)
         if self.fixed:
             return self.linear(self.lm.lm_head, hidden, torch.float32).float()
         logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def reads_known_logits(self) -> bool:
+        """Whether :meth:`logits` can read known logits: fixed numerics, one adapter source for every row, and an
+        output layer that is a bias-free linear layer adding at most one plain LoRA adapter, by one kernel."""
+        head = self.lm.lm_head
+        base = getattr(head, "base_layer", head)
+        if not self.fixed or self.row_adapters is not None or type(base) is not torch.nn.Linear or base.bias is not None:
+            return False
+        names = adapter_names(head, self.pinned) if base is not head else []
+        if not names:
+            return True
+        if len(names) > 1 or names[0] in getattr(head, "lora_variant", {}):
+            return False
+        a, b = adapter_weights(head, names[0], self.pinned)
+        return a.dtype == b.dtype and lora_added_applies(base.weight.new_empty(0, dtype=torch.float32), b)
 
     @property
     def head_frozen(self) -> bool:

@@ -109,18 +109,24 @@ class SharedPrefixScorer:
                 logprobs = self.decoder.frozen_head_logprobs(h, t, known)
                 parts.append((logprobs, logprobs.detach(), logprobs.new_zeros(0)))
             elif torch.is_grad_enabled() and h.requires_grad:
-                parts.append(checkpoint(self._head, h, t, filters, with_entropy, use_reentrant=False))
+                parts.append(checkpoint(self._head, h, t, filters, with_entropy, logits, rows[start:start + chunk],
+                                        use_reentrant=False))
             else:
-                parts.append(self._head(h, t, filters, with_entropy))
+                parts.append(self._head(h, t, filters, with_entropy, logits, rows[start:start + chunk]))
         columns = list(zip(*parts, strict=True)) if parts else [[], [], []]
         logprobs = torch.cat(columns[0]) if parts else hidden.new_zeros(0, dtype=torch.float32)
         sampled = torch.cat(columns[1]) if parts and filters is not None else None
         entropy = torch.cat(columns[2]) if parts and with_entropy else None
         return TokenScores(logprobs, sampled, entropy)
 
-    def _head(self, h: torch.Tensor, targets: torch.Tensor, filters: SamplingFilters | None,
-              with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.decoder.logits(h)  # [m, V] float32
+    def _head(self, h: torch.Tensor, targets: torch.Tensor, filters: SamplingFilters | None, with_entropy: bool,
+              kept: KnownLogits | None = None, rows: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's scores from its logits: ``kept``'s after hidden rows ``rows`` where it holds them all and the
+        decoder can read them (gathered here, so that a checkpointed chunk holds no ``[m, V]`` tensor between its
+        forward and its backward, which gathers them again), else computed."""
+        known = kept.select(rows) if kept is not None and self.decoder.reads_known_logits() else None
+        logits = self.decoder.logits(h, known)  # [m, V] float32
         logprobs = self.decoder.log_softmax_at(logits, targets)  # the sampler's own expression
         empty = logprobs.new_zeros(0)
         sampled = empty

@@ -95,10 +95,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_known(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, known: torch.Tensor) -> torch.Tensor:
-    """``linear(x, weight, bias)`` (``x`` ``[M, K]``, both of ``known``'s dtype) whose value ``known`` (``[M, N]``) was
-    computed before, bit for bit (:mod:`rlrunbook.engines.kept_products`): nothing is computed forward, and the
-    backward is :func:`linear`'s."""
-    if x.dtype != weight.dtype or known.dtype != x.dtype or known.shape != (x.shape[0], weight.shape[0]):
+    """``linear(x, weight, bias, known.dtype)`` (``x`` ``[M, K]`` and ``weight`` of one dtype; ``known`` of it, or
+    float32: the output layer's) whose value ``known`` (``[M, N]``) was computed before, bit for bit
+    (:mod:`rlrunbook.engines.kept_products`): nothing is computed forward, and the backward is :func:`linear`'s."""
+    if (x.dtype != weight.dtype or known.dtype not in (x.dtype, torch.float32)
+            or known.shape != (x.shape[0], weight.shape[0])):
         raise ValueError(f"linear_known: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"known {tuple(known.shape)} {known.dtype}")
     return _Linear.apply(x, weight, bias, known.dtype, known)
@@ -374,9 +375,11 @@ def rotation_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
 
 class _LoraAdded(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, base, xa, b, scaling):
+    def forward(ctx, base, xa, b, scaling, known):
         ctx.save_for_backward(xa if b.requires_grad else None, b)
         ctx.scaling, ctx.dtypes = scaling, (base.dtype, xa.dtype)
+        if known is not None:
+            return known
         if _meta(base, xa, b):
             return torch.empty_like(base)
         return _backend(base.device).lora_added(base, xa, b, scaling)
@@ -395,16 +398,24 @@ class _LoraAdded(torch.autograd.Function):
                     else _backend(grad.device).gemm_seq(d_delta.contiguous(), b, None, b.dtype))
         if ctx.needs_input_grad[2]:
             d_b = b.new_empty(b.shape) if meta else _weight_gradient(d_delta.contiguous(), xa, b.dtype)
-        return grad if ctx.needs_input_grad[0] else None, d_xa, d_b, None
+        return grad if ctx.needs_input_grad[0] else None, d_xa, d_b, None, None
 
 
-def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+def lora_added(base: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: float,
+               known: torch.Tensor | None = None) -> torch.Tensor:
     """A LoRA update added to its base product as peft adds it: ``(base + linear(xa, b) * scaling)`` in ``base``'s
     dtype (``base`` ``[M, N]``, ``xa`` ``[M, r]`` the input times the first factor, ``b`` ``[N, r]`` of ``xa``'s dtype)
     in one kernel where :func:`lora_added_applies` says so: the product in the fixed order of :func:`linear`, the
     scaled update and the sum rounded where the chain ``add_scaled(base, linear(xa, b), scaling)`` rounds them. The
-    ``[M, N]`` update is never stored; the backward keeps ``xa`` and ``b``, as the chain's product does."""
-    return _LoraAdded.apply(base, xa, b, scaling)
+    ``[M, N]`` update is never stored; the backward keeps ``xa`` and ``b``, as the chain's product does.
+
+    ``known`` (``[M, N]`` of ``base``'s dtype): the sum's value computed before, bit for bit
+    (:mod:`rlrunbook.engines.kept_products`), returned instead of computed, with the same backward (which reads
+    neither the sum nor ``base``'s value)."""
+    if known is not None and (known.shape != base.shape or known.dtype != base.dtype):
+        raise ValueError(f"lora_added: known {tuple(known.shape)} {known.dtype} for a sum {tuple(base.shape)} "
+                         f"{base.dtype}")
+    return _LoraAdded.apply(base, xa, b, scaling, known)
 
 
 def lora_added_applies(device: torch.device, rank: int) -> bool:

@@ -172,8 +172,8 @@ def test_the_pass_reads_the_kept_values_instead_of_computing_them():
 
 def _trained_logprobs(model: torch.nn.Module, sequences, prompts: list[int], kept: KeptProducts | None,
                       read_logits: bool = True):
-    """The trainer's logprobs of every sampled token (the output layer not trained: its direct pass) and the
-    adapter's gradient of their sum with random weights."""
+    """The trainer's logprobs of every sampled token and the adapter's gradient of their sum with random weights
+    (an output layer not trained: its direct pass; a trained one: its adapter's pass, checkpointed)."""
     scorer = SharedPrefixScorer(Decoder(model))
     run = scorer.run(sequences, kept=kept)
     rows = torch.tensor([row for path, length in zip(run.flat, prompts) for row in path[length - 1:-1]])
@@ -186,9 +186,10 @@ def _trained_logprobs(model: torch.nn.Module, sequences, prompts: list[int], kep
     return logprobs.detach(), grads, run.logits
 
 
+@pytest.mark.parametrize("train_unembed", [False, True], ids=["frozen-head", "trained-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_logprobs_of_sampled_tokens_read_the_kept_logits_with_the_same_bits(dtype):
-    model = _model(160, dtype, train_unembed=False)
+def test_the_logprobs_of_sampled_tokens_read_the_kept_logits_with_the_same_bits(dtype, train_unembed):
+    model = _model(160, dtype, train_unembed=train_unembed)
     prompts: list[int] = []
     # 16 rows, about one draw in 30 stops: rows stop, and the batch goes on without them (not shrunk), so a step's
     # logits rows (its running rows) are not its cache rows
@@ -200,10 +201,12 @@ def test_the_logprobs_of_sampled_tokens_read_the_kept_logits_with_the_same_bits(
     assert logits is not None and engine.kept.logit_bytes > 0
     assert torch.equal(kept_logprobs, logprobs)
     assert kept_grads.keys() == grads.keys() and all(torch.equal(kept_grads[n], g) for n, g in grads.items())
+    assert any("lm_head.lora_B" in name for name in grads) == train_unembed
 
 
-def test_the_logprobs_read_the_kept_logits_instead_of_computing_them():
-    model = _model(64, torch.float32, train_unembed=False)
+@pytest.mark.parametrize("train_unembed", [False, True], ids=["frozen-head", "trained-head"])
+def test_the_logprobs_read_the_kept_logits_instead_of_computing_them(train_unembed):
+    model = _model(64, torch.float32, train_unembed=train_unembed)
     prompts: list[int] = []
     engine, sequences = _sampled(model, prompt_lengths=prompts)
     logprobs = _trained_logprobs(model, sequences, prompts, engine.kept, read_logits=False)[0]
@@ -232,3 +235,18 @@ def test_passes_fill_blocks_and_a_new_record_writes_the_last_ones_blocks_again()
     renewed.end()
     assert {id(t) for block in renewed._blocks for t in block.tensors.values()} <= blocks
     assert kept.gather([list(range(4))], [[3, 2, 1, 0]], 4) is None  # the old record gave its blocks away
+
+
+def test_known_logits_are_refused_where_the_decoder_could_not_give_them():
+    """Known logits stand in for the output layer's pass only under the fixed numerics, with at most one adapter on
+    the output layer: elsewhere the decoder says so, and a pass handed them anyway fails, naming the check."""
+    model = _model(64, torch.float32)
+    hidden, known = torch.randn(2, 64), torch.randn(2, VOCAB)
+    assert Decoder(model).reads_known_logits()
+    fast = Decoder(model, "native")
+    assert not fast.reads_known_logits()
+    with pytest.raises(RuntimeError, match="reads_known_logits"):
+        fast.logits(hidden, known)
+    model.add_adapter("second", model.peft_config["default"])
+    model.base_model.set_adapter(["default", "second"])  # two adapters added to every layer
+    assert not Decoder(model).reads_known_logits()
