@@ -142,6 +142,30 @@ def test_a_short_sum_over_many_rows_is_the_sequential_sum_and_each_rows_own(k):
                            many)
 
 
+@pytest.mark.parametrize("k", [4096, 4229])
+def test_a_sum_over_a_vocabulary_is_the_sequential_sum_and_each_rows_own(k):
+    """Over thousands of terms (the gradient through an output layer) each thread keeps its rows' sums for every column
+    and goes along k in chunks: each element is still the sequential sum, with the bits a few rows alone get (another
+    path), on 1, 2 and 3 threads, for float32 and for bfloat16 inputs (k odd: the last pair half empty)."""
+    x, w = _bf16_valued(40, k, seed=k, spread=1.0), _bf16_valued(k, 45, seed=k + 1, spread=1.0)
+    xs, ws = x.numpy(), w.numpy()
+    expected = np.zeros((40, 45), dtype=np.float32)
+    for i in range(k):
+        expected = expected + (xs[:, i, None] * ws[None, i, :]).astype(np.float32)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(cpu.gemm_seq(x, w, None, torch.float32), torch.from_numpy(expected)), f"{count}"
+            for dtype in (torch.float32, torch.bfloat16):
+                a, b = x.to(dtype), w.to(dtype)
+                many = cpu.gemm_seq(a, b, None, torch.float32)
+                alone = torch.cat([cpu.gemm_seq(a[i:i + 5], b, None, torch.float32) for i in range(0, 40, 5)])
+                assert torch.equal(many, alone), f"{dtype}, {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 9, 12, 16, 17, 36, 63])
 def test_a_short_sum_over_few_rows_is_the_sequential_sum(rows):
     """Over at most 64 terms and fewer than 64 rows (a decode step's LoRA update) the threads split B's columns and

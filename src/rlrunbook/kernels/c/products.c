@@ -293,6 +293,8 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
 #define SEQ_KCHUNK 512
 #define SEQ_SHORT_K 64 /* at most this many terms (and SEQ_SHORT_ROWS rows): seq_short, for speed (same bits) */
 #define SEQ_SHORT_ROWS 64 /* and at least this many rows (fewer: too few blocks to feed the threads) */
+#define SEQ_LONG_K 4096 /* at least this many terms (a sum over a vocabulary) and 2 row blocks: seq_long */
+#define SEQ_LONG_KCHUNK 128 /* seq_long's chunk of k: a thread's rows of A over one chunk stay in its core's cache */
 
 typedef struct {
   const float *a; /* fp32 A, row stride lda (f32 path) */
@@ -439,6 +441,63 @@ static int seq_short(const seq_a *A, int pairs, const void *B, int tb, int64_t l
   return 0;
 }
 
+/* gemm_seq_to over at least SEQ_LONG_K terms (the gradient through an output layer: A the [M, V] softmax terms, B the
+ * [V, E] weight), where A and B each outgrow the caches. seq_item's order (each 32-column panel of B against all of
+ * A, chunk after chunk of k) reads A from memory once per panel: 18 times for E = 576. Here each thread takes whole
+ * row blocks, keeps their sums for every column, and goes along k in chunks of SEQ_LONG_KCHUNK: its rows of A over
+ * one chunk stay in its core's cache while every panel of B's chunk passes over them, so A is read from memory once
+ * and B once per thread. The same sums as seq_item's: each term added in increasing k, from zero. */
+static int seq_long(const seq_a *A, int pairs, const void *B, int tb, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                    seq_store store_row, const void *context, int nthreads) {
+  int64_t panels = (N + SEQ_PANEL - 1) / SEQ_PANEL, rowblocks = (M + SEQ_ROWS - 1) / SEQ_ROWS;
+  int threads = threads_for(rowblocks, nthreads), failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int part = 0; part < threads; part++) {
+    int64_t rb0 = rowblocks * part / threads, rb1 = rowblocks * (part + 1) / threads, tile = SEQ_ROWS * SEQ_PANEL;
+    int64_t m0 = rb0 * SEQ_ROWS, m1 = rb1 * SEQ_ROWS < M ? rb1 * SEQ_ROWS : M;
+    float *bp = malloc((size_t)(SEQ_LONG_KCHUNK * SEQ_PANEL + 16) * sizeof(float));
+    float *store = calloc((size_t)((rb1 - rb0) * panels * tile + 16), sizeof(float)); /* [block][panel] tiles */
+    /* the thread's rows of A over one chunk, packed: A's own rows lie a multiple of 4 KiB apart (a vocabulary's
+     * floats), where a chunk of each would fall in the same few cache sets */
+    int64_t words = pairs ? SEQ_LONG_KCHUNK / 2 : SEQ_LONG_KCHUNK;
+    uint32_t *ap = malloc((size_t)((m1 - m0) * words + 16) * 4);
+    if (!bp || !store || !ap) {
+      failed = 1;
+    } else {
+      seq_a chunk = {(const float *)ap, ap, SEQ_LONG_KCHUNK, words};
+      for (int64_t k0 = 0; k0 < K; k0 += SEQ_LONG_KCHUNK) {
+        int64_t kn = K - k0 < SEQ_LONG_KCHUNK ? K - k0 : SEQ_LONG_KCHUNK, used = pairs ? (kn + 1) / 2 : kn;
+        for (int64_t m = m0; m < m1; m++) {
+          const uint32_t *from = pairs ? A->a2 + m * A->lda2 + k0 / 2 : (const uint32_t *)(A->a + m * A->lda + k0);
+          memcpy(ap + (m - m0) * words, from, (size_t)used * 4);
+        }
+        for (int64_t p = 0; p < panels; p++) {
+          int64_t n0 = p * SEQ_PANEL, width = N - n0 < SEQ_PANEL ? N - n0 : SEQ_PANEL;
+          seq_panel(pairs, B, tb, ldb, K, n0, width, k0, kn, bp);
+          for (int64_t rb = rb0; rb < rb1; rb++) {
+            int64_t m = rb * SEQ_ROWS;
+            int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
+            seq_rows(&chunk, pairs, m - m0, rows, 0, kn, width, bp, store + ((rb - rb0) * panels + p) * tile);
+          }
+        }
+      }
+      for (int64_t rb = rb0; rb < rb1; rb++) {
+        int64_t m = rb * SEQ_ROWS;
+        int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
+        for (int64_t p = 0; p < panels; p++) {
+          int64_t n0 = p * SEQ_PANEL, width = N - n0 < SEQ_PANEL ? N - n0 : SEQ_PANEL;
+          float *st = store + ((rb - rb0) * panels + p) * tile;
+          for (int i = 0; i < rows; i++) store_row(context, m + i, n0, st + i * SEQ_PANEL, width);
+        }
+      }
+    }
+    free(bp);
+    free(store);
+    free(ap);
+  }
+  return failed;
+}
+
 /* gemm_seq_to over fewer than SEQ_SHORT_ROWS rows (a decode step's) and at most SEQ_SHORT_K terms (a LoRA factor's
  * rank), A and B float32: the threads split B's 32-column panels, each read where it is in B (the last, partial one
  * copied with zeros past its width), and take each panel's rows in tiles of SEQ_FEW_ROWS where that computes fewer
@@ -532,6 +591,12 @@ int gemm_seq_to(const void *A, int ta, int64_t sam, int64_t sak, const void *B, 
   }
   if (K <= SEQ_SHORT_K && M >= SEQ_SHORT_ROWS) {
     int status = seq_short(&a, pairs, B, tb, ldb, M, N, K, store_row, context, nthreads);
+    free(a32);
+    free(a2);
+    return status;
+  }
+  if (K >= SEQ_LONG_K && M >= 2 * SEQ_ROWS) {
+    int status = seq_long(&a, pairs, B, tb, ldb, M, N, K, store_row, context, nthreads);
     free(a32);
     free(a2);
     return status;
