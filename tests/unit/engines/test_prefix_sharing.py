@@ -100,7 +100,8 @@ def test_a_shared_prefix_read_once_gives_every_row_the_bits_of_reading_its_own(r
 
 
 def test_the_shared_prefix_is_read_from_the_row_before():
-    """The mechanism is used: a row that claims a prefix it does not hold gets the row before it's keys there."""
+    """The mechanism is used: a row that claims a prefix it does not hold gets the row before it's keys and values
+    there (float32 values of whole vectors, read in place, are read where the part's first row's are)."""
     rows, capacity, kv_heads, heads, dim = 2, 32, 2, 4, 16  # one part: 2 items for the one thread
     keys, values = _caches(3, [[0] * 20, [1] * 20], capacity, kv_heads, dim, torch.float32)  # nothing shared
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(4))
@@ -113,9 +114,11 @@ def test_the_shared_prefix_is_read_from_the_row_before():
     shared = fused.cached_attention(qkv, keys.clone(), values.clone(), *args,
                                     (claimed.order, claimed.starts, claimed.reload))
     assert torch.equal(own[0], shared[0]) and not torch.equal(own[1], shared[1])
-    copied_keys = keys.clone()  # float32 values of whole vectors are read in place: only the keys are loaded once
+    copied_keys, copied_values = keys.clone(), values.clone()
     copied_keys[1, :20] = keys[0, :20]
-    assert torch.equal(fused.cached_attention(qkv, copied_keys, values.clone(), *args)[1], shared[1])
+    assert not torch.equal(fused.cached_attention(qkv, copied_keys, values.clone(), *args)[1], shared[1])
+    copied_values[1, :20] = values[0, :20]
+    assert torch.equal(fused.cached_attention(qkv, copied_keys, copied_values, *args)[1], shared[1])
 
 
 def test_a_plan_for_other_rows_is_refused():

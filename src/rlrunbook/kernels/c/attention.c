@@ -127,6 +127,14 @@ static inline int allowed_from_zero(const int64_t *allowed, int64_t count) {
   return count > 0 && allowed[count - 1] == count - 1;
 }
 
+/* Where a row's values lie, index range by index range: indices below end[0] at base[0], then below end[1] at
+ * base[1], ..., up to end[n - 1] (each base the start of a cache row's values, indexed as the row's own). */
+typedef struct {
+  const float **base;
+  int64_t *end;
+  int n;
+} vsegments;
+
 /* Sequential dot products: out[b * OS + s] = sum over d in increasing d of a[b * AS + d] * kt[d * S16 + s], for
  * NB rows of a and the KB blocks of 16 columns starting at s. Each output is one accumulator over d, as a loop over
  * one column at a time would add it; the NB x KB accumulators only keep more of those sums in flight at once. */
@@ -157,24 +165,34 @@ INLINE void column_dots(const float *a, int64_t AS, const float *kt, int64_t S16
 /* The weighted rows of one chunk of d, [d0, d0 + 16 DB) within D: for each of NB weight rows b,
  *   sum over the allowed keys i in increasing i of w[b * WS + i] * rows[allowed[i] * D + d]   (one accumulator per d)
  * divided by div[b] when div is given, stored at out + obase[b] + d in storage type tout. Row i starts at
- * rows + i * RS; a vector read past D's last multiple of 16 must stay inside the buffer (16 floats of slack). */
+ * rows + i * RS, or, with segments (vseg), at the base of the segment holding i (where that base holds the same
+ * values: a prefix shared with other cache rows, read where they read it, already in the core's cache); a vector
+ * read past D's last multiple of 16 must stay inside the buffer (16 floats of slack). */
 INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, int64_t RS, int64_t D,
-                               const int64_t *allowed,
-                               int64_t count, int64_t d0, const float *div, void *out, const int64_t *obase,
+                               const int64_t *allowed, int64_t count, const vsegments *vseg,
+                               int64_t d0, const float *div, void *out, const int64_t *obase,
                                int tout, const int NB, const int DB) {
   v16 acc[HEAD_BLOCK][4];
   int nv = (int)((D - d0 + 15) / 16);
   for (int b = 0; b < NB; b++)
     for (int j = 0; j < DB; j++) acc[b][j] = (v16){0};
-  for (int64_t i = 0; i < count; i++) {
-    const float *row = rows + allowed[i] * RS + d0;
-    for (int j = 0; j < DB; j++) {
-      if (j >= nv) break;
-      v16 x;
-      LOAD_HELD(x, row + 16 * j);
-      for (int b = 0; b < NB; b++) acc[b][j] = fma16(splat(w[b * WS + i]), x, acc[b][j]);
-    }
-  }
+#define WEIGHTED_STEP(BASE)                                                                      \
+  do {                                                                                           \
+    const float *row = (BASE) + allowed[i] * RS + d0;                                            \
+    for (int j = 0; j < DB; j++) {                                                               \
+      if (j >= nv) break;                                                                        \
+      v16 x;                                                                                     \
+      LOAD_HELD(x, row + 16 * j);                                                                \
+      for (int b = 0; b < NB; b++) acc[b][j] = fma16(splat(w[b * WS + i]), x, acc[b][j]);        \
+    }                                                                                            \
+  } while (0)
+  int64_t i = 0;
+  if (!vseg)
+    for (; i < count; i++) WEIGHTED_STEP(rows);
+  else /* the keys increase: segment after segment, each key once, in the same order */
+    for (int seg = 0; seg < vseg->n; seg++)
+      for (; i < count && allowed[i] < vseg->end[seg]; i++) WEIGHTED_STEP(vseg->base[seg]);
+#undef WEIGHTED_STEP
   for (int b = 0; b < NB; b++)
     for (int j = 0; j < DB && j < nv; j++) {
       int n = (int)(D - d0 - 16 * j < 16 ? D - d0 - 16 * j : 16);
@@ -183,11 +201,11 @@ INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, in
 }
 
 INLINE void weighted_rows(const float *w, int64_t WS, const float *rows, int64_t RS, int64_t D,
-                          const int64_t *allowed, int64_t count, const float *div, void *out, const int64_t *obase,
-                          int tout, const int NB) {
+                          const int64_t *allowed, int64_t count, const vsegments *vseg, const float *div, void *out,
+                          const int64_t *obase, int tout, const int NB) {
   const int DB = NB <= 3 ? 4 : 2;
   for (int64_t d0 = 0; d0 < D; d0 += 16 * DB)
-    weighted_rows_tile(w, WS, rows, RS, D, allowed, count, d0, div, out, obase, tout, NB, DB);
+    weighted_rows_tile(w, WS, rows, RS, D, allowed, count, vseg, d0, div, out, obase, tout, NB, DB);
 }
 
 /* acc[allowed[i] * D + d] += w[b * WS + i] * x[b * XS + d], for each allowed key i and then b = 0 .. NB - 1 in
@@ -254,12 +272,14 @@ typedef struct {
   int64_t *allowed;
   const float *vrows; /* the values the weighted sum reads: vs, or the float32 input itself (use_values) */
   int64_t vstride;
+  vsegments *vseg; /* values read in place and shared with the rows before (attention_fwd_parts), else NULL */
 } attn_scratch;
 
 /* Where the forward reads row r's values through head kvh: float32 values whose head dimension is whole vectors
  * are read where they are (no copy: at long windows a copy outgrows the core's cache); others from the float32
  * copy in vs. Returns the vs to fill (NULL: none). The values and their order are the same either way. */
 static float *use_values(const attn_shape *sh, const void *v, int64_t r, int64_t kvh, attn_scratch *w) {
+  w->vseg = NULL;
   if (sh->tk == F32 && sh->D % 16 == 0) {
     w->vrows = (const float *)v + r * sh->k_row + kvh * sh->D;
     w->vstride = sh->k_s;
@@ -322,7 +342,7 @@ INLINE void attend_heads(const attn_shape *sh, const void *q, const int64_t *qba
     l[b] = tree16(lacc);
     lse[b] = mx + logf(l[b]);
   }
-  weighted_rows(w->p, SS, w->vrows, w->vstride, D, w->allowed, count, l, out, qbase, sh->tq, NB);
+  weighted_rows(w->p, SS, w->vrows, w->vstride, D, w->allowed, count, w->vseg, l, out, qbase, sh->tq, NB);
 }
 
 /* Every query of row r through key/value head kvh (its G query heads, all T positions), over the keys and values
@@ -382,8 +402,9 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
  * and each row after a part's first shares the keys and values of its indices below reload[row] with the part's
  * first row, bit for bit (the caller guarantees it: copies of the same prefix). A part's first row loads its whole
  * cache row; each later one loads only its indices from reload[row] on, so a prefix shared by a part's rows is
- * transposed once per (part, key/value head), not once per row (values read in place, see use_values, are each
- * row's own). Every row's queries, scores and sums are those of attention_fwd: the same values in the same order. */
+ * transposed once per (part, key/value head), not once per row; values read in place (use_values) are read below
+ * reload[row] where the row before read them, so a shared prefix's values come from memory once per part too.
+ * Every row's queries, scores and sums are those of attention_fwd: the same values in the same order. */
 int attention_fwd_parts(const void *q, const void *k, const void *v, const int64_t *qpos, const int64_t *kpos,
                         const uint8_t *kvalid, void *out, float *lse, int64_t R, int64_t S, int64_t H, int64_t Hkv,
                         int64_t D, int64_t q_row, int64_t k_row, int tq, int tk, float scale, const int64_t *order,
@@ -394,22 +415,35 @@ int attention_fwd_parts(const void *q, const void *k, const void *v, const int64
   int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(threads_for(items, nthreads))
   for (int64_t item = 0; item < items; item++) {
-    int64_t c = item / sh->Hkv, kvh = item % sh->Hkv;
+    int64_t c = item / sh->Hkv, kvh = item % sh->Hkv, size = starts[c + 1] - starts[c];
     attn_scratch w;
-    if (!scratch_alloc(&w, sh->S, S16, sh->D)) {
+    /* values read in place: each row reads its indices below reload[row] where the row before it read them */
+    vsegments seg = {malloc((size_t)(size + 1) * sizeof(float *)), malloc((size_t)(size + 1) * sizeof(int64_t)), 0};
+    if (!scratch_alloc(&w, sh->S, S16, sh->D) || !seg.base || !seg.end) {
       failed = 1;
     } else {
       for (int64_t j = starts[c]; j < starts[c + 1]; j++) {
-        int64_t r = order[j];
+        int64_t r = order[j], cut = j == starts[c] ? 0 : reload[r] < sh->S ? reload[r] : sh->S;
         float *vs = use_values(sh, v, r, kvh, &w);
         if (j == starts[c])
           load_kv(sh, k, v, r, kvh, w.kt, vs, S16);
         else
-          load_kv_from(sh, k, v, r, kvh, w.kt, vs, S16, reload[r] < sh->S ? reload[r] : sh->S);
+          load_kv_from(sh, k, v, r, kvh, w.kt, vs, S16, cut);
+        if (!vs) { /* the segments below cut as the row before had them, then this row's own values */
+          int n = 0;
+          while (n < seg.n && (n == 0 ? 0 : seg.end[n - 1]) < cut) {
+            if (seg.end[n] > cut) seg.end[n] = cut;
+            n++;
+          }
+          seg.base[n] = w.vrows, seg.end[n] = INT64_MAX, seg.n = n + 1;
+          w.vseg = &seg;
+        }
         attend_row(sh, q, qpos, kpos, kvalid, out, lse, r, kvh, S16, &w);
       }
     }
     scratch_free(&w);
+    free(seg.base);
+    free(seg.end);
   }
   return failed;
 }
@@ -504,7 +538,7 @@ INLINE void grad_heads(const attn_shape *sh, const void *q, const void *out, con
       }
     for (; i < count; i++) dp[i] = p[i] * (dp[allowed[i]] - dsum[b]) * sh->scale;
   }
-  weighted_rows(w->dp, SS, w->ks, D, D, allowed, count, NULL, dq, qbase, sh->tq, NB);
+  weighted_rows(w->dp, SS, w->ks, D, D, allowed, count, NULL, NULL, dq, qbase, sh->tq, NB);
   scatter_rows(w->dkacc, D, allowed, count, w->dp, SS, w->qv, QS, NB);
   scatter_rows(w->dvacc, D, allowed, count, w->p, SS, w->dov, QS, NB);
 }
