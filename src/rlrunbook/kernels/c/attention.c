@@ -165,34 +165,31 @@ INLINE void column_dots(const float *a, int64_t AS, const float *kt, int64_t S16
 /* The weighted rows of one chunk of d, [d0, d0 + 16 DB) within D: for each of NB weight rows b,
  *   sum over the allowed keys i in increasing i of w[b * WS + i] * rows[allowed[i] * D + d]   (one accumulator per d)
  * divided by div[b] when div is given, stored at out + obase[b] + d in storage type tout. Row i starts at
- * rows + i * RS, or, with segments (vseg), at the base of the segment holding i (where that base holds the same
- * values: a prefix shared with other cache rows, read where they read it, already in the core's cache); a vector
+ * rows + i * RS, or, with segments (SEGMENTED, vseg), at the base of the segment holding i (where that base holds the
+ * same values: a prefix shared with other cache rows, read where they read it, already in the core's cache); a vector
  * read past D's last multiple of 16 must stay inside the buffer (16 floats of slack). */
 INLINE void weighted_rows_tile(const float *w, int64_t WS, const float *rows, int64_t RS, int64_t D,
                                const int64_t *allowed, int64_t count, const vsegments *vseg,
                                int64_t d0, const float *div, void *out, const int64_t *obase,
-                               int tout, const int NB, const int DB) {
+                               int tout, const int NB, const int DB, const int SEGMENTED) {
   v16 acc[HEAD_BLOCK][4];
-  int nv = (int)((D - d0 + 15) / 16);
+  int nv = (int)((D - d0 + 15) / 16), seg = 0;
   for (int b = 0; b < NB; b++)
     for (int j = 0; j < DB; j++) acc[b][j] = (v16){0};
-#define WEIGHTED_STEP(BASE)                                                                      \
-  do {                                                                                           \
-    const float *row = (BASE) + allowed[i] * RS + d0;                                            \
-    for (int j = 0; j < DB; j++) {                                                               \
-      if (j >= nv) break;                                                                        \
-      v16 x;                                                                                     \
-      LOAD_HELD(x, row + 16 * j);                                                                \
-      for (int b = 0; b < NB; b++) acc[b][j] = fma16(splat(w[b * WS + i]), x, acc[b][j]);        \
-    }                                                                                            \
-  } while (0)
-  int64_t i = 0;
-  if (!vseg)
-    for (; i < count; i++) WEIGHTED_STEP(rows);
-  else /* the keys increase: segment after segment, each key once, in the same order */
-    for (int seg = 0; seg < vseg->n; seg++)
-      for (; i < count && allowed[i] < vseg->end[seg]; i++) WEIGHTED_STEP(vseg->base[seg]);
-#undef WEIGHTED_STEP
+  for (int64_t i = 0; i < count; i++) {
+    const float *base = rows;
+    if (SEGMENTED) { /* the keys increase: the segment only moves forward */
+      while (allowed[i] >= vseg->end[seg]) seg++;
+      base = vseg->base[seg];
+    }
+    const float *row = base + allowed[i] * RS + d0;
+    for (int j = 0; j < DB; j++) {
+      if (j >= nv) break;
+      v16 x;
+      LOAD_HELD(x, row + 16 * j);
+      for (int b = 0; b < NB; b++) acc[b][j] = fma16(splat(w[b * WS + i]), x, acc[b][j]);
+    }
+  }
   for (int b = 0; b < NB; b++)
     for (int j = 0; j < DB && j < nv; j++) {
       int n = (int)(D - d0 - 16 * j < 16 ? D - d0 - 16 * j : 16);
@@ -205,7 +202,10 @@ INLINE void weighted_rows(const float *w, int64_t WS, const float *rows, int64_t
                           const int64_t *obase, int tout, const int NB) {
   const int DB = NB <= 3 ? 4 : 2;
   for (int64_t d0 = 0; d0 < D; d0 += 16 * DB)
-    weighted_rows_tile(w, WS, rows, RS, D, allowed, count, vseg, d0, div, out, obase, tout, NB, DB);
+    if (vseg) /* a copy of the loop of its own: the common one keeps its code */
+      weighted_rows_tile(w, WS, rows, RS, D, allowed, count, vseg, d0, div, out, obase, tout, NB, DB, 1);
+    else
+      weighted_rows_tile(w, WS, rows, RS, D, allowed, count, NULL, d0, div, out, obase, tout, NB, DB, 0);
 }
 
 /* acc[allowed[i] * D + d] += w[b * WS + i] * x[b * XS + d], for each allowed key i and then b = 0 .. NB - 1 in
