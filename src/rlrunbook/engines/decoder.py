@@ -531,7 +531,7 @@ class Decoder:
         gradients, which read neither the logits nor the base product).
         """
         if known is not None:
-            if not self.reads_known_logits():
+            if not self.reads_known_logits(hidden):
                 raise RuntimeError("Decoder.logits: known logits for an output layer it cannot read them for "
                                    "(see Decoder.reads_known_logits)")
             head = self.lm.lm_head
@@ -543,12 +543,14 @@ class Decoder:
         logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
-    def reads_known_logits(self) -> bool:
-        """Whether :meth:`logits` can read known logits: fixed numerics, one adapter source for every row, and an
-        output layer that is a bias-free linear layer adding at most one plain LoRA adapter, by one kernel."""
+    def reads_known_logits(self, hidden: torch.Tensor) -> bool:
+        """Whether :meth:`logits` can read known logits of ``hidden``: fixed numerics, one adapter source for every
+        row, and an output layer of ``hidden``'s dtype that is a bias-free linear layer adding at most one plain LoRA
+        adapter, by one kernel."""
         head = self.lm.lm_head
         base = getattr(head, "base_layer", head)
-        if not self.fixed or self.row_adapters is not None or type(base) is not torch.nn.Linear or base.bias is not None:
+        if (not self.fixed or self.row_adapters is not None or type(base) is not torch.nn.Linear
+                or base.bias is not None or base.weight.dtype != hidden.dtype):
             return False
         names = adapter_names(head, self.pinned) if base is not head else []
         if not names:

@@ -125,7 +125,7 @@ class SharedPrefixScorer:
         """The chunk's scores from its logits: ``kept``'s after hidden rows ``rows`` where it holds them all and the
         decoder can read them (gathered here, so that a checkpointed chunk holds no ``[m, V]`` tensor between its
         forward and its backward, which gathers them again), else computed."""
-        known = kept.select(rows) if kept is not None and self.decoder.reads_known_logits() else None
+        known = kept.select(rows) if kept is not None and self.decoder.reads_known_logits(h) else None
         logits = self.decoder.logits(h, known)  # [m, V] float32
         logprobs = self.decoder.log_softmax_at(logits, targets)  # the sampler's own expression
         empty = logprobs.new_zeros(0)

@@ -242,11 +242,11 @@ def test_known_logits_are_refused_where_the_decoder_could_not_give_them():
     the output layer: elsewhere the decoder says so, and a pass handed them anyway fails, naming the check."""
     model = _model(64, torch.float32)
     hidden, known = torch.randn(2, 64), torch.randn(2, VOCAB)
-    assert Decoder(model).reads_known_logits()
+    assert Decoder(model).reads_known_logits(hidden) and not Decoder(model).reads_known_logits(hidden.double())
     fast = Decoder(model, "native")
-    assert not fast.reads_known_logits()
+    assert not fast.reads_known_logits(hidden)
     with pytest.raises(RuntimeError, match="reads_known_logits"):
         fast.logits(hidden, known)
     model.add_adapter("second", model.peft_config["default"])
     model.base_model.set_adapter(["default", "second"])  # two adapters added to every layer
-    assert not Decoder(model).reads_known_logits()
+    assert not Decoder(model).reads_known_logits(hidden)
