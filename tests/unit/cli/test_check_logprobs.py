@@ -35,8 +35,8 @@ def test_check_logprobs_fails_on_a_mismatch(capsys, monkeypatch):
 
     real = SharedPrefixScorer._head
 
-    def shifted(self, hidden, targets, filters, with_entropy):
-        return real(self, hidden, torch.roll(targets, 1), filters, with_entropy)
+    def shifted(self, hidden, targets, filters, with_entropy, *kept):
+        return real(self, hidden, torch.roll(targets, 1), filters, with_entropy, *kept)
 
     monkeypatch.setattr(SharedPrefixScorer, "_head", shifted)
     assert cli.main(["check-logprobs", "--model", "tiny", "--max-tokens", "16", "--num-samples", "2"]) == 1
