@@ -6,7 +6,7 @@ the trainer's forward over those tokens computes, bit for bit, what the sampler'
 computed. The bulk of that forward is the layers' products with the frozen base weights: 2 x the layers'
 weights in FLOPs per token, about 40% of a LoRA ``forward_backward``'s arithmetic. A sampling call of the CPU
 engine can keep them (:class:`KeptProducts`, written by the fused kernels next to the outputs they compute
-anyway); the trainer's pass then reads them instead of computing them (:meth:`KeptProducts.gather`, checked
+anyway); the trainer's pass then reads them instead of computing them (:meth:`KeptProducts.read`, checked
 against the live adapter first). Everything else of its forward (the LoRA factors, norms, rotation, attention,
 the output layer's second product) and its whole backward is computed as before: the same values and gradients,
 bit for bit. The output layer's logits the sampler computed to draw each token are kept too (by reference: the
@@ -201,22 +201,12 @@ class KeptProducts:
 
     def read(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
              rows: int) -> tuple[dict[GroupKey, torch.Tensor] | None, KnownLogits | None]:
-        """:meth:`gather` and :meth:`gather_logits` of one pass, its tokens looked up once."""
+        """What was kept of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
+        ``sequences[i]`` (its tokens looked up once): the base products, per group ``[rows, columns]`` in the pass's
+        row order (``None`` where a token of it was not kept: the pass then computes its products), and the logits
+        after each row that has them (``None`` where none has)."""
         nodes = self._nodes(sequences, flat, rows)
         return self._products_at(nodes), self._logits_at(nodes)
-
-    def gather(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
-               rows: int) -> dict[GroupKey, torch.Tensor] | None:
-        """The kept base products of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
-        ``sequences[i]``: per group, ``[rows, columns]`` in the pass's row order. ``None`` where a token of it
-        was not kept (the pass then computes its products)."""
-        return self._products_at(self._nodes(sequences, flat, rows))
-
-    def gather_logits(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
-                      rows: int) -> KnownLogits | None:
-        """The kept logits after each of a pass's ``rows`` flat tokens (laid out as for :meth:`gather`) that has them;
-        ``None`` where none has."""
-        return self._logits_at(self._nodes(sequences, flat, rows))
 
     def _products_at(self, nodes: list[int]) -> dict[GroupKey, torch.Tensor] | None:
         source = [self._where.get(node, -1) for node in nodes]

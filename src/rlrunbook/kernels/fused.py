@@ -195,8 +195,8 @@ def cached_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
     ``parts`` (int64 ``order``, ``starts``, ``reload``; :class:`rlrunbook.engines.prefix_sharing.DecodeParts`): rows
     whose caches hold copies of one prefix read it once per part, with the same bits. The caller guarantees the
-    copies: a row that does not hold at indices below ``reload[r]`` what its part's first row holds gets that
-    row's keys and values there."""
+    copies: a row that does not hold at indices below ``reload[r]`` what the row before it in its part holds gets
+    that row's keys and values there."""
     rows = qkv.shape[0]
     if (qkv.stride(-1) != 1 or keys.shape[0] != rows or keys.stride() != values.stride() or keys[0].stride(0)
             != kv_heads * head_dim or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or window > keys.shape[1]):

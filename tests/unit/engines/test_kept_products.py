@@ -134,10 +134,10 @@ def test_rows_are_gathered_in_the_pass_order_by_token_prefix():
     kept.place([5, 6, 7, 9], {3: 4 + 1})  # the step's cache row 1 fed token 9
     assert kept.last_rows == 6 and kept.nbytes == 256 * 2 * 4  # one block
     # A pass over [5, 8] and [5, 6, 7, 9], its rows in its own order: [5, 6, 7, 9], [5, 8], [5, 6, 7], [5], [5, 6]
-    gathered = kept.gather([[5, 8], [5, 6, 7, 9]], [[3, 1], [3, 4, 2, 0]], 5)
+    gathered = kept.read([[5, 8], [5, 6, 7, 9]], [[3, 1], [3, 4, 2, 0]], 5)[0]
     assert gathered[key].tolist() == [[12.0, 13.0], [6.0, 7.0], [4.0, 5.0], [0.0, 1.0], [2.0, 3.0]]
-    assert kept.gather([[5, 6, 7, 10]], [[0, 1, 2, 3]], 4) is None  # [.., 10] was never computed
-    assert kept.gather([[5, 7]], [[0, 1]], 2) is None
+    assert kept.read([[5, 6, 7, 10]], [[0, 1, 2, 3]], 4)[0] is None  # [.., 10] was never computed
+    assert kept.read([[5, 7]], [[0, 1]], 2)[0] is None
 
 
 def test_a_pass_with_other_groups_or_rows_is_not_kept():
@@ -224,9 +224,9 @@ def test_passes_fill_blocks_and_a_new_record_writes_the_last_ones_blocks_again()
         kept.buffer((1,), rows, 3, torch.float32).fill_(rows)
         firsts.append(kept.end())
     assert firsts == [0, 256, 356, 512]
-    gathered = kept.gather([[7]], [[0]], 1) is None  # nothing placed yet
+    gathered = kept.read([[7]], [[0]], 1)[0] is None  # nothing placed yet
     kept.place(list(range(4)), {0: 0, 1: 256, 2: 356, 3: 512})
-    values = kept.gather([list(range(4))], [[3, 2, 1, 0]], 4)[(1,)]
+    values = kept.read([list(range(4))], [[3, 2, 1, 0]], 4)[0][(1,)]
     assert gathered and values[:, 0].tolist() == [300.0, 100.0, 100.0, 200.0]
     blocks = {id(t) for block in kept._blocks for t in block.tensors.values()}
     renewed = KeptProducts({}, "b", budget=1 << 30, spares=kept)
@@ -234,7 +234,7 @@ def test_passes_fill_blocks_and_a_new_record_writes_the_last_ones_blocks_again()
     renewed.buffer((1,), 50, 3, torch.float32)
     renewed.end()
     assert {id(t) for block in renewed._blocks for t in block.tensors.values()} <= blocks
-    assert kept.gather([list(range(4))], [[3, 2, 1, 0]], 4) is None  # the old record gave its blocks away
+    assert kept.read([list(range(4))], [[3, 2, 1, 0]], 4)[0] is None  # the old record gave its blocks away
 
 
 def test_known_logits_are_refused_where_the_decoder_could_not_give_them():

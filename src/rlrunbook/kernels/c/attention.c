@@ -399,8 +399,8 @@ int attention_fwd(const void *q, const void *k, const void *v, const int64_t *qp
 }
 
 /* attention_fwd (one query per row) with rows taken in parts: part c is the rows order[starts[c]..starts[c+1]),
- * and each row after a part's first shares the keys and values of its indices below reload[row] with the part's
- * first row, bit for bit (the caller guarantees it: copies of the same prefix). A part's first row loads its whole
+ * and each row after a part's first shares the keys and values of its indices below reload[row] with the row before
+ * it in the part, bit for bit (the caller guarantees it: copies of the same prefix). A part's first row loads its whole
  * cache row; each later one loads only its indices from reload[row] on, so a prefix shared by a part's rows is
  * transposed once per (part, key/value head), not once per row; values read in place (use_values) are read below
  * reload[row] where the row before read them, so a shared prefix's values come from memory once per part too.
