@@ -12,6 +12,10 @@ each giving the chain's bits, so the sampler and the trainer still agree bit for
 chain). It covers the fixed numerics on CPU for float32 and bfloat16 models without per-head norms (Llama,
 Qwen2, Mistral); a projection group it cannot fuse (several adapters on one module, trained base weights) goes
 through the chain inside the fused pass.
+
+A decode step over a per-row cache (:class:`~rlrunbook.engines.layouts.RowCache`) makes those calls for every layer
+in one (:func:`rlrunbook.kernels.fused.decode_layers`, the same calls in C, the same bits) where every group fuses:
+a step of a few rows otherwise paid the Python around 9 calls per layer (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class FusedPass:
     def __init__(self, decoder):
         self.decoder = decoder
         self._groups: dict[tuple[int, ...], tuple[int, fused.LoraLinears | None]] = {}
+        self._layer_sets: dict[tuple[int, ...], tuple[int, fused.DecodeLayers | None]] = {}
         self._model_fits: dict[torch.dtype, bool] = {}
 
     def applies(self, h_dtype: torch.dtype, device: torch.device) -> bool:
@@ -83,6 +88,44 @@ class FusedPass:
             return fused.LoraLinears.prepare(weight, bias, [b.out_features for b in bases], *slots)
 
         return decoder.per_call(self._groups, modules, build)
+
+    def _layer_groups(self, index: int) -> tuple[tuple[torch.nn.Module, ...], ...]:
+        """Layer ``index``'s projection groups in the order its pass runs them: q/k/v, o, gate/up, down."""
+        layer = self.decoder.lm.model.layers[index]
+        attn, mlp = layer.self_attn, layer.mlp
+        return (attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)
+
+    def layers(self) -> fused.DecodeLayers | None:
+        """Every layer prepared for :func:`rlrunbook.kernels.fused.decode_layers` (``None``: some group goes through
+        the chain, or the layers are not shaped as that call needs), per :meth:`group`'s lifetime."""
+        decoder = self.decoder
+        body = decoder.lm.model
+
+        def build() -> fused.DecodeLayers | None:
+            plans = []
+            for index, layer in enumerate(body.layers):
+                groups = [self.group(modules) for modules in self._layer_groups(index)]
+                if any(group is None for group in groups):
+                    return None
+                after = body.layers[index + 1].input_layernorm if index + 1 < len(body.layers) else body.norm
+                post = layer.post_attention_layernorm
+                plans.append(fused.LayerPlan(*groups, (post.weight, post.variance_epsilon),
+                                             (after.weight, after.variance_epsilon), layer.self_attn.scaling))
+            return fused.DecodeLayers.prepare(plans, decoder.num_heads, decoder.num_kv_heads, decoder.head_dim)
+
+        return decoder.per_call(self._layer_sets, (body,), build)
+
+    def _kept_bases(self, layers: fused.DecodeLayers, rows: int,
+                    dtype: torch.dtype) -> list[torch.Tensor | None] | None:
+        """Where a pass through :func:`~rlrunbook.kernels.fused.decode_layers` keeps each group's base product,
+        asked of the decoder's kept products group by group in the order :meth:`linears` would ask (``None``: not
+        keeping)."""
+        keeping = self.decoder.keeping
+        if keeping is None:
+            return None
+        widths = layers.group_widths
+        return [keeping.buffer(group_key(modules), rows, widths[g], dtype)
+                for index in range(len(layers.plans)) for g, modules in enumerate(self._layer_groups(index))]
 
     def linears(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
         """The projections' outputs side by side, ``[N, sum of out_features]``."""
@@ -126,6 +169,12 @@ class FusedPass:
         layers = body.layers
         first = layers[0].input_layernorm
         x = fused.rms_norm(h, first.weight, first.variance_epsilon)
+        all_layers = getattr(layout, "decode_layers", None)  # a decode step over a per-row cache: one call
+        prepared = None if all_layers is None else self.layers()
+        if prepared is not None and prepared.dtype == h.dtype:
+            rows = decoder.row_adapters
+            return all_layers(h, x, prepared, cos, sin, None if rows is None else rows.bounds,
+                              self._kept_bases(prepared, h.shape[0], h.dtype))
         for index, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)

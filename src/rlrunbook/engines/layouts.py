@@ -210,6 +210,16 @@ class RowCache:
         return fused.cached_attention(qkv, self.keys[layer], self.values[layer], self.lengths, self._positions,
                                       self._valid_bytes, self.window, heads, kv_heads, head_dim, scale, plan)
 
+    def decode_layers(self, h: torch.Tensor, x: torch.Tensor, layers: fused.DecodeLayers, cos: torch.Tensor,
+                      sin: torch.Tensor, bounds: Sequence[int] | None,
+                      kept: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+        """A decode step's every layer over this cache in one fused call (:func:`rlrunbook.kernels.fused.decode_layers`,
+        no gradient, CPU): the bits of :meth:`attend_packed` and the other fused calls layer by layer."""
+        parts = self._parts
+        plan = None if parts is None else (parts.order, parts.starts, parts.reload)
+        return fused.decode_layers(h, x, layers, self.keys, self.values, self.lengths, self._positions,
+                                   self._valid_bytes, self.window, cos, sin, plan, bounds, kept)
+
     def share_prefixes(self, sharing: Sharing) -> None:
         """Declare which rows hold copies of another row's leading entries (:mod:`rlrunbook.engines.prefix_sharing`):
         the fused decode step then reads each shared prefix once per part. The caller guarantees the copies (rows

@@ -219,3 +219,143 @@ def cached_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
             _ptr(key_valid), _ptr(out), rows, window, heads, kv_heads, head_dim, t, scale, _ptr(order), _ptr(starts),
             _ptr(reload), count, _threads()), "cached_attention")
     return out[:, :heads * head_dim]
+
+
+class _Group(ctypes.Structure):
+    """``lora_group`` of ``c/fused.c``: a :class:`LoraLinears` as ``decode_layers`` reads it."""
+
+    _fields_ = [("W", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("N", ctypes.c_int64), ("bias", ctypes.c_void_p),
+                ("P", ctypes.c_int64), ("cols", ctypes.c_void_p), ("A", ctypes.c_void_p), ("B", ctypes.c_void_p),
+                ("ranks", ctypes.c_void_p), ("scalings", ctypes.c_void_p), ("ta", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    """``decode_layer`` of ``c/fused.c``."""
+
+    _fields_ = [("qkv", _Group), ("o", _Group), ("gate_up", _Group), ("down", _Group),
+                ("post_norm", ctypes.c_void_p), ("next_norm", ctypes.c_void_p), ("post_eps", ctypes.c_float),
+                ("next_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _group_struct(group: LoraLinears) -> _Group:
+    cols, a_ptrs, b_ptrs, ranks, scalings, adapter_code, _ = group._args
+    address = ctypes.addressof
+    return _Group(group.weight.data_ptr(), group.weight.stride(0), group.weight.shape[0],
+                  None if group.bias is None else group.bias.data_ptr(), len(group.sizes), address(cols),
+                  address(a_ptrs), address(b_ptrs), address(ranks), address(scalings), adapter_code)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One Llama-shaped layer for :func:`decode_layers`: its four projection groups (q/k/v, o, gate/up, down), the
+    norm after attention and the norm after the MLP (the next layer's input norm; the final norm after the last
+    layer) as ``(weight, eps)``, and the attention's scale."""
+
+    qkv: LoraLinears
+    o: LoraLinears
+    gate_up: LoraLinears
+    down: LoraLinears
+    post_norm: tuple[torch.Tensor, float]
+    next_norm: tuple[torch.Tensor, float]
+    scale: float
+
+
+@dataclass(frozen=True)
+class DecodeLayers:
+    """Every layer of a decoder prepared for :func:`decode_layers` (the C structs, and what they point to)."""
+
+    plans: tuple[LayerPlan, ...]
+    dtype: torch.dtype
+    slots: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    _structs: ctypes.Array
+    _norms: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def prepare(cls, plans: Sequence[LayerPlan], heads: int, kv_heads: int, head_dim: int) -> DecodeLayers | None:
+        """The layers, or ``None`` where ``decode_layers`` cannot run them as :func:`lora_linears` and the other calls
+        here would one by one: the groups, norms and hidden states of one dtype, the same adapter slots in every
+        group, and each group as wide as the layer's shape says (q/k/v ``(H + 2 Hkv) D``, o and down the hidden
+        size, gate/up twice down's input)."""
+        if not plans:
+            return None
+        dtype, slots = plans[0].qkv.weight.dtype, len(plans[0].qkv.slots)
+        hidden, inner = plans[0].o.weight.shape[0], plans[0].down.weight.shape[1]
+        widths = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+                  "gate_up": (2 * inner, hidden), "down": (hidden, inner)}
+        for plan in plans:
+            for name, shape in widths.items():
+                group = getattr(plan, name)
+                if (tuple(group.weight.shape) != shape or group.weight.dtype != dtype or len(group.slots) != slots
+                        or group.weight.stride(-1) != 1):
+                    return None
+            if any(norm.dtype != dtype or norm.shape != (hidden,) for norm, _ in (plan.post_norm, plan.next_norm)):
+                return None
+        norms = tuple(norm.contiguous() for plan in plans for norm, _ in (plan.post_norm, plan.next_norm))
+        structs = (_Layer * len(plans))(*[
+            _Layer(_group_struct(plan.qkv), _group_struct(plan.o), _group_struct(plan.gate_up),
+                   _group_struct(plan.down), norms[2 * i].data_ptr(), norms[2 * i + 1].data_ptr(), plan.post_norm[1],
+                   plan.next_norm[1], plan.scale) for i, plan in enumerate(plans)])
+        return cls(tuple(plans), dtype, slots, heads, kv_heads, head_dim, structs, norms)
+
+    @property
+    def group_widths(self) -> tuple[int, int, int, int]:
+        """Each layer's groups' output widths, in the order the groups run (and their base products are kept)."""
+        plan = self.plans[0]
+        return tuple(group.weight.shape[0] for group in (plan.qkv, plan.o, plan.gate_up, plan.down))
+
+
+@_profiled
+def decode_layers(h: torch.Tensor, x: torch.Tensor, layers: DecodeLayers, keys: Sequence[torch.Tensor],
+                  values: Sequence[torch.Tensor], lengths: torch.Tensor, key_positions: torch.Tensor,
+                  key_valid: torch.Tensor, window: int, cos: torch.Tensor, sin: torch.Tensor,
+                  parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  bounds: Sequence[int] | None = None,
+                  kept: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """A decode step's layers in one call: for each layer, what :func:`lora_linears` (q/k/v) | :func:`rotary_` |
+    :func:`cached_attention` | :func:`lora_linears` (o) | :func:`add_rms_norm` | :func:`lora_linears` (gate/up) |
+    :func:`silu_mul` | :func:`lora_linears` (down) | :func:`add_rms_norm` give, bit for bit, over ``M`` rows.
+
+    ``h`` ``[M, E]``: the residual stream (the embeddings), changed in place; ``x``: the first layer's normed input,
+    changed in place to the final norm's output, which is returned. ``keys[l]``, ``values[l]`` and the cache
+    arguments (``lengths`` to ``window``, ``parts``): layer ``l``'s :func:`cached_attention`'s. ``cos``, ``sin``
+    ``[M, D]``; ``bounds``: :func:`lora_linears`'s. ``kept`` (4 per layer, in the order the groups run, ``None``
+    where not kept): :func:`lora_linears`' ``base`` of each group."""
+    m, e = h.shape
+    count = len(layers.plans)
+    t = _code(h, "decode_layers")
+    bounds = (0, m) if bounds is None and layers.slots == 1 else bounds
+    if (h.dtype != layers.dtype or x.dtype != h.dtype or x.shape != h.shape
+            or not (h.is_contiguous() and x.is_contiguous())
+            or len(keys) != count or len(values) != count or keys[0].shape[0] != m or window > keys[0].shape[1]
+            or bounds is None or len(bounds) != layers.slots + 1 or bounds[0] != 0 or bounds[-1] != m
+            or any(b < a for a, b in pairwise(bounds))):
+        raise ValueError(f"decode_layers: hidden {tuple(h.shape)} {h.dtype} for {count} layers of {layers.dtype}, "
+                         f"cache of {keys[0].shape[0] if keys else 0} rows, window {window}, row bounds {bounds}")
+    widths = layers.group_widths
+    if kept is not None:
+        if len(kept) != 4 * count:
+            raise ValueError(f"decode_layers: {len(kept)} kept products for {count} layers of 4 groups")
+        for index, base in enumerate(kept):
+            if base is not None and (base.shape != (m, widths[index % 4]) or base.dtype != h.dtype
+                                     or not base.is_contiguous()):
+                raise ValueError(f"decode_layers: kept product {index} is {tuple(base.shape)} {base.dtype}")
+    if m == 0:
+        return x
+    cos, sin = cos.contiguous(), sin.contiguous()
+    order = starts = reload = None
+    part_count = 0
+    if parts is not None:
+        order, starts, reload = parts
+        part_count = starts.numel() - 1
+    pointers = ctypes.c_void_p * count
+    kept_ptrs = None if kept is None else (ctypes.c_void_p * len(kept))(*[_ptr(base) for base in kept])
+    _check(load_library().decode_layers(
+        _ptr(h), _ptr(x), m, e, t, count, layers._structs, pointers(*[k.data_ptr() for k in keys]),
+        pointers(*[v.data_ptr() for v in values]), keys[0].stride(0), _ptr(lengths), _ptr(key_positions),
+        _ptr(key_valid), window, layers.heads, layers.kv_heads, layers.head_dim, _ptr(cos), _ptr(sin), _ptr(order),
+        _ptr(starts), _ptr(reload), part_count, layers.slots, (ctypes.c_int64 * len(bounds))(*bounds), kept_ptrs,
+        _threads()), "decode_layers")
+    return x

@@ -17,6 +17,7 @@ from rlrunbook.backend.lora import wrap_with_lora
 from rlrunbook.engines.base import GenerationRequest, SampleJob
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters
+from rlrunbook.engines.fused_pass import FusedPass
 from rlrunbook.engines.hf import HFSamplingEngine
 from rlrunbook.engines.layouts import RowCache
 from rlrunbook.testing.decode_parity import assert_decode_steps_equal_the_training_pass
@@ -56,10 +57,18 @@ def _sample(model: torch.nn.Module, fused: bool, monkeypatch) -> list:
             for completions in engine.sample_jobs([SampleJob(p, 2, request) for p in prompts])]
 
 
+def _layer_by_layer(monkeypatch) -> None:
+    """Decode steps through the fused calls made layer by layer, not one call for every layer."""
+    monkeypatch.setattr(FusedPass, "layers", lambda self: None)
+
+
+@pytest.mark.parametrize("calls", ["one-call", "per-layer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", sorted(_SHAPES))
-def test_sampling_through_the_fused_pass_gives_the_chain_bits(shape, dtype, monkeypatch):
+def test_sampling_through_the_fused_pass_gives_the_chain_bits(shape, dtype, calls, monkeypatch):
     model = _model(shape, dtype)
+    if calls == "per-layer":
+        _layer_by_layer(monkeypatch)
     fused, chain = _sample(model, True, monkeypatch), _sample(model, False, monkeypatch)
     assert fused == chain
 
@@ -98,14 +107,22 @@ def _ops_per_decode_step(decoder: Decoder, rows: int = 4) -> int:
     return count
 
 
-def test_a_decode_step_runs_a_few_fused_calls_per_layer(monkeypatch):
-    """9 calls per layer of a model with LoRA on its 7 projections (see engines/fused_pass.py), and a few for the
-    embedding, the rotary table and the first norm; the chain runs about 60 per layer."""
+def test_a_decode_step_runs_its_layers_in_one_fused_call(monkeypatch):
+    """Over a per-row cache, every layer of a model with LoRA on its 7 projections runs in one ``decode_layers`` call,
+    beside a few for the embedding, the rotary table and the first norm, however many layers; where that call cannot
+    run them, 9 calls per layer (see engines/fused_pass.py); the chain runs about 60 per layer."""
+    counts = {}
+    for layers in (2, 4):
+        decoder = Decoder(_model("llama-160", torch.bfloat16, layers=layers))
+        counts[layers] = _ops_per_decode_step(decoder)
+    assert counts[2] == counts[4] <= 7, counts
     decoder = Decoder(_model("llama-160", torch.bfloat16, layers=4))
-    fused = _ops_per_decode_step(decoder)
+    with monkeypatch.context() as patched:
+        _layer_by_layer(patched)
+        per_layer = _ops_per_decode_step(decoder)
     monkeypatch.setattr(Decoder, "use_fused", False)
     chain = _ops_per_decode_step(decoder)
-    assert fused <= 9 * 4 + 6, fused
+    assert counts[4] + 8 * 4 <= per_layer <= 9 * 4 + 6, per_layer
     assert chain >= 40 * 4, chain
 
 

@@ -392,3 +392,85 @@ int cached_attention(const void *QKV, int64_t qkv_row, void *Kc, void *Vc, int64
   free(lse);
   return status;
 }
+
+/* -- a decode step's layers in one call ------------------------------------------------------------------ */
+
+/* One projection group as lora_linears takes it, less its input and outputs */
+typedef struct {
+  const void *W;
+  int64_t ldw, N;
+  const float *bias;
+  int64_t P;
+  const int64_t *cols;
+  const void *const *A;
+  const void *const *B;
+  const int64_t *ranks;
+  const float *scalings;
+  int64_t ta;
+} lora_group;
+
+/* One layer of a Llama-shaped decoder: its four groups (q/k/v, o, gate/up, down), the norm after attention and the
+ * norm after the MLP (the next layer's input norm, the final norm after the last layer), the attention's scale. */
+typedef struct {
+  lora_group qkv, o, gate_up, down;
+  const void *post_norm, *next_norm;
+  float post_eps, next_eps, scale;
+} decode_layer;
+
+/* A decode step's L layers over M rows (one token each) in one call: for each layer, the calls FusedPass makes
+ * one by one (rlrunbook/engines/fused_pass.py), in its order and with its arguments, so every output has their
+ * bits:
+ *   lora_linears(q/k/v) | rotary | cached_attention | lora_linears(o) | add_rms_norm | lora_linears(gate/up) |
+ *   silu_mul | lora_linears(down) | add_rms_norm
+ * H [M, E] holds the residual stream (updated in place), X [M, E] the first layer's normed input on entry and the
+ * last layer's final-norm output on return (both contiguous, type t). Keys[l], Values[l]: layer l's cache (RowCache;
+ * row stride c_row) and the cache arguments of cached_attention; cos, sin [M, D]; slots and bounds as lora_linears
+ * takes them; kept (NULL, or 4 L pointers, NULL where not kept): where each group's base product is kept, group g of
+ * layer l at 4 l + g. The intermediate rows live in one scratch allocation. Returns 1 where it cannot be allocated
+ * (or a call fails), the state of H and X then unspecified. */
+int decode_layers(void *H, void *X, int64_t M, int64_t E, int t, int64_t L, const decode_layer *layers,
+                  void *const *keys, void *const *values, int64_t c_row, const int64_t *lengths,
+                  const int64_t *kpos, const uint8_t *kvalid, int64_t S, int64_t heads, int64_t kv_heads,
+                  int64_t D, const void *cos_, const void *sin_, const int64_t *order, const int64_t *starts,
+                  const int64_t *reload, int64_t parts, int slots, const int64_t *bounds, void *const *kept,
+                  int nthreads) {
+  if (L <= 0 || M <= 0) return 0;
+  size_t e = esize(t);
+  int64_t wq = layers[0].qkv.N, wgu = layers[0].gate_up.N;
+  for (int64_t l = 1; l < L; l++)
+    if (layers[l].qkv.N != wq || layers[l].gate_up.N != wgu) return 1;
+  /* scratch rows: q/k/v, the attention's output (rows as wide as q/k/v's, as cached_attention writes them), the
+   * gate/up pair, the activation, and one [M, E] output shared by o and down */
+  char *scratch = malloc((size_t)(M * (2 * wq + wgu + wgu / 2 + E) + 1) * e);
+  if (!scratch) return 1;
+  char *qkv = scratch, *att = qkv + (size_t)(M * wq) * e, *gu = att + (size_t)(M * wq) * e;
+  char *act = gu + (size_t)(M * wgu) * e, *out = act + (size_t)(M * (wgu / 2)) * e;
+  int failed = 0;
+  for (int64_t l = 0; l < L && !failed; l++) {
+    const decode_layer *y = &layers[l];
+    const lora_group *g = &y->qkv;
+    void *const *k = kept ? kept + 4 * l : NULL;
+    failed = lora_linears(X, t, E, M, E, g->W, g->ldw, g->bias, g->N, qkv, t, wq, (int)g->P, g->cols, g->A, g->B,
+                          g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[0] : NULL, nthreads) ||
+             rotary(qkv, wq, M, heads + kv_heads, D, cos_, sin_, t, nthreads) ||
+             cached_attention(qkv, wq, keys[l], values[l], c_row, lengths, kpos, kvalid, att, M, S, heads, kv_heads,
+                              D, t, y->scale, order, starts, reload, parts, nthreads);
+    if (failed) break;
+    g = &y->o;
+    failed = lora_linears(att, t, wq, M, heads * D, g->W, g->ldw, g->bias, g->N, out, t, E, (int)g->P, g->cols, g->A,
+                          g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[1] : NULL, nthreads) ||
+             add_rms_norm(H, out, H, M, E, y->post_norm, y->post_eps, X, t, nthreads);
+    if (failed) break;
+    g = &y->gate_up;
+    failed = lora_linears(X, t, E, M, E, g->W, g->ldw, g->bias, g->N, gu, t, wgu, (int)g->P, g->cols, g->A, g->B,
+                          g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[2] : NULL, nthreads) ||
+             silu_mul(gu, wgu, M, wgu / 2, act, t, nthreads);
+    if (failed) break;
+    g = &y->down;
+    failed = lora_linears(act, t, wgu / 2, M, wgu / 2, g->W, g->ldw, g->bias, g->N, out, t, E, (int)g->P, g->cols,
+                          g->A, g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[3] : NULL, nthreads) ||
+             add_rms_norm(H, out, H, M, E, y->next_norm, y->next_eps, X, t, nthreads);
+  }
+  free(scratch);
+  return failed;
+}
