@@ -166,6 +166,33 @@ def test_a_sum_over_a_vocabulary_is_the_sequential_sum_and_each_rows_own(k):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("rows", [8, 16, 20, 32, 36])
+def test_a_long_sum_over_a_ranks_rows_is_the_sequential_sum_and_each_rows_own(rows):
+    """Over more than 64 terms and a LoRA rank's rows (a factor's gradient, A transposed: the sum over the tokens), the
+    rows go in tiles of 8 where 12-row tiles would compute rows in vain (8, 16, 20, 32) and of 12 where not (36):
+    each element is still the sequential sum across a chunk of k (700 terms), with the bits a few rows alone get, on 1,
+    2 or 3 threads, for float32 and for bfloat16 inputs."""
+    k = 700
+    x, w = _bf16_valued(rows, k, seed=rows, spread=1.0), _bf16_valued(k, 70, seed=rows + 1, spread=1.0)
+    xs, ws = x.numpy(), w.numpy()
+    expected = np.zeros((rows, 70), dtype=np.float32)
+    for i in range(k):
+        expected = expected + (xs[:, i, None] * ws[None, i, :]).astype(np.float32)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            out = cpu.gemm_seq(x.t().contiguous(), w, None, torch.float32, a_transposed=True)
+            assert torch.equal(out, torch.from_numpy(expected)), f"{count} threads"
+            for dtype in (torch.float32, torch.bfloat16):
+                a, b = x.to(dtype), w.to(dtype)
+                many = cpu.gemm_seq(a, b, None, torch.float32)
+                alone = torch.cat([cpu.gemm_seq(a[i:i + 4], b, None, torch.float32) for i in range(0, rows, 4)])
+                assert torch.equal(many, alone), f"{dtype}, {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 9, 12, 16, 17, 36, 63])
 def test_a_short_sum_over_few_rows_is_the_sequential_sum(rows):
     """Over at most 64 terms and fewer than 64 rows (a decode step's LoRA update) the threads split B's columns and

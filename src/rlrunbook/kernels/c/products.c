@@ -396,16 +396,19 @@ static inline void seq_rows(const seq_a *A, int pairs, int64_t m, int rows, int6
   seq_rows_of(SEQ_ROWS, A, pairs, m, rows, k0, kn, width, bp, SEQ_PANEL, st);
 }
 
-/* One work item's rows [rb0, rb1) (in blocks of SEQ_ROWS) against one 32-column panel of B, k in chunks. */
+/* One work item's rows [rb0, rb1) (in blocks of `tile` rows: SEQ_ROWS, or SEQ_FEW_ROWS) against one 32-column panel
+ * of B, k in chunks; block rb's accumulators at store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL. */
 static void seq_item(const seq_a *A, int pairs, const void *B, int tb, int64_t ldb, int64_t M, int64_t K, int64_t n0,
-                     int64_t width, int64_t rb0, int64_t rb1, float *bp, float *store) {
+                     int64_t width, int64_t rb0, int64_t rb1, int64_t tile, float *bp, float *store) {
   for (int64_t k0 = 0; k0 < K; k0 += SEQ_KCHUNK) {
     int64_t kn = K - k0 < SEQ_KCHUNK ? K - k0 : SEQ_KCHUNK;
     seq_panel(pairs, B, tb, ldb, K, n0, width, k0, kn, bp);
     for (int64_t rb = rb0; rb < rb1; rb++) {
-      int64_t m = rb * SEQ_ROWS;
-      int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
-      seq_rows(A, pairs, m, rows, k0, kn, width, bp, store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL);
+      int64_t m = rb * tile;
+      int rows = (int)(M - m < tile ? M - m : tile);
+      float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
+      if (tile == SEQ_FEW_ROWS) seq_rows_of(SEQ_FEW_ROWS, A, pairs, m, rows, k0, kn, width, bp, SEQ_PANEL, st);
+      else seq_rows(A, pairs, m, rows, k0, kn, width, bp, st);
     }
   }
 }
@@ -602,7 +605,10 @@ int gemm_seq_to(const void *A, int ta, int64_t sam, int64_t sak, const void *B, 
     return status;
   }
   int64_t panels = (N + SEQ_PANEL - 1) / SEQ_PANEL;
-  int64_t rowblocks = (M + SEQ_ROWS - 1) / SEQ_ROWS;
+  /* rows in tiles of SEQ_FEW_ROWS where that computes fewer rows in vain than SEQ_ROWS does (a LoRA factor's
+   * gradient: 16 rows computed, not 24, at rank 16); the sums do not depend on the tiles */
+  int64_t tile = padded(M, SEQ_FEW_ROWS) < padded(M, SEQ_ROWS) ? SEQ_FEW_ROWS : SEQ_ROWS;
+  int64_t rowblocks = (M + tile - 1) / tile;
   /* work items: column panels x groups of row blocks, so that few wide panels still split across threads */
   int64_t groups = nthreads > 1 && panels < 4 * nthreads ? (rowblocks < 4 * nthreads ? rowblocks : 4 * nthreads) : 1;
   int64_t items = panels * groups;
@@ -622,10 +628,10 @@ int gemm_seq_to(const void *A, int ta, int64_t sam, int64_t sak, const void *B, 
     int64_t rb0 = rowblocks * g / groups, rb1 = rowblocks * (g + 1) / groups;
     if (bp && store) {
       memset(store, 0, (size_t)((rb1 - rb0) * SEQ_ROWS * SEQ_PANEL) * sizeof(float));
-      seq_item(&a, pairs, B, tb, ldb, M, K, n0, width, rb0, rb1, bp, store);
+      seq_item(&a, pairs, B, tb, ldb, M, K, n0, width, rb0, rb1, tile, bp, store);
       for (int64_t rb = rb0; rb < rb1; rb++) {
-        int64_t m = rb * SEQ_ROWS;
-        int rows = (int)(M - m < SEQ_ROWS ? M - m : SEQ_ROWS);
+        int64_t m = rb * tile;
+        int rows = (int)(M - m < tile ? M - m : tile);
         float *st = store + (rb - rb0) * SEQ_ROWS * SEQ_PANEL;
         for (int i = 0; i < rows; i++) store_row(context, m + i, n0, st + i * SEQ_PANEL, width);
       }
