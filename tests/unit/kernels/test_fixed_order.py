@@ -148,19 +148,30 @@ def test_a_sum_over_a_vocabulary_is_the_sequential_sum_and_each_rows_own(k):
     and goes along k in chunks: each element is still the sequential sum, with the bits a few rows alone get (another
     path), on 1, 2 and 3 threads, for float32 and for bfloat16 inputs (k odd: the last pair half empty)."""
     x, w = _bf16_valued(40, k, seed=k, spread=1.0), _bf16_valued(k, 45, seed=k + 1, spread=1.0)
+    _assert_sequential_and_each_rows_own(x, w, slice_rows=5)
+
+
+def _assert_sequential_and_each_rows_own(x: torch.Tensor, w: torch.Tensor, slice_rows: int,
+                                         a_transposed: bool = False) -> None:
+    """``gemm_seq(x, w)`` (``x`` ``[M, K]``, passed transposed with ``a_transposed``) is the sequential sum (numpy's
+    float32 additions in increasing k), and for float32 and bfloat16 inputs the bits of ``slice_rows``-row slices
+    alone, on 1, 2 and 3 threads."""
     xs, ws = x.numpy(), w.numpy()
-    expected = np.zeros((40, 45), dtype=np.float32)
-    for i in range(k):
+    expected = np.zeros((x.shape[0], w.shape[1]), dtype=np.float32)
+    for i in range(x.shape[1]):
         expected = expected + (xs[:, i, None] * ws[None, i, :]).astype(np.float32)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            assert torch.equal(cpu.gemm_seq(x, w, None, torch.float32), torch.from_numpy(expected)), f"{count}"
+            a = x.t().contiguous() if a_transposed else x
+            out = cpu.gemm_seq(a, w, None, torch.float32, a_transposed=a_transposed)
+            assert torch.equal(out, torch.from_numpy(expected)), f"{count} threads"
             for dtype in (torch.float32, torch.bfloat16):
                 a, b = x.to(dtype), w.to(dtype)
                 many = cpu.gemm_seq(a, b, None, torch.float32)
-                alone = torch.cat([cpu.gemm_seq(a[i:i + 5], b, None, torch.float32) for i in range(0, 40, 5)])
+                alone = torch.cat([cpu.gemm_seq(a[i:i + slice_rows], b, None, torch.float32)
+                                   for i in range(0, x.shape[0], slice_rows)])
                 assert torch.equal(many, alone), f"{dtype}, {count} threads"
     finally:
         torch.set_num_threads(threads)
@@ -172,25 +183,8 @@ def test_a_long_sum_over_a_ranks_rows_is_the_sequential_sum_and_each_rows_own(ro
     rows go in tiles of 8 where 12-row tiles would compute rows in vain (8, 16, 20, 32) and of 12 where not (36):
     each element is still the sequential sum across a chunk of k (700 terms), with the bits a few rows alone get, on 1,
     2 or 3 threads, for float32 and for bfloat16 inputs."""
-    k = 700
-    x, w = _bf16_valued(rows, k, seed=rows, spread=1.0), _bf16_valued(k, 70, seed=rows + 1, spread=1.0)
-    xs, ws = x.numpy(), w.numpy()
-    expected = np.zeros((rows, 70), dtype=np.float32)
-    for i in range(k):
-        expected = expected + (xs[:, i, None] * ws[None, i, :]).astype(np.float32)
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            out = cpu.gemm_seq(x.t().contiguous(), w, None, torch.float32, a_transposed=True)
-            assert torch.equal(out, torch.from_numpy(expected)), f"{count} threads"
-            for dtype in (torch.float32, torch.bfloat16):
-                a, b = x.to(dtype), w.to(dtype)
-                many = cpu.gemm_seq(a, b, None, torch.float32)
-                alone = torch.cat([cpu.gemm_seq(a[i:i + 4], b, None, torch.float32) for i in range(0, rows, 4)])
-                assert torch.equal(many, alone), f"{dtype}, {count} threads"
-    finally:
-        torch.set_num_threads(threads)
+    x, w = _bf16_valued(rows, 700, seed=rows, spread=1.0), _bf16_valued(700, 70, seed=rows + 1, spread=1.0)
+    _assert_sequential_and_each_rows_own(x, w, slice_rows=4, a_transposed=True)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 9, 12, 16, 17, 36, 63])
