@@ -222,7 +222,8 @@ class VllmSamplers:
 
     def close(self) -> None:
         """Unload adapters, stop managed servers, delete the scratch folder; a server that died or failed to
-        start leaves its log there for a post-mortem (its path is in the error)."""
+        start leaves its log there for a post-mortem (its path is in the error). Engines of a server reached by
+        URL write nothing there: their empty scratch folder goes too."""
         engines, self._engines = list(self._engines.values()), {}
         died = False
         for engine in engines:
@@ -230,5 +231,8 @@ class VllmSamplers:
             if isinstance(engine.server, ManagedServer):
                 died |= engine.server.died()
                 engine.server.stop()
-        if self._scratch is not None and not died and len(list(self._scratch.iterdir())) == len(engines):
-            shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._scratch is not None and not died:
+            left = list(self._scratch.iterdir())
+            if not left or len(left) == len(engines):  # no failed start's log among them
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None

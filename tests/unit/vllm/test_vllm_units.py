@@ -362,3 +362,31 @@ def test_vllm_tier_skips_without_a_server_and_fails_when_required(tmp_path):
     assert failed.returncode != 0 and "RLRUNBOOK_REQUIRE_VLLM=1 but no vLLM server" in failed.stdout, (
         failed.stdout
     )
+
+
+def test_samplers_of_a_server_reached_by_url_leave_no_scratch_folder(monkeypatch, tmp_path):
+    """An engine of a server reached by URL writes nothing in the samplers' scratch folder; closing removes it (it
+    was left behind, empty, by every service that used such a server)."""
+    from rlrunbook.backend import vllm_sampling
+
+    class UrlEngine:
+        server = None
+
+        def close(self) -> None:
+            pass
+
+    scratches = []
+
+    def open_engine(host, settings, scratch, log, weight_updates=False):
+        scratches.append(scratch.parent)
+        return UrlEngine()
+
+    monkeypatch.setattr(vllm_sampling, "open_engine", open_engine)
+    monkeypatch.setattr(vllm_sampling, "adapter_rank", lambda host: None)
+    samplers = vllm_sampling.VllmSamplers(LocalSettings())
+    samplers.engine_for(pytypes.SimpleNamespace(model=torch.nn.Linear(2, 2), folder=str(tmp_path)))
+    (scratch,) = scratches
+    assert scratch.is_dir() and not any(scratch.iterdir())
+    samplers.close()
+    assert not scratch.exists()
+    samplers.close()  # twice: nothing left to remove
