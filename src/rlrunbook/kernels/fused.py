@@ -334,6 +334,15 @@ def decode_layers(h: torch.Tensor, x: torch.Tensor, layers: DecodeLayers, keys: 
             or any(b < a for a, b in pairwise(bounds))):
         raise ValueError(f"decode_layers: hidden {tuple(h.shape)} {h.dtype} for {count} layers of {layers.dtype}, "
                          f"cache of {keys[0].shape[0] if keys else 0} rows, window {window}, row bounds {bounds}")
+    first = keys[0]
+    if any(cache.dtype != h.dtype or cache.shape != first.shape or cache.stride() != first.stride()
+           for cache in (*keys, *values)) or first.stride(1) != layers.kv_heads * layers.head_dim:
+        raise ValueError(f"decode_layers: every layer's keys and values must be {h.dtype} caches shaped and strided "
+                         f"alike, [rows, capacity, {layers.kv_heads}, {layers.head_dim}] (the first: "
+                         f"{tuple(first.shape)} {first.dtype})")
+    if cos.dtype != h.dtype or sin.dtype != h.dtype or cos.shape != (m, layers.head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"decode_layers: cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} "
+                         f"for {m} rows of {h.dtype} with heads of {layers.head_dim}")
     widths = layers.group_widths
     if kept is not None:
         if len(kept) != 4 * count:

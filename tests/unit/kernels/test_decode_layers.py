@@ -129,6 +129,10 @@ def test_decode_layers_refuse_what_they_cannot_run_as_the_calls_would():
     h, cos = torch.zeros(rows, 24), torch.zeros(rows, 8)
     with pytest.raises(ValueError, match="row bounds"):
         fused.decode_layers(h, h.clone(), layers, keys, keys, *cache, cos, cos, None, (0, 1, 3))
+    with pytest.raises(ValueError, match="keys and values"):
+        fused.decode_layers(h, h.clone(), layers, keys, [k.bfloat16() for k in keys], *cache, cos, cos)
+    with pytest.raises(ValueError, match="cos"):
+        fused.decode_layers(h, h.clone(), layers, keys, keys, *cache, cos[:2], cos[:2])
     with pytest.raises(ValueError, match="kept products"):
         fused.decode_layers(h, h.clone(), layers, keys, keys, *cache, cos, cos, None, None, [None] * 7)
     with pytest.raises(ValueError, match="kept product 5"):
