@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlrunbook.engines.kept_products import group_key
+from rlrunbook.engines.kept_products import GroupKey, group_key
 from rlrunbook.engines.lora_groups import adapter_names, adapter_weights
 from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.kernels import fused
@@ -58,6 +58,8 @@ class FusedPass:
         self._groups: dict[tuple[int, ...], tuple[int, fused.LoraLinears | None]] = {}
         self._layer_sets: dict[tuple[int, ...], tuple[int, fused.DecodeLayers | None]] = {}
         self._model_fits: dict[torch.dtype, bool] = {}
+        # every layer's groups' keys, in the order the pass runs them, for the layers they were taken with
+        self._kept_keys: tuple[fused.DecodeLayers, list[GroupKey]] | None = None
 
     def applies(self, h_dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a pass on ``device`` with hidden states of ``h_dtype`` can run here now."""
@@ -123,9 +125,11 @@ class FusedPass:
         keeping = self.decoder.keeping
         if keeping is None:
             return None
+        if self._kept_keys is None or self._kept_keys[0] is not layers:  # once per preparation, not per step
+            self._kept_keys = (layers, [group_key(modules) for index in range(len(layers.plans))
+                                        for modules in self._layer_groups(index)])
         widths = layers.group_widths
-        return [keeping.buffer(group_key(modules), rows, widths[g], dtype)
-                for index in range(len(layers.plans)) for g, modules in enumerate(self._layer_groups(index))]
+        return [keeping.buffer(key, rows, widths[at % 4], dtype) for at, key in enumerate(self._kept_keys[1])]
 
     def linears(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
         """The projections' outputs side by side, ``[N, sum of out_features]``."""
@@ -176,13 +180,13 @@ class FusedPass:
             return all_layers(h, x, prepared, cos, sin, None if rows is None else rows.bounds,
                               self._kept_bases(prepared, h.shape[0], h.dtype))
         for index, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = self.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)
+            qkv_group, o_group, gate_up_group, down_group = self._layer_groups(index)
+            qkv = self.linears(qkv_group, x)
             fused.rotary_(qkv, decoder.num_heads + decoder.num_kv_heads, decoder.head_dim, cos, sin)
-            out = self.linears((attn.o_proj,), self._attend(index, qkv, layout, attn.scaling))
+            out = self.linears(o_group, self._attend(index, qkv, layout, layer.self_attn.scaling))
             norm = layer.post_attention_layernorm
             h, x = fused.add_rms_norm(h, out, norm.weight, norm.variance_epsilon)
-            act = fused.silu_mul(self.linears((mlp.gate_proj, mlp.up_proj), x))
+            act = fused.silu_mul(self.linears(gate_up_group, x))
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else body.norm
-            h, x = fused.add_rms_norm(h, self.linears((mlp.down_proj,), act), norm.weight, norm.variance_epsilon)
+            h, x = fused.add_rms_norm(h, self.linears(down_group, act), norm.weight, norm.variance_epsilon)
         return x

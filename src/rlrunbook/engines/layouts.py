@@ -205,20 +205,22 @@ class RowCache:
                       scale: float) -> torch.Tensor:
         """:meth:`attend` in one fused call (no gradient, CPU): ``qkv`` ``[rows, (H + 2 Hkv) D]`` holds each row's
         queries, key and value side by side; the same bits as :meth:`attend` with the ``fixed`` core."""
-        parts = self._parts
-        plan = None if parts is None else (parts.order, parts.starts, parts.reload)
         return fused.cached_attention(qkv, self.keys[layer], self.values[layer], self.lengths, self._positions,
-                                      self._valid_bytes, self.window, heads, kv_heads, head_dim, scale, plan)
+                                      self._valid_bytes, self.window, heads, kv_heads, head_dim, scale,
+                                      self._parts_plan())
 
     def decode_layers(self, h: torch.Tensor, x: torch.Tensor, layers: fused.DecodeLayers, cos: torch.Tensor,
                       sin: torch.Tensor, bounds: Sequence[int] | None,
                       kept: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
         """A decode step's every layer over this cache in one fused call (:func:`rlrunbook.kernels.fused.decode_layers`,
         no gradient, CPU): the bits of :meth:`attend_packed` and the other fused calls layer by layer."""
-        parts = self._parts
-        plan = None if parts is None else (parts.order, parts.starts, parts.reload)
         return fused.decode_layers(h, x, layers, self.keys, self.values, self.lengths, self._positions,
-                                   self._valid_bytes, self.window, cos, sin, plan, bounds, kept)
+                                   self._valid_bytes, self.window, cos, sin, self._parts_plan(), bounds, kept)
+
+    def _parts_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The shared-prefix plan as the fused kernels take it (``order``, ``starts``, ``reload``), or ``None``."""
+        parts = self._parts
+        return None if parts is None else (parts.order, parts.starts, parts.reload)
 
     def share_prefixes(self, sharing: Sharing) -> None:
         """Declare which rows hold copies of another row's leading entries (:mod:`rlrunbook.engines.prefix_sharing`):

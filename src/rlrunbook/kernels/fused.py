@@ -146,6 +146,16 @@ class LoraLinears:
                    (cols, a_ptrs, b_ptrs, ranks, scalings, code, seconds))
 
 
+def _slot_bounds(name: str, bounds: Sequence[int] | None, rows: int, slots: int) -> Sequence[int]:
+    """``bounds`` checked to cut ``rows`` rows into ``slots`` slots (``S + 1`` ints from 0 to ``rows``, not
+    decreasing); ``None`` stands for one slot of every row."""
+    bounds = (0, rows) if bounds is None and slots == 1 else bounds
+    if (bounds is None or len(bounds) != slots + 1 or bounds[0] != 0 or bounds[-1] != rows
+            or any(b < a for a, b in pairwise(bounds))):
+        raise ValueError(f"{name}: row bounds {bounds} do not cut {rows} rows into {slots} slots")
+    return bounds
+
+
 @_profiled
 def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | None = None,
                  base: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,10 +174,7 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
     m, k = x.shape
     n = group.weight.shape[0]
     count = len(group.slots)
-    bounds = (0, m) if bounds is None and count == 1 else bounds
-    if (bounds is None or len(bounds) != count + 1 or bounds[0] != 0 or bounds[-1] != m
-            or any(b < a for a, b in pairwise(bounds))):
-        raise ValueError(f"lora_linears: row bounds {bounds} do not cut {m} rows into {count} slots")
+    bounds = _slot_bounds("lora_linears", bounds, m, count)
     if base is not None and (base.shape != (m, n) or base.dtype != x.dtype or not base.is_contiguous()):
         raise ValueError(f"lora_linears: base {tuple(base.shape)} {base.dtype} is not a contiguous [{m}, {n}] "
                          f"{x.dtype} tensor")
@@ -326,14 +333,12 @@ def decode_layers(h: torch.Tensor, x: torch.Tensor, layers: DecodeLayers, keys: 
     m, e = h.shape
     count = len(layers.plans)
     t = _code(h, "decode_layers")
-    bounds = (0, m) if bounds is None and layers.slots == 1 else bounds
+    bounds = _slot_bounds("decode_layers", bounds, m, layers.slots)
     if (h.dtype != layers.dtype or x.dtype != h.dtype or x.shape != h.shape
             or not (h.is_contiguous() and x.is_contiguous())
-            or len(keys) != count or len(values) != count or keys[0].shape[0] != m or window > keys[0].shape[1]
-            or bounds is None or len(bounds) != layers.slots + 1 or bounds[0] != 0 or bounds[-1] != m
-            or any(b < a for a, b in pairwise(bounds))):
+            or len(keys) != count or len(values) != count or keys[0].shape[0] != m or window > keys[0].shape[1]):
         raise ValueError(f"decode_layers: hidden {tuple(h.shape)} {h.dtype} for {count} layers of {layers.dtype}, "
-                         f"cache of {keys[0].shape[0] if keys else 0} rows, window {window}, row bounds {bounds}")
+                         f"cache of {keys[0].shape[0] if keys else 0} rows, window {window}")
     first = keys[0]
     if any(cache.dtype != h.dtype or cache.shape != first.shape or cache.stride() != first.stride()
            for cache in (*keys, *values)) or first.stride(1) != layers.kv_heads * layers.head_dim:
