@@ -94,6 +94,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     return torch.cat(parts, dim=1)
 
 
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_index: torch.Tensor,
+                    query_positions: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor, scale: float,
+                    core: str = "fixed", recompute: bool | None = None) -> torch.Tensor:
+    """:func:`attend` over ``keys[key_index]`` and ``values[key_index]`` (``keys``, ``values``: ``[N, Hkv, D]``
+    flat; ``key_index``: ``[R, S]``), the same values and gradients. The ``fixed`` core keeps the flat tensors
+    for backward instead of the rows' gathered copies (:func:`rlrunbook.kernels.ops.gathered_attention`), which
+    overlap where rows share a prefix; the other cores gather, and chunk or recompute as :func:`attend` does."""
+    if core == "fixed":
+        rows, queries, heads, dim = q.shape
+        return fixed_ops.gathered_attention(q, keys, values, key_index, query_positions, key_positions, key_valid,
+                                            scale).reshape(rows, queries, heads * dim)
+    flat_index = key_index.reshape(-1)
+    k = keys.index_select(0, flat_index).view(*key_index.shape, *keys.shape[1:])
+    v = values.index_select(0, flat_index).view(*key_index.shape, *values.shape[1:])
+    return attend(q, k, v, query_positions, key_positions, key_valid, scale, core, recompute)
+
+
 def device_kind(device: torch.device) -> str:
     """``device``'s type, or for the meta device (a memory plan) the type it stands for (:func:`planning_for`)."""
     return _PLANNED_DEVICE.get() if device.type == "meta" else device.type

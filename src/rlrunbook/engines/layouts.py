@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlrunbook.engines.attention import attend, recompute_pays, score_elements
+from rlrunbook.engines.attention import attend, attend_gathered, recompute_pays, score_elements
 from rlrunbook.engines.prefix_sharing import DecodeParts, Sharing, decode_parts, kept_rows
 from rlrunbook.engines.row_batches import HEADS_PER_BATCH, group_rows
 from rlrunbook.kernels import fused
@@ -142,8 +142,8 @@ class TreeLayout:
 def _attend_batch(batch: _Batch, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                   core: str) -> torch.Tensor:
     """The outputs ``[n, H*D]`` of one batch's real queries, row-major."""
-    out = attend(take_rows(q, batch.query_index), take_rows(keys, batch.key_index), take_rows(values, batch.key_index),
-                 batch.query_positions, batch.key_positions, batch.key_valid, scale, core, recompute=False)
+    out = attend_gathered(take_rows(q, batch.query_index), keys, values, batch.key_index, batch.query_positions,
+                          batch.key_positions, batch.key_valid, scale, core, recompute=False)
     return take_rows(out.flatten(0, 1), batch.query_rows)
 
 

@@ -452,6 +452,56 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+class _GatheredAttention(torch.autograd.Function):
+    """:class:`_Attention` over keys and values gathered from flat ``[N, Hkv, D]`` tensors by ``key_index``
+    ``[R, S]``, keeping the flat tensors and the index for backward and gathering them again there.
+
+    Rows of a shared-prefix pass read overlapping keys (every row of one sequence reads the keys before its
+    queries), so their gathered copies add up to about ``T^2 / (2 x queries per row)`` keys for ``T`` tokens:
+    kept for backward they made a training pass's memory grow with the square of its tokens. The flat tensors are
+    kept by the layer anyway. The gradients are :class:`_Attention`'s, added into the flat tensors by
+    ``index_add_`` as ``index_select``'s backward adds them (the same calls: the same bits)."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, key_index, query_positions, key_positions, key_valid, scale):
+        flat_index = key_index.reshape(-1)
+        k = keys.index_select(0, flat_index).view(*key_index.shape, *keys.shape[1:])
+        v = values.index_select(0, flat_index).view(*key_index.shape, *values.shape[1:])
+        if _meta(q, k, v):
+            out = q.new_empty(q.shape)
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        else:
+            out, lse = _backend(q.device).attention_forward(q, k, v, query_positions, key_positions, key_valid, scale)
+        ctx.save_for_backward(q, keys, values, key_index, query_positions, key_positions, key_valid, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, keys, values, key_index, query_positions, key_positions, key_valid, out, lse = ctx.saved_tensors
+        if _meta(q, keys, values):
+            return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values), *(None,) * 5
+        flat_index = key_index.reshape(-1)
+        k = keys.index_select(0, flat_index).view(*key_index.shape, *keys.shape[1:])
+        v = values.index_select(0, flat_index).view(*key_index.shape, *values.shape[1:])
+        dq, dk, dv = _backend(q.device).attention_backward(q, k, v, query_positions, key_positions, key_valid, out,
+                                                            grad, lse, ctx.scale)
+        del k, v
+        dkeys = torch.zeros_like(keys).index_add_(0, flat_index, dk.reshape(-1, *keys.shape[1:]))
+        dvalues = torch.zeros_like(values).index_add_(0, flat_index, dv.reshape(-1, *values.shape[1:]))
+        return dq, dkeys, dvalues, *(None,) * 5
+
+
+def gathered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_index: torch.Tensor,
+                       query_positions: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """:func:`attention` of ``q`` ``[R, T, H, D]`` over the rows ``key_index`` ``[R, S]`` of ``keys`` and
+    ``values`` ``[N, Hkv, D]`` (``attention(q, keys[key_index], values[key_index], ...)``, the same values and
+    gradients), keeping for backward the flat tensors, not the gathered ``[R, S]`` copies: a pass's memory
+    stays linear in its tokens however many rows read a key."""
+    return _GatheredAttention.apply(q, keys, values, key_index, query_positions, key_positions, key_valid, scale)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
               key_positions: torch.Tensor, key_valid: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked softmax attention ``[R, T, H, D]`` (see :func:`rlrunbook.engines.attention.attend` for the layout);
