@@ -17,7 +17,7 @@ Memory: a token keeps each layer's base output columns (q, k, v, o, gate, up and
 grows linearly with the tokens it computes (prompt tokens once, then one token per row per decode step) and is
 bounded by ``budget`` bytes: past it, the call keeps nothing more, and the trainer computes what was not kept.
 Time: the products are written where the fused kernel adds the LoRA updates from (no extra pass), and the
-trainer's pass gathers its rows once per group.
+trainer's pass gathers its rows once per group, as the group's layer runs (:class:`KeptRows`).
 """
 
 from __future__ import annotations
@@ -200,15 +200,15 @@ class KeptProducts:
         return nodes
 
     def read(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
-             rows: int) -> tuple[dict[GroupKey, torch.Tensor] | None, KnownLogits | None]:
+             rows: int) -> tuple[KeptRows | None, KnownLogits | None]:
         """What was kept of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
         ``sequences[i]`` (its tokens looked up once): the base products, per group ``[rows, columns]`` in the pass's
-        row order (``None`` where a token of it was not kept: the pass then computes its products), and the logits
+        row order, gathered as each group is read (``None`` where a token of it was not kept: the pass then computes its products), and the logits
         after each row that has them (``None`` where none has)."""
         nodes = self._nodes(sequences, flat, rows)
         return self._products_at(nodes), self._logits_at(nodes)
 
-    def _products_at(self, nodes: list[int]) -> dict[GroupKey, torch.Tensor] | None:
+    def _products_at(self, nodes: list[int]) -> KeptRows | None:
         source = [self._where.get(node, -1) for node in nodes]
         if not self._blocks or min(source, default=-1) < 0:
             return None
@@ -217,13 +217,36 @@ class KeptProducts:
         for row in source:
             index = bisect_right(starts, row) - 1
             picks.append((index, row - starts[index]))
-        moves = _grouped(picks)
-        return {key: _taken([block.tensors.get(key) for block in self._blocks], moves, len(nodes))
-                for key in self._groups}
+        return KeptRows(list(self._blocks), _grouped(picks), len(nodes), tuple(self._groups))
 
     def _logits_at(self, nodes: list[int]) -> KnownLogits | None:
         source = [self._logit_rows.get(node) for node in nodes]
         return KnownLogits(self._logits, source) if any(s is not None for s in source) else None
+
+
+class KeptRows(Mapping):
+    """A pass's kept base products by group: ``[rows, columns]`` in the pass's row order, gathered from the blocks
+    when a group is read. The pass reads each group once, as its layer runs, so it holds one group's copy at a time
+    (for SmolLM2-135M at most 3,072 columns a token) instead of every group's (30 x 5,184). Read before the blocks
+    are written again (the next sampling call), as the trainer's pass does right after :meth:`KeptProducts.read`."""
+
+    def __init__(self, blocks: Sequence[_Block], moves: list[tuple[int, torch.Tensor, torch.Tensor]], rows: int,
+                 keys: Sequence[GroupKey]):
+        self._blocks = blocks
+        self._moves = moves
+        self._rows = rows
+        self._keys = keys
+
+    def __getitem__(self, key: GroupKey) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return _taken([block.tensors.get(key) for block in self._blocks], self._moves, self._rows)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _grouped(picks: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlrunbook.backend.lora import clone_adapter, wrap_with_lora
+from rlrunbook.backend.memory import LiveBytes
 from rlrunbook.engines.base import GenerationRequest, SampleJob
 from rlrunbook.engines.decoder import Decoder
 from rlrunbook.engines.filters import SamplingFilters
@@ -138,6 +139,28 @@ def test_rows_are_gathered_in_the_pass_order_by_token_prefix():
     assert gathered[key].tolist() == [[12.0, 13.0], [6.0, 7.0], [4.0, 5.0], [0.0, 1.0], [2.0, 3.0]]
     assert kept.read([[5, 6, 7, 10]], [[0, 1, 2, 3]], 4)[0] is None  # [.., 10] was never computed
     assert kept.read([[5, 7]], [[0, 1]], 2)[0] is None
+
+
+def test_a_read_gathers_each_group_when_it_is_read_not_every_group_at_once():
+    """A pass reads its layers' groups one after another: :meth:`KeptProducts.read` allocates nothing, and each
+    group's copy is made when read, so a pass that lets each go holds one group's rows at a time (all 40 groups
+    gathered at once held 40 x 300 rows x 64 columns; here the peak is one group's 77 KB)."""
+    kept = KeptProducts({}, "k", budget=1 << 30)
+    keys = [(layer, group) for layer in range(10) for group in range(4)]
+    kept.begin()
+    for key in keys:
+        kept.buffer(key, 300, 64, torch.float32).copy_(torch.full((300, 64), float(hash(key) % 97)))
+    kept.end()
+    kept.place(list(range(300)), {t: t for t in range(300)})
+    with LiveBytes() as live:
+        products = kept.read([list(range(300))], [list(range(299, -1, -1))], 300)[0]
+        assert live.peak == 0
+        for key in keys:
+            rows = products[key]
+            assert rows.shape == (300, 64) and rows[0, 0].item() == float(hash(key) % 97)
+            del rows
+    assert live.peak <= 300 * 64 * 4 + 4096, live.peak
+    assert set(products) == set(keys) and len(products) == len(keys) and products.get((99, 0)) is None
 
 
 def test_a_pass_with_other_groups_or_rows_is_not_kept():
