@@ -23,10 +23,12 @@ trainer's pass gathers its rows once per group, as the group's layer runs (:clas
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import dataclass
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
+from rlrunbook.kernels import cpu
 from rlrunbook.prefix_tree import TokenTrie
 
 GroupKey = tuple[int, ...]  # the ids of a projection group's modules (q/k/v, o, gate/up, down of one layer)
@@ -217,7 +219,7 @@ class KeptProducts:
         for row in source:
             index = bisect_right(starts, row) - 1
             picks.append((index, row - starts[index]))
-        return KeptRows(list(self._blocks), _grouped(picks), len(nodes), tuple(self._groups))
+        return KeptRows(list(self._blocks), _grouped(picks), tuple(self._groups))
 
     def _logits_at(self, nodes: list[int]) -> KnownLogits | None:
         source = [self._logit_rows.get(node) for node in nodes]
@@ -230,17 +232,15 @@ class KeptRows(Mapping):
     (for SmolLM2-135M at most 3,072 columns a token) instead of every group's (30 x 5,184). Read before the blocks
     are written again (the next sampling call), as the trainer's pass does right after :meth:`KeptProducts.read`."""
 
-    def __init__(self, blocks: Sequence[_Block], moves: list[tuple[int, torch.Tensor, torch.Tensor]], rows: int,
-                 keys: Sequence[GroupKey]):
+    def __init__(self, blocks: Sequence[_Block], picks: _Picks, keys: Sequence[GroupKey]):
         self._blocks = blocks
-        self._moves = moves
-        self._rows = rows
+        self._picks = picks
         self._keys = keys
 
     def __getitem__(self, key: GroupKey) -> torch.Tensor:
         if key not in self._keys:
             raise KeyError(key)
-        return _taken([block.tensors.get(key) for block in self._blocks], self._moves, self._rows)
+        return _taken([block.tensors.get(key) for block in self._blocks], self._picks)
 
     def __iter__(self):
         return iter(self._keys)
@@ -249,23 +249,39 @@ class KeptRows(Mapping):
         return len(self._keys)
 
 
-def _grouped(picks: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """``picks[i] = (tensor, row)`` grouped by tensor: ``(tensor, the positions i, their rows)``."""
+@dataclass(frozen=True)
+class _Picks:
+    """Rows to take, in order: row ``row_of[i]`` of tensor ``source_of[i]``, and the same picks grouped by tensor
+    (``moves``: the tensor, the positions ``i`` and their rows)."""
+
+    source_of: torch.Tensor
+    row_of: torch.Tensor
+    moves: list[tuple[int, torch.Tensor, torch.Tensor]]
+
+
+def _grouped(picks: Sequence[tuple[int, int]]) -> _Picks:
+    """``picks[i] = (tensor, row)`` as :class:`_Picks`."""
     groups: dict[int, tuple[list[int], list[int]]] = {}
     for at, (index, row) in enumerate(picks):
         targets, rows = groups.setdefault(index, ([], []))
         targets.append(at)
         rows.append(row)
-    return [(index, torch.tensor(targets), torch.tensor(rows)) for index, (targets, rows) in groups.items()]
+    moves = [(index, torch.tensor(targets), torch.tensor(rows)) for index, (targets, rows) in groups.items()]
+    return _Picks(torch.tensor([index for index, _ in picks], dtype=torch.long),
+                  torch.tensor([row for _, row in picks], dtype=torch.long), moves)
 
 
-def _taken(tensors: Sequence[torch.Tensor], moves: list[tuple[int, torch.Tensor, torch.Tensor]],
-           count: int) -> torch.Tensor:
-    """The rows :func:`_grouped` named, ``[count, columns]`` in the order of the picks (a new tensor)."""
-    if len(moves) == 1:  # every pick from one tensor, in order: one selection
+def _taken(tensors: Sequence[torch.Tensor | None], picks: _Picks) -> torch.Tensor:
+    """The rows ``picks`` names, ``[count, columns]`` in the order of the picks (a new tensor): one selection where
+    every pick is from one tensor, else one pass gathering rows from each (:func:`rlrunbook.kernels.cpu.gather_rows`;
+    off the CPU a selection per tensor)."""
+    moves = picks.moves
+    if len(moves) == 1:
         return tensors[moves[0][0]].index_select(0, moves[0][2])
     first = tensors[moves[0][0]]
-    out = first.new_empty(count, first.shape[1])
+    if first.device.type == "cpu" and first.stride(-1) == 1:
+        return cpu.gather_rows(tensors, picks.source_of, picks.row_of)
+    out = first.new_empty(picks.source_of.numel(), first.shape[1])
     for index, targets, rows in moves:
         out[targets] = tensors[index].index_select(0, rows)
     return out
@@ -284,4 +300,4 @@ class KnownLogits:
         picks = [self._source[row] for row in rows.tolist()]
         if not picks or any(pick is None for pick in picks):
             return None
-        return _taken(self._logits, _grouped(picks), len(picks))
+        return _taken(self._logits, _grouped(picks))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -118,6 +119,32 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.float32)
     if x.shape[0]:
         load_library().row_logsumexp(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(out), _threads())
+    return out
+
+
+@_profiled
+def gather_rows(sources: Sequence[torch.Tensor | None], source_of: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """``[M, N]``: row ``m`` is row ``row_of[m]`` of ``sources[source_of[m]]`` (``[M]`` int64 each), copied in one pass
+    (c/rows.c ``gather_rows``): rows of several CPU tensors of one dtype and width, each row contiguous, where one
+    ``index_select`` and an ``index_put_`` per source would pass over the output once per source. ``None``: a source
+    no row reads. A new contiguous tensor; an index out of range is a ``ValueError``, never a read outside a tensor."""
+    used = [s for s in sources if s is not None]
+    if not used or any(s.device.type != "cpu" or s.dim() != 2 or s.stride(1) != 1 or s.dtype != used[0].dtype
+                       or s.shape[1] != used[0].shape[1] for s in used):
+        raise ValueError("gather_rows: CPU matrices of one dtype and width with contiguous rows are needed, got "
+                         f"{[None if s is None else (tuple(s.shape), s.stride(), s.dtype, str(s.device)) for s in sources]}")
+    width, itemsize = used[0].shape[1], used[0].element_size()
+    lengths = torch.tensor([0 if s is None else s.shape[0] for s in sources], dtype=torch.long)
+    source_of, row_of = source_of.to(torch.long), row_of.to(torch.long)
+    if source_of.numel() and (bool((source_of < 0).any()) or int(source_of.max()) >= len(sources)
+                              or bool((row_of < 0).any()) or bool((row_of >= lengths[source_of]).any())):
+        raise ValueError(f"gather_rows: a row outside its source (sources of {lengths.tolist()} rows)")
+    bases = torch.tensor([0 if s is None else s.data_ptr() for s in sources], dtype=torch.long)
+    strides = torch.tensor([0 if s is None else s.stride(0) * itemsize for s in sources], dtype=torch.long)
+    addresses = (bases[source_of] + row_of * strides[source_of]).contiguous()
+    out = torch.empty(source_of.numel(), width, dtype=used[0].dtype)
+    if out.numel():
+        load_library().gather_rows(_ptr(addresses), width * itemsize, _ptr(out), out.shape[0], _threads())
     return out
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlrunbook.backend.lora import clone_adapter, wrap_with_lora
@@ -20,6 +22,7 @@ from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.hf import HFSamplingEngine
 from rlrunbook.engines.kept_products import KeptProducts
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
+from rlrunbook.kernels import cpu
 
 VOCAB = 320
 STOPS = tuple((token,) for token in range(3, 60))  # about one draw in six stops: rows stop inside decode blocks
@@ -161,6 +164,44 @@ def test_a_read_gathers_each_group_when_it_is_read_not_every_group_at_once():
             del rows
     assert live.peak <= 300 * 64 * 4 + 4096, live.peak
     assert set(products) == set(keys) and len(products) == len(keys) and products.get((99, 0)) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 7), min_size=1, max_size=5), width=st.integers(1, 40), count=st.integers(0, 30),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), threads=st.integers(1, 3), seed=st.integers(0, 999))
+def test_gather_rows_copies_each_picked_row_of_its_own_source(lengths, width, count, dtype, threads, seed):
+    """Rows of several tensors (one of them a column slice, so its rows are longer than its width) in any order,
+    repeats included: row for row what indexing each source gives."""
+    generator = torch.Generator().manual_seed(seed)
+    sources = [torch.randn(n, width + 3, generator=generator).to(dtype)[:, 1:width + 1] if i == 0 else
+               torch.randn(n, width, generator=generator).to(dtype) for i, n in enumerate(lengths)]
+    filled = [i for i, n in enumerate(lengths) if n]
+    if not filled:
+        count = 0
+    picks = [(filled[j % len(filled)], 0) for j in range(count)]
+    picks = [(i, int(torch.randint(0, lengths[i], (1,), generator=generator))) for i, _ in picks]
+    source_of = torch.tensor([i for i, _ in picks], dtype=torch.long)
+    row_of = torch.tensor([r for _, r in picks], dtype=torch.long)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu.gather_rows(sources, source_of, row_of)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.shape == (count, width) and out.dtype == dtype and out.is_contiguous()
+    for m, (i, r) in enumerate(picks):
+        assert torch.equal(out[m], sources[i][r])
+
+
+def test_gather_rows_refuses_a_row_outside_its_source():
+    sources = [torch.zeros(3, 4), None, torch.ones(2, 4)]
+    rows = cpu.gather_rows(sources, torch.tensor([2, 0]), torch.tensor([1, 2]))
+    assert rows.tolist() == [[1.0] * 4, [0.0] * 4]
+    for source_of, row_of in (([2], [2]), ([0], [-1]), ([1], [0]), ([3], [0])):
+        with pytest.raises(ValueError, match="outside its source"):
+            cpu.gather_rows(sources, torch.tensor(source_of), torch.tensor(row_of))
+    with pytest.raises(ValueError, match="one dtype and width"):
+        cpu.gather_rows([torch.zeros(2, 4), torch.zeros(2, 5)], torch.tensor([0]), torch.tensor([0]))
 
 
 def test_a_pass_with_other_groups_or_rows_is_not_kept():

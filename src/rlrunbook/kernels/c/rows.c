@@ -90,3 +90,13 @@ void rope_table(const int64_t *positions, int64_t P, const float *inv_freq, int6
       sin_out[p * F + i] = (float)sin((double)angle);
     }
 }
+
+/* -- gathering rows ------------------------------------------------------------------------------------ */
+
+/* Row m of out (row_bytes bytes, rows packed) is a copy of the row_bytes bytes at address rows[m]: rows of several
+ * tensors gathered in one pass (a copy: no arithmetic, any storage type). */
+void gather_rows(const int64_t *rows, int64_t row_bytes, void *out, int64_t M, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(M / 16 + 1, nthreads))
+  for (int64_t m = 0; m < M; m++)
+    memcpy((char *)out + m * row_bytes, (const void *)(intptr_t)rows[m], (size_t)row_bytes);
+}
