@@ -137,6 +137,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "row_sumsq": (None, [p, i, i64, i64, i64, p, i]),
         "row_logsumexp": (None, [p, i64, i64, i64, p, i]),
         "gather_rows": (None, [p, i64, p, i64, i]),
+        "log_softmax_at_grad": (None, [p, i64, p, p, p, p, i64, i64, i]),
         "exp_f32": (None, [p, p, i64, i]),
         "sigmoid_f32": (None, [p, p, i64, i]),
         "rope_table": (None, [p, i64, p, i64, p, p]),

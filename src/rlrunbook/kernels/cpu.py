@@ -123,6 +123,29 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 
 @_profiled
+def log_softmax_at_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+                        grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``log_softmax(logits)[m, targets[m]]`` (``[M, V]`` float32 logits, ``[M]`` float32 ``lse``,
+    their rows' log-sum-exps) for the logprobs' gradient ``grad`` ``[M]``: ``[M, V]`` float32 with the bits of
+    ``ops.log_softmax_at``'s autograd chain, in one pass (c/fused.c ``log_softmax_at_grad``); a new contiguous
+    tensor. A target outside ``[0, V)`` is a ``ValueError``."""
+    logits = _rows(logits)
+    m, v = logits.shape
+    if logits.dtype != torch.float32 or lse.shape != (m,) or targets.shape != (m,) or grad.shape != (m,):
+        raise ValueError(f"log_softmax_at_grad: logits {tuple(logits.shape)} {logits.dtype}, lse {tuple(lse.shape)}, "
+                         f"targets {tuple(targets.shape)}, grad {tuple(grad.shape)}")
+    targets = targets.to(torch.long).contiguous()
+    if m and (bool((targets < 0).any()) or bool((targets >= v).any())):
+        raise ValueError(f"log_softmax_at_grad: a target outside the {v} columns")
+    lse, grad = lse.float().contiguous(), grad.float().contiguous()
+    out = torch.empty(m, v, dtype=torch.float32)
+    if out.numel():
+        load_library().log_softmax_at_grad(_ptr(logits), logits.stride(0), _ptr(lse), _ptr(targets), _ptr(grad),
+                                           _ptr(out), m, v, _threads())
+    return out
+
+
+@_profiled
 def gather_rows(sources: Sequence[torch.Tensor | None], source_of: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     """``[M, N]``: row ``m`` is row ``row_of[m]`` of ``sources[source_of[m]]`` (``[M]`` int64 each), copied in one pass
     (c/rows.c ``gather_rows``): rows of several CPU tensors of one dtype and width, each row contiguous, where one

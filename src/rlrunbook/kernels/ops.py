@@ -183,8 +183,32 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     return _RowLogSumExp.apply(flat).view(x.shape[:-1])
 
 
+class _LogSoftmaxAt(torch.autograd.Function):
+    """``log_softmax(logits)[m, targets[m]]`` of CPU ``[M, V]`` float32 logits: the composed chain's values
+    (the picked logit less :func:`row_logsumexp`), its gradient in one pass (``cpu.log_softmax_at_grad``: the same
+    bits as the chain's backward, which made five ``[M, V]`` tensors)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        from rlrunbook.kernels import cpu
+
+        lse = cpu.row_logsumexp(logits)
+        ctx.save_for_backward(logits, targets, lse)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        from rlrunbook.kernels import cpu
+
+        logits, targets, lse = ctx.saved_tensors
+        return cpu.log_softmax_at_grad(logits, lse, targets, grad), None
+
+
 def log_softmax_at(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits, -1)`` at ``targets`` (``[...]`` indices of ``[..., V]`` float32 logits)."""
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32
+            and torch.is_grad_enabled() and logits.requires_grad):
+        return _LogSoftmaxAt.apply(logits, targets)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - row_logsumexp(logits)
 

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlrunbook.kernels import build, cpu, ops
 
@@ -594,3 +596,44 @@ def test_a_trained_output_layer_is_refused_by_the_frozen_path():
     weight = torch.randn(10, 4, requires_grad=True)
     with pytest.raises(ValueError, match="trained"):
         ops.frozen_head_logprobs(torch.randn(2, 4), weight, torch.tensor([1, 2]))
+
+
+def _chained_log_softmax_at(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The composed chain ``ops.log_softmax_at`` differentiated before its backward was one kernel."""
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - ops.row_logsumexp(logits)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 9), vocab=st.integers(1, 70), spread=st.sampled_from([0.1, 3.0, 30.0]),
+       masked=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 10_000))
+def test_the_logprobs_gradient_in_one_pass_has_the_chains_bits(rows, vocab, spread, masked, threads, seed):
+    """``ops.log_softmax_at``'s gradient (one pass, cpu.log_softmax_at_grad) against the composed chain's autograd:
+    any vocabulary width (a tail of fewer than 16 columns), flat and peaked rows, logits of -inf (a filtered token),
+    gradients of either sign and 0, 1-3 threads: equal bit for bit, and so are the logprobs."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=generator) * spread
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    if masked and vocab > 1:
+        off = torch.rand(rows, vocab, generator=generator) < 0.3
+        off[torch.arange(rows), targets] = False
+        logits = logits.masked_fill(off, float("-inf"))
+    grad = torch.randn(rows, generator=generator)
+    grad[0] = 0.0
+    mine_in, chain_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        mine = ops.log_softmax_at(mine_in, targets)
+        (mine_grad,) = torch.autograd.grad(mine, mine_in, grad)
+        chain = _chained_log_softmax_at(chain_in, targets)
+        (chain_grad,) = torch.autograd.grad(chain, chain_in, grad)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(mine, chain)
+    assert torch.equal(mine_grad.view(torch.int32), chain_grad.view(torch.int32)), (mine_grad - chain_grad).abs().max()
+
+
+def test_the_logprobs_gradient_refuses_a_target_outside_the_vocabulary():
+    logits = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="outside the 5 columns"):
+        cpu.log_softmax_at_grad(logits, torch.zeros(2), torch.tensor([0, 5]), torch.ones(2))

@@ -59,6 +59,28 @@ void exp_f32(const float *x, float *y, int64_t n, int nthreads) {
   }
 }
 
+/* The gradient of log_softmax(X)[m, t[m]] for the logprobs' gradient g (X [M, V] float32 with row stride ldx, lse its
+ * rows' log-sum-exps, out [M, V] contiguous): out[m, v] = (v == t[m] ? g[m] : 0) + (-g[m]) * exp(X[m, v] - lse[m]),
+ * each step rounded where ops.log_softmax_at's autograd chain rounds it (row_logsumexp's backward: the difference,
+ * exp_f32's exp, compiled here with exp_f32's flags, the product by the negated gradient; then the gather's zeros
+ * and gradient added), in one pass over X and out instead of the chain's five [M, V] tensors. A product of -0 is
+ * stored as +0, the chain's 0 + -0. */
+void log_softmax_at_grad(const float *X, int64_t ldx, const float *lse, const int64_t *t, const float *g, float *out,
+                         int64_t M, int64_t V, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(M, nthreads))
+  for (int64_t m = 0; m < M; m++) {
+    const float *x = X + m * ldx;
+    float *o = out + m * V;
+    v16 ng = splat(-g[m]), l = splat(lse[m]);
+    for (int64_t v = 0; v < V; v += 16) {
+      int n = (int)(V - v < 16 ? V - v : 16);
+      v16 p = ng * fexp16(load16(x, v, F32, n) - l);
+      store16(o, v, select16(p == splat(0.0f), splat(0.0f), p), F32, n);
+    }
+    o[t[m]] = o[t[m]] + (0.0f + g[m]);
+  }
+}
+
 static inline v16 sigmoid16(v16 v) { return 1.0f / (1.0f + fexp16(-v)); }
 
 /* y = 1 / (1 + exp(-x)) */
