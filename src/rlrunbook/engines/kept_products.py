@@ -23,8 +23,8 @@ trainer's pass gathers its rows once per group, as the group's layer runs (:clas
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
