@@ -205,8 +205,8 @@ class KeptProducts:
              rows: int) -> tuple[KeptRows | None, KnownLogits | None]:
         """What was kept of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
         ``sequences[i]`` (its tokens looked up once): the base products, per group ``[rows, columns]`` in the pass's
-        row order, gathered as each group is read (``None`` where a token of it was not kept: the pass then computes its products), and the logits
-        after each row that has them (``None`` where none has)."""
+        row order, gathered as each group is read (``None`` where a token of it was not kept: the pass then computes
+        its products), and the logits after each row that has them (``None`` where none has)."""
         nodes = self._nodes(sequences, flat, rows)
         return self._products_at(nodes), self._logits_at(nodes)
 
