@@ -61,7 +61,7 @@ class SharedPrefixScoring:
         # The sampling engine whose ``kept`` products of its last calls (engines/kept_products.py) a training pass
         # over those tokens reads while the adapter still holds the weights they were computed with.
         self.kept_source = kept_source
-        self.kept_tokens = 0  # tokens of the last training pass whose base products were read, not computed
+        self.kept_tokens = 0  # tokens of the last training pass whose kept outputs were read, not computed
         self.recompute_layers = recompute_layers  # activation checkpointing per decoder layer
         # The KL reference: a model of its own (full-parameter training), else this model with its adapter disabled.
         self.reference = None if reference is None else SharedPrefixScorer(Decoder(reference, numerics))

@@ -102,8 +102,8 @@ class LocalSettings:
             1 | 0; default 1).
         prefix_cache_tokens: most tokens whose keys/values the engine keeps for reuse by later calls under
             the same weights, e.g. a debate's next round (``TINKER_LOCAL_PREFIX_CACHE_TOKENS``, 65536; 0 = off).
-        kept_products_mb: most megabytes of base products a CPU sampling call keeps for the trainer's pass over the
-            tokens it sampled, which then reads them instead of computing them while the weights are still the
+        kept_products_mb: most megabytes of projection outputs a CPU sampling call keeps for the trainer's pass over
+            the tokens it sampled, which then reads them instead of computing them while the weights are still the
             sampled ones (on-policy, before the next ``optim_step``): the same bits, about 40% less arithmetic
             in a LoRA ``forward_backward`` (``TINKER_LOCAL_KEPT_PRODUCTS_MB``, 4096; 0 = off). A token keeps
             every layer's base output columns and the logits it was drawn from (SmolLM2-135M: 622 + 197 KB in

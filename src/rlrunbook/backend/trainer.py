@@ -183,8 +183,8 @@ class Trainer:
                               "Qwen3, Mistral families), sharded first (backend.sharding.shard).")
         # The sampler's own forward (shared prefixes, logits only where needed) where it covers the model;
         # otherwise transformers' forward over padded datums.
-        # kept_source: the sampling engine, whose kept base products (engines/kept_products.py) are read where they
-        # apply, and dropped when the weights move.
+        # kept_source: the sampling engine, whose kept projection outputs (engines/kept_products.py) are read where
+        # they apply, and dropped when the weights move.
         self.scoring: ChunkScoring = (SharedPrefixScoring(model, numerics, recompute_layers, reference, kept_source)
                                       if unsupported_reason(model) is None else PaddedScoring(model, pad_token_id))
         self.micro_batch_tokens = micro_batch_tokens
@@ -324,7 +324,8 @@ class Trainer:
             # LOCAL EXTENSION: how the batch was split (see micro_batches), for the step's log row.
             "micro_batches:sum": float(len(batches)),
             "micro_batch_tokens:max": float(max(batch.tokens for batch in batches)),
-            # LOCAL EXTENSION: distinct tokens whose base products the sampler had kept (engines/kept_products.py).
+            # LOCAL EXTENSION: distinct tokens whose projection outputs the sampler had kept
+            # (engines/kept_products.py).
             "kept_product_tokens:sum": float(kept_tokens),
         })
         outputs = [{"logprobs": types.TensorData.from_torch(lp)} for lp in logprobs]

@@ -259,9 +259,9 @@ class Decoder:
         # Where set (a decode step of several samplers' rows), each row's LoRA factors come from its slot's pinned
         # copies instead (engines/pinned_adapter.py RowAdapters); passes that compute no gradient only.
         self.row_adapters: RowAdapters | None = None
-        # Where set (a sampling call of the CPU engine), passes through the fused kernels keep their base products
-        # in it; where known_products is set (the trainer's pass over tokens a sampling call kept), linears() reads
-        # a group's base product from it instead of computing it (engines/kept_products.py).
+        # Where set (a sampling call of the CPU engine), passes through the fused kernels keep their projections'
+        # outputs in it; where known_products is set (the trainer's pass over tokens a sampling call kept), linears()
+        # reads a group's outputs from it instead of computing them (engines/kept_products.py).
         self.keeping: KeptProducts | None = None
         self.known_products: Mapping[GroupKey, torch.Tensor] | None = None
         self._fused = FusedPass(self)
@@ -325,16 +325,22 @@ class Decoder:
         stacked weights (:mod:`rlrunbook.engines.stacked_projections`); float64 (``exact``) products and trained
         base weights go module by module. Inside :meth:`weights_fixed`, a float32 model on CPU computing
         no gradient adds the group's LoRA updates with stacked factors (:mod:`rlrunbook.engines.lora_groups`).
-        Where :attr:`known_products` holds the group's base product for these rows, it is read, not computed.
+        Where :attr:`known_products` holds the group's outputs for these rows and :meth:`reads_known_outputs` holds,
+        they are read, not computed: the pass then computes only each adapter's first product (which its backward
+        keeps), and the backward is the computing pass's.
         """
         plan = self._group_plan(modules)
         if plan is None:
             return [self.linear(m, x) for m in modules]
-        known = None if self.known_products is None else self.known_products.get(group_key(modules))
-        if known is not None and self.fixed and known.shape[0] == x.shape[0] and x.dtype == plan.weight.dtype:
-            base = fixed.linear_known(x, plan.weight, plan.bias, known)
-        else:
-            base = self._product(x, plan.weight, plan.bias)
+        known = (self.known_products.get(group_key(modules))
+                 if self.known_products is not None and self.reads_known_outputs(modules, x) else None)
+        if known is not None and known.shape[0] == x.shape[0]:
+            # the group's base product's backward (the value, which it never reads, is the outputs'); then each
+            # adapter's, its value the known output
+            outputs = fixed.linear_known(x, plan.weight, plan.bias, known).split(plan.sizes, dim=-1)
+            return [o if m is base else self._adapters_added(m, o, x, self.pinned, o)
+                    for m, base, o in zip(modules, plan.bases, outputs)]
+        base = self._product(x, plan.weight, plan.bias)
         outputs = base.split(plan.sizes, dim=-1)
         if plan.factors is not None and not torch.is_grad_enabled():
             add_group_updates(outputs, x, plan.factors)
@@ -417,8 +423,8 @@ class Decoder:
     def _adapters_added(self, module: torch.nn.Module, result: torch.Tensor, x: torch.Tensor,
                         pinned: PinnedAdapter | None, known: torch.Tensor | None = None) -> torch.Tensor:
         """``result`` with ``module``'s adapters added as peft adds them; ``known``: the sum's value, computed before
-        bit for bit, returned with the same backward (only where :meth:`reads_known_logits` holds: one adapter, added
-        by one kernel)."""
+        bit for bit, returned with the same backward (only where :meth:`reads_known_logits` or
+        :meth:`reads_known_outputs` holds: at most one adapter, added by one kernel)."""
         result_dtype = result.dtype
         for name in adapter_names(module, pinned):
             if name in getattr(module, "lora_variant", {}):
@@ -542,6 +548,28 @@ class Decoder:
             return self.linear(self.lm.lm_head, hidden, torch.float32).float()
         logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def reads_known_outputs(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> bool:
+        """Whether :meth:`linears` can read known outputs of the group ``modules`` over ``x``: fixed numerics, one
+        adapter source for every row, stacked base weights of ``x``'s dtype, and each projection adding at most one
+        plain LoRA adapter, by one kernel (whose backward the known value then takes; other projections compute)."""
+        if not self.fixed or self.numerics.float64_matmuls or self.row_adapters is not None:
+            return False
+        for module in modules:
+            base = getattr(module, "base_layer", module)
+            if base.weight.dtype != x.dtype:
+                return False
+            if base is module:
+                continue
+            names = adapter_names(module, self.pinned)
+            if not names:
+                continue
+            if len(names) > 1 or names[0] in getattr(module, "lora_variant", {}):
+                return False
+            a, b = adapter_weights(module, names[0], self.pinned)
+            if a.dtype != b.dtype or not lora_added_applies(x, b):
+                return False
+        return True
 
     def reads_known_logits(self, hidden: torch.Tensor) -> bool:
         """Whether :meth:`logits` can read known logits of ``hidden``: fixed numerics, one adapter source for every

@@ -117,9 +117,9 @@ class FusedPass:
 
         return decoder.per_call(self._layer_sets, (body,), build)
 
-    def _kept_bases(self, layers: fused.DecodeLayers, rows: int,
+    def _kept_outputs(self, layers: fused.DecodeLayers, rows: int,
                     dtype: torch.dtype) -> list[torch.Tensor | None] | None:
-        """Where a pass through :func:`~rlrunbook.kernels.fused.decode_layers` keeps each group's base product,
+        """Where a pass through :func:`~rlrunbook.kernels.fused.decode_layers` keeps each group's outputs,
         asked of the decoder's kept products group by group in the order :meth:`linears` would ask (``None``: not
         keeping)."""
         keeping = self.decoder.keeping
@@ -155,8 +155,8 @@ class FusedPass:
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, layout) -> torch.Tensor:
         """Final-norm hidden states ``[N, E]``, bitwise those of the decoder's chain (see ``Decoder.hidden``). Where
-        the decoder is :attr:`~rlrunbook.engines.decoder.Decoder.keeping` products, the pass's base products are kept
-        as one pass of it (:mod:`rlrunbook.engines.kept_products`)."""
+        the decoder is :attr:`~rlrunbook.engines.decoder.Decoder.keeping` products, the pass's projection outputs are
+        kept as one pass of it (:mod:`rlrunbook.engines.kept_products`)."""
         keeping = self.decoder.keeping
         if keeping is None:
             return self._hidden(ids, positions, layout)
@@ -178,7 +178,7 @@ class FusedPass:
         if prepared is not None and prepared.dtype == h.dtype:
             rows = decoder.row_adapters
             return all_layers(h, x, prepared, cos, sin, None if rows is None else rows.bounds,
-                              self._kept_bases(prepared, h.shape[0], h.dtype))
+                              self._kept_outputs(prepared, h.shape[0], h.dtype))
         for index, layer in enumerate(layers):
             qkv_group, o_group, gate_up_group, down_group = self._layer_groups(index)
             qkv = self.linears(qkv_group, x)

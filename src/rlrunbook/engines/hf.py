@@ -322,7 +322,7 @@ class HFSamplingEngine(InProcessEngine):
         self.kept = None
 
     def _keeping(self, sources: Sequence[_Source]) -> KeptProducts | None:
-        """Where this call keeps its base products (``None``: it keeps none): :attr:`kept`, continued where the
+        """Where this call keeps its projection outputs (``None``: it keeps none): :attr:`kept`, continued where the
         last call computed with the same snapshot (its key and tensors), else made anew (dropping the last). Only a
         call of one pinned snapshot on CPU, under the fixed numerics, with a budget (``kept_products_bytes``)."""
         weights = self._pinned_weights

@@ -1,23 +1,27 @@
-"""The base products a sampling call computed, kept for the trainer's pass over the same tokens.
+"""The projections' outputs a sampling call computed, kept for the trainer's pass over the same tokens.
 
 On-policy RL trains on the tokens it has just sampled, under the weights it sampled them with (until the next
 ``optim_step``). Under the default numerics a token's numbers depend only on its own tokens and the weights, so
 the trainer's forward over those tokens computes, bit for bit, what the sampler's prefill and decode steps
-computed. The bulk of that forward is the layers' products with the frozen base weights: 2 x the layers'
-weights in FLOPs per token, about 40% of a LoRA ``forward_backward``'s arithmetic. A sampling call of the CPU
-engine can keep them (:class:`KeptProducts`, written by the fused kernels next to the outputs they compute
-anyway); the trainer's pass then reads them instead of computing them (:meth:`KeptProducts.read`, checked
-against the live adapter first). Everything else of its forward (the LoRA factors, norms, rotation, attention,
-the output layer's second product) and its whole backward is computed as before: the same values and gradients,
-bit for bit. The output layer's logits the sampler computed to draw each token are kept too (by reference: the
-engine does not change them), for the trainer's logprob of that token (:class:`KnownLogits`).
+computed. The bulk of that forward is the layers' projections: the products with the frozen base weights (2 x the
+layers' weights in FLOPs per token, about 40% of a LoRA ``forward_backward``'s arithmetic) and the adapters'
+updates added to them. A sampling call of the CPU engine can keep each projection group's outputs
+(:class:`KeptProducts`, written by the fused kernels where they store them anyway); the trainer's pass then reads
+them instead of computing them (:meth:`KeptProducts.read`, checked against the live adapter first), computing
+only each adapter's first product, which its backward keeps (``Decoder.reads_known_outputs`` says where: a
+projection whose adapter is added by another path than the one-kernel addition, such as a rank over
+``SMALL_K``, computes its group again). Everything else of its forward (norms, rotation, attention, the output
+layer's second product) and its whole backward is computed as before: the same values and gradients, bit for bit.
+The output layer's logits the sampler computed to draw each token are kept too (by reference: the engine does not
+change them), for the trainer's logprob of that token (:class:`KnownLogits`).
 
-Memory: a token keeps each layer's base output columns (q, k, v, o, gate, up and down: for SmolLM2-135M 30 x
-5,184 values, 622 KB in float32) and, where a token was drawn after it, its float32 logits (197 KB). A call's share
+Memory: a token keeps each layer's output columns (q, k, v, o, gate, up and down: for SmolLM2-135M 30 x 5,184
+values, 622 KB in float32) and, where a token was drawn after it, its float32 logits (197 KB). A call's share
 grows linearly with the tokens it computes (prompt tokens once, then one token per row per decode step) and is
 bounded by ``budget`` bytes: past it, the call keeps nothing more, and the trainer computes what was not kept.
-Time: the products are written where the fused kernel adds the LoRA updates from (no extra pass), and the
-trainer's pass gathers its rows once per group, as the group's layer runs (:class:`KeptRows`).
+Time: the outputs are written a second time where the fused kernel stores them (no extra pass), and the
+trainer's pass gathers its rows once per group, as the group's layer runs (:class:`KeptRows`); reading the outputs
+rather than the base products, it allocates no ``[tokens, columns]`` tensor for the adapters' sums.
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ class KeptProducts:
                    for key, (columns, dtype) in self._groups.items())
 
     def buffer(self, key: GroupKey, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Where the open pass keeps the base product of group ``key`` (``None``: the pass is not kept)."""
+        """Where the open pass keeps the outputs of group ``key`` (``None``: the pass is not kept)."""
         if self._open is None:
             return None
         first_group = not self._open
@@ -204,7 +208,7 @@ class KeptProducts:
     def read(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
              rows: int) -> tuple[KeptRows | None, KnownLogits | None]:
         """What was kept of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
-        ``sequences[i]`` (its tokens looked up once): the base products, per group ``[rows, columns]`` in the pass's
+        ``sequences[i]`` (its tokens looked up once): the kept outputs, per group ``[rows, columns]`` in the pass's
         row order, gathered as each group is read (``None`` where a token of it was not kept: the pass then computes
         its products), and the logits after each row that has them (``None`` where none has)."""
         nodes = self._nodes(sequences, flat, rows)
@@ -227,7 +231,7 @@ class KeptProducts:
 
 
 class KeptRows(Mapping):
-    """A pass's kept base products by group: ``[rows, columns]`` in the pass's row order, gathered from the blocks
+    """A pass's kept outputs by group: ``[rows, columns]`` in the pass's row order, gathered from the blocks
     when a group is read. The pass reads each group once, as its layer runs, so it holds one group's copy at a time
     (for SmolLM2-135M at most 3,072 columns a token) instead of every group's (30 x 5,184). Read before the blocks
     are written again (the next sampling call), as the trainer's pass does right after :meth:`KeptProducts.read`."""

@@ -62,7 +62,7 @@ class SharedPrefixScorer:
 
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
-        self.kept_tokens = 0  # tokens of the last run whose base products were read, not computed
+        self.kept_tokens = 0  # tokens of the last run whose kept outputs were read, not computed
 
     def run(self, sequences: Sequence[Sequence[int]], recompute_layers: bool = False,
             kept: KeptProducts | None = None) -> SharedPass:

@@ -158,7 +158,7 @@ def _slot_bounds(name: str, bounds: Sequence[int] | None, rows: int, slots: int)
 
 @_profiled
 def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | None = None,
-                 base: torch.Tensor | None = None) -> torch.Tensor:
+                 kept: torch.Tensor | None = None) -> torch.Tensor:
     """The group's outputs side by side (``[M, N]``, ``x``'s dtype): the base product over the stacked weights,
     then each adapter's update added in peft's order (see ``c/fused.c``).
 
@@ -166,8 +166,8 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
     ``bounds[s]`` to ``bounds[s + 1]`` get slot ``s``'s adapters, with the bits a one-slot group of those adapters
     gives them. ``None``: a one-slot group's adapters for every row.
 
-    ``base`` (a contiguous ``[M, N]`` tensor of ``x``'s dtype): also receives the base product alone, before the
-    updates (what the trainer's pass computes first; :mod:`rlrunbook.engines.kept_products`)."""
+    ``kept`` (a contiguous ``[M, N]`` tensor of ``x``'s dtype): also receives the outputs (what the trainer's pass
+    over these tokens computes; :mod:`rlrunbook.engines.kept_products`), written where they are stored."""
     x = _contiguous_rows(x)
     if x.dtype != group.weight.dtype:
         raise TypeError(f"lora_linears: input {x.dtype}, weights {group.weight.dtype}")
@@ -175,8 +175,8 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
     n = group.weight.shape[0]
     count = len(group.slots)
     bounds = _slot_bounds("lora_linears", bounds, m, count)
-    if base is not None and (base.shape != (m, n) or base.dtype != x.dtype or not base.is_contiguous()):
-        raise ValueError(f"lora_linears: base {tuple(base.shape)} {base.dtype} is not a contiguous [{m}, {n}] "
+    if kept is not None and (kept.shape != (m, n) or kept.dtype != x.dtype or not kept.is_contiguous()):
+        raise ValueError(f"lora_linears: kept {tuple(kept.shape)} {kept.dtype} is not a contiguous [{m}, {n}] "
                          f"{x.dtype} tensor")
     out = torch.empty(m, n, dtype=x.dtype)
     if m and n:
@@ -185,7 +185,7 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
         _check(load_library().lora_linears(
             _ptr(x), t, x.stride(0), m, k, _ptr(group.weight), group.weight.stride(0), _ptr(group.bias), n,
             _ptr(out), t, n, len(group.sizes), cols, a_ptrs, b_ptrs, ranks, scalings,
-            adapter_code, count, (ctypes.c_int64 * (count + 1))(*bounds), _ptr(base), _threads()), "lora_linears")
+            adapter_code, count, (ctypes.c_int64 * (count + 1))(*bounds), _ptr(kept), _threads()), "lora_linears")
     return out
 
 
@@ -309,7 +309,7 @@ class DecodeLayers:
 
     @property
     def group_widths(self) -> tuple[int, int, int, int]:
-        """Each layer's groups' output widths, in the order the groups run (and their base products are kept)."""
+        """Each layer's groups' output widths, in the order the groups run (and their outputs are kept)."""
         plan = self.plans[0]
         return tuple(group.weight.shape[0] for group in (plan.qkv, plan.o, plan.gate_up, plan.down))
 
@@ -329,7 +329,7 @@ def decode_layers(h: torch.Tensor, x: torch.Tensor, layers: DecodeLayers, keys: 
     changed in place to the final norm's output, which is returned. ``keys[l]``, ``values[l]`` and the cache
     arguments (``lengths`` to ``window``, ``parts``): layer ``l``'s :func:`cached_attention`'s. ``cos``, ``sin``
     ``[M, D]``; ``bounds``: :func:`lora_linears`'s. ``kept`` (4 per layer, in the order the groups run, ``None``
-    where not kept): :func:`lora_linears`' ``base`` of each group."""
+    where not kept): :func:`lora_linears`' ``kept`` of each group."""
     m, e = h.shape
     count = len(layers.plans)
     t = _code(h, "decode_layers")
@@ -352,10 +352,10 @@ def decode_layers(h: torch.Tensor, x: torch.Tensor, layers: DecodeLayers, keys: 
     if kept is not None:
         if len(kept) != 4 * count:
             raise ValueError(f"decode_layers: {len(kept)} kept products for {count} layers of 4 groups")
-        for index, base in enumerate(kept):
-            if base is not None and (base.shape != (m, widths[index % 4]) or base.dtype != h.dtype
-                                     or not base.is_contiguous()):
-                raise ValueError(f"decode_layers: kept product {index} is {tuple(base.shape)} {base.dtype}")
+        for index, out in enumerate(kept):
+            if out is not None and (out.shape != (m, widths[index % 4]) or out.dtype != h.dtype
+                                    or not out.is_contiguous()):
+                raise ValueError(f"decode_layers: kept product {index} is {tuple(out.shape)} {out.dtype}")
     if m == 0:
         return x
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -365,7 +365,7 @@ def decode_layers(h: torch.Tensor, x: torch.Tensor, layers: DecodeLayers, keys: 
         order, starts, reload = parts
         part_count = starts.numel() - 1
     pointers = ctypes.c_void_p * count
-    kept_ptrs = None if kept is None else (ctypes.c_void_p * len(kept))(*[_ptr(base) for base in kept])
+    kept_ptrs = None if kept is None else (ctypes.c_void_p * len(kept))(*[_ptr(out) for out in kept])
     _check(load_library().decode_layers(
         _ptr(h), _ptr(x), m, e, t, count, layers._structs, pointers(*[k.data_ptr() for k in keys]),
         pointers(*[v.data_ptr() for v in values]), keys[0].stride(0), _ptr(lengths), _ptr(key_positions),

@@ -1,4 +1,4 @@
-"""Kept base products (engines/kept_products.py): a sampling call keeps the layers' base products of every token it
+"""Kept products (engines/kept_products.py): a sampling call keeps the layers' projection outputs of every token it
 computes, and the trainer's pass over those tokens reads them instead of computing them, with the same values and
 gradients, bit for bit.
 
@@ -28,12 +28,12 @@ VOCAB = 320
 STOPS = tuple((token,) for token in range(3, 60))  # about one draw in six stops: rows stop inside decode blocks
 
 
-def _model(hidden: int, dtype: torch.dtype, train_unembed: bool = True) -> torch.nn.Module:
+def _model(hidden: int, dtype: torch.dtype, train_unembed: bool = True, rank: int = 8) -> torch.nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256, hidden_size=hidden,
                          intermediate_size=hidden + hidden // 2, num_attention_heads=4, num_key_value_heads=2,
                          tie_word_embeddings=False)
-    model = wrap_with_lora(LlamaForCausalLM(config).to(dtype).eval(), rank=8, alpha=24, seed=0,
+    model = wrap_with_lora(LlamaForCausalLM(config).to(dtype).eval(), rank=rank, alpha=3 * rank, seed=0,
                            train_unembed=train_unembed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -109,6 +109,34 @@ def test_a_call_past_its_budget_keeps_what_fit_and_the_pass_computes():
     assert _training_pass(model, sequences, kept)[2] == 0
     prompt_only = [sequences[0][:3]]  # the first prompt was prefilled, within the budget
     assert _training_pass(model, prompt_only, kept)[2] == 3
+
+
+def test_the_pass_adds_no_update_where_it_reads_the_kept_outputs(monkeypatch):
+    """The kept values are the projections' outputs, adapters' updates included: a pass that reads them computes
+    each adapter's first product (its backward keeps it) and no addition (2 layers x 7 projections otherwise)."""
+    model = _model(64, torch.float32)
+    engine, sequences = _sampled(model)
+    calls = []
+    real = cpu.lora_added
+    monkeypatch.setattr(cpu, "lora_added", lambda *args: calls.append(args[0].shape) or real(*args))
+    assert _training_pass(model, sequences, engine.kept)[2] > 0
+    assert calls == []
+    _training_pass(model, sequences, None)
+    assert len(calls) == 2 * 7
+
+
+def test_a_rank_over_small_k_computes_its_projections_with_the_same_bits():
+    """A rank the one-kernel addition does not take (over SMALL_K): the sampler keeps its outputs, and the trainer's
+    pass computes them (with the backward of its own chain), giving the bits of a pass that reads nothing."""
+    model = _model(64, torch.float32, rank=cpu.SMALL_K + 1)
+    engine, sequences = _sampled(model)
+    assert engine.kept is not None and engine.kept.nbytes > 0
+    kept_hidden, kept_grads, _ = _training_pass(model, sequences, engine.kept)
+    hidden_states, grads, _ = _training_pass(model, sequences, None)
+    assert torch.equal(kept_hidden, hidden_states)
+    assert kept_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(kept_grads[name], grad), name
 
 
 def test_only_a_snapshot_equal_to_the_live_adapter_matches():

@@ -1,5 +1,5 @@
 """fused.decode_layers: a decode step's layers in one call give the bits of the fused calls made one by one (as the
-fused pass made them per layer), in the residual stream, the final norm's output, the caches and the kept base
+fused pass made them per layer), in the residual stream, the final norm's output, the caches and the kept
 products; with adapter slots, shared-prefix parts, q/k/v biases and groups without adapters."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _one_by_one(h, x, plans, keys, values, cache_args, cos, sin, parts, bounds, 
 def test_decode_layers_give_the_bits_of_the_calls_one_by_one(count, rows, kv_heads, per_kv, dim, hidden, inner, dtype,
                                                             two_slots, shared, bias, without, keep, threads, seed):
     """Everything the step writes is compared: the final norm's output, the residual stream, each layer's cache
-    (the new key and value at each row's length) and the kept base products (all, none, or every other group). A
+    (the new key and value at each row's length) and the kept outputs (all, none, or every other group). A
     shared-prefix plan is given over caches that do not hold the copies it claims, so that a step reading each
     row's own cache would not match."""
     generator = torch.Generator().manual_seed(seed)

@@ -89,9 +89,9 @@ def test_lora_linears_give_the_chain_bits(rows, width, sizes, rank, pair, with_b
     group = fused.LoraLinears.prepare(weight, bias, sizes, adapters)
     expected = _lora_chain(x, weight, bias, sizes, adapters)
     assert torch.equal(fused.lora_linears(x, group), expected)
-    base = torch.full((rows, sum(sizes)), float("nan"), dtype=dtype)  # the base product kept beside the outputs
-    assert torch.equal(fused.lora_linears(x, group, base=base), expected)
-    assert torch.equal(base, fixed.linear(x, weight, bias))
+    kept = torch.full((rows, sum(sizes)), float("nan"), dtype=dtype)  # the outputs kept for the trainer
+    assert torch.equal(fused.lora_linears(x, group, kept=kept), expected)
+    assert torch.equal(kept, expected)
 
 
 @settings(max_examples=30, deadline=None)
@@ -114,9 +114,9 @@ def test_lora_linears_of_several_slots_give_each_slot_its_own_adapters_bits(cuts
                  for i, size in enumerate(sizes)] for s in range(slots)]
     group = fused.LoraLinears.prepare(weight, None, sizes, *per_slot)
     mixed = fused.lora_linears(x, group, bounds)
-    base = torch.full((bounds[-1], sum(sizes)), float("nan"), dtype=dtype)
-    assert torch.equal(fused.lora_linears(x, group, bounds, base), mixed)
-    assert torch.equal(base, fixed.linear(x, weight))
+    kept = torch.full((bounds[-1], sum(sizes)), float("nan"), dtype=dtype)
+    assert torch.equal(fused.lora_linears(x, group, bounds, kept), mixed)
+    assert torch.equal(kept, mixed)
     for s in range(slots):
         rows = slice(bounds[s], bounds[s + 1])
         alone = fused.lora_linears(x[rows], fused.LoraLinears.prepare(weight, None, sizes, per_slot[s]))
@@ -124,12 +124,12 @@ def test_lora_linears_of_several_slots_give_each_slot_its_own_adapters_bits(cuts
         assert torch.equal(alone, _lora_chain(x[rows], weight, None, sizes, per_slot[s]))
 
 
-def test_lora_linears_refuse_a_base_buffer_of_another_shape_or_dtype():
+def test_lora_linears_refuse_a_kept_buffer_of_another_shape_or_dtype():
     x = _values(0, (3, 24), torch.float32)
     group = fused.LoraLinears.prepare(_values(1, (10, 24), torch.float32), None, [10], [None])
-    for base in (torch.empty(3, 9), torch.empty(3, 10, dtype=torch.bfloat16), torch.empty(10, 3).t()):
-        with pytest.raises(ValueError, match="base"):
-            fused.lora_linears(x, group, base=base)
+    for kept in (torch.empty(3, 9), torch.empty(3, 10, dtype=torch.bfloat16), torch.empty(10, 3).t()):
+        with pytest.raises(ValueError, match="kept"):
+            fused.lora_linears(x, group, kept=kept)
 
 
 def test_lora_linears_refuse_bounds_that_do_not_cut_the_rows_into_the_slots():

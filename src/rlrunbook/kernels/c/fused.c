@@ -243,12 +243,15 @@ int silu_mul(const void *GU, int64_t ld, int64_t N, int64_t I, void *Y, int t, i
 
 /* lora_added's store: C[m, n] = H[m, n] + round(round(v) * scaling) for the update's sum v (v and the scaled value
  * rounded to the factors' type td, the sum in float32 rounded to C's type tc: peft's `result + lora_B(lora_A(x)) *
- * scaling`, as the chain's product then add_scaled round it). H may be C itself. */
+ * scaling`, as the chain's product then add_scaled round it). H may be C itself. K (NULL: none; row stride ldk):
+ * the same sum stored a second time (the outputs a sampling pass keeps for the trainer). */
 typedef struct {
   const void *H;
   int64_t ldh;
   void *C;
   int64_t ldc;
+  void *K;
+  int64_t ldk;
   float scaling;
   int td, tc;
 } added_store;
@@ -259,8 +262,9 @@ NO_CONTRACT static void add_update_row(const void *context, int64_t m, int64_t n
   for (int64_t j = 0; j < width; j += 16) { /* 16 elements at a time, each rounded as rounded() rounds it */
     int n = (int)(width - j < 16 ? width - j : 16);
     v16 delta = rounded16(rounded16(load16(row, j, F32, n), s->td) * s->scaling, s->td);
-    v16 h = load16(s->H, m * s->ldh + n0 + j, s->tc, n);
-    store16(s->C, m * s->ldc + n0 + j, h + delta, s->tc, n);
+    v16 sum = load16(s->H, m * s->ldh + n0 + j, s->tc, n) + delta;
+    store16(s->C, m * s->ldc + n0 + j, sum, s->tc, n);
+    if (s->K) store16(s->K, m * s->ldk + n0 + j, sum, s->tc, n);
   }
 }
 
@@ -270,7 +274,7 @@ NO_CONTRACT static void add_update_row(const void *context, int64_t m, int64_t n
  * the chain gemm_seq -> add_scaled (td == tc), or of PyTorch's promoted `H + D * scaling` rounded to tc. */
 int lora_added(const void *H, int64_t ldh, const void *U, int64_t ldu, const void *Bt, int64_t ldbt, float scaling,
                void *C, int64_t ldc, int64_t M, int64_t N, int64_t r, int td, int tc, int nthreads) {
-  added_store s = {H, ldh, C, ldc, scaling, td, tc};
+  added_store s = {H, ldh, C, ldc, NULL, 0, scaling, td, tc};
   return gemm_seq_to(U, td, ldu, 1, Bt, td, ldbt, M, N, r, add_update_row, &s, nthreads);
 }
 
@@ -278,7 +282,7 @@ int lora_added(const void *H, int64_t ldh, const void *U, int64_t ldu, const voi
  * computed and stored beforehand (V contiguous [M, cols], type ta; its values are already rounded to ta, so
  * add_update_row's first rounding leaves them as they are). Returns 1 where its row buffer cannot be allocated. */
 static int add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, const void *V, int ta, float scaling) {
-  added_store s = {C, ldc, C, ldc, scaling, ta, tc};
+  added_store s = {C, ldc, C, ldc, NULL, 0, scaling, ta, tc};
   float *row = malloc((size_t)(cols + 16) * sizeof(float));
   if (!row) return 1;
   for (int64_t m = 0; m < M; m++) {
@@ -298,41 +302,42 @@ static int add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, con
  * [ranks[.], cols[p+1] - cols[p]], where the rank is at most SMALL_K, as product() would transpose it; storage
  * type ta; A NULL: none). Every product is computed in a fixed order per element, so a row's bits do not depend on the
  * rows or slots beside it: a slot's rows get what a pass of that adapter alone gives them.
- * Base (not NULL): also the base product alone, before any update, as [M, N] contiguous rows of type tc (what the
- * trainer's pass over the same tokens and weights computes first: rlrunbook.engines.kept_products). */
+ * Kept (not NULL): the outputs written a second time, as [M, N] contiguous rows of type tc (what the trainer's pass
+ * over the same tokens and weights computes: rlrunbook.engines.kept_products). */
 int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const void *W, int64_t ldw,
                  const float *bias, int64_t N, void *C, int tc, int64_t ldc, int P, const int64_t *cols,
                  const void *const *A, const void *const *B, const int64_t *ranks, const float *scalings, int ta,
-                 int S, const int64_t *bounds, void *Base, int nthreads) {
-  /* With Base, the base product is written there, and each projection's columns reach C from it: through the
-   * update's addition (which reads Base), or copied where no update is added. */
-  void *H = Base ? Base : C;
-  int64_t ldh = Base ? N : ldc;
-  if (product(X, tx, ldx, W, tx, ldw, bias, H, tc, ldh, M, N, K, nthreads)) return 1;
+                 int S, const int64_t *bounds, void *Kept, int nthreads) {
+  size_t e = esize(tc);
+  if (product(X, tx, ldx, W, tx, ldw, bias, C, tc, ldc, M, N, K, nthreads)) return 1;
   for (int p = 0; p < P; p++) {
     for (int s = 0; s < S; s++) {
       int64_t at = p * S + s, first = bounds[s], rows = bounds[s + 1] - bounds[s];
       int64_t r = A[at] ? ranks[at] : 0, cols_p = cols[p + 1] - cols[p];
-      char *c = (char *)C + (size_t)(first * ldc + cols[p]) * esize(tc); /* this projection's columns */
-      const char *h = (const char *)H + (size_t)(first * ldh + cols[p]) * esize(tc);
+      char *c = (char *)C + (size_t)(first * ldc + cols[p]) * e; /* this projection's columns */
+      char *k = Kept ? (char *)Kept + (size_t)(first * N + cols[p]) * e : NULL;
       if (rows <= 0) continue;
-      if (h != c && !(r > 0 && r <= SMALL_K))
-        for (int64_t m = 0; m < rows; m++)
-          memcpy(c + (size_t)(m * ldc) * esize(tc), h + (size_t)(m * ldh) * esize(tc), (size_t)cols_p * esize(tc));
-      if (!A[at]) continue;
-      const char *x = (const char *)X + (size_t)(first * ldx) * esize(tx);
-      char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = NULL;
-      int failed = !u || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads);
-      if (!failed && r <= SMALL_K) /* the second product, scaled and added, in one pass */
-        failed = lora_added(h, ldh, u, r, B[at], cols_p, scalings[at], c, ldc, rows, cols_p, r, ta, tc, nthreads);
-      else if (!failed) { /* a rank over SMALL_K: its product in lanes16 order, then the same addition */
-        failed = !(v = malloc((size_t)(rows * cols_p + 1) * esize(ta))) ||
-                 product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads);
-        if (!failed) failed = add_update(c, tc, ldc, rows, cols_p, v, ta, scalings[at]);
+      int failed = 0, stored = 0; /* stored: the addition wrote the kept copy too */
+      if (A[at]) {
+        const char *x = (const char *)X + (size_t)(first * ldx) * esize(tx);
+        char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = NULL;
+        failed = !u || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads);
+        if (!failed && r <= SMALL_K) { /* the second product, scaled and added in place, in one pass */
+          added_store st = {c, ldc, c, ldc, k, N, scalings[at], ta, tc};
+          failed = gemm_seq_to(u, ta, r, 1, B[at], ta, cols_p, rows, cols_p, r, add_update_row, &st, nthreads);
+          stored = 1;
+        } else if (!failed) { /* a rank over SMALL_K: its product in lanes16 order, then the same addition */
+          failed = !(v = malloc((size_t)(rows * cols_p + 1) * esize(ta))) ||
+                   product(u, ta, r, B[at], ta, r, NULL, v, ta, cols_p, rows, cols_p, r, nthreads);
+          if (!failed) failed = add_update(c, tc, ldc, rows, cols_p, v, ta, scalings[at]);
+        }
+        free(u);
+        free(v);
       }
-      free(u);
-      free(v);
       if (failed) return 1;
+      if (k && !stored)
+        for (int64_t m = 0; m < rows; m++)
+          memcpy(k + (size_t)(m * N) * e, c + (size_t)(m * ldc) * e, (size_t)cols_p * e);
     }
   }
   return 0;
