@@ -28,11 +28,12 @@ VOCAB = 320
 STOPS = tuple((token,) for token in range(3, 60))  # about one draw in six stops: rows stop inside decode blocks
 
 
-def _model(hidden: int, dtype: torch.dtype, train_unembed: bool = True, rank: int = 8) -> torch.nn.Module:
+def _model(hidden: int, dtype: torch.dtype, train_unembed: bool = True, rank: int = 8,
+           bias: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256, hidden_size=hidden,
                          intermediate_size=hidden + hidden // 2, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, attention_bias=bias)
     model = wrap_with_lora(LlamaForCausalLM(config).to(dtype).eval(), rank=rank, alpha=3 * rank, seed=0,
                            train_unembed=train_unembed)
     with torch.no_grad():
@@ -71,10 +72,11 @@ def _training_pass(model: torch.nn.Module, sequences, kept: KeptProducts | None)
     return run.hidden.detach(), grads, scorer.kept_tokens
 
 
-@pytest.mark.parametrize("hidden,dtype", [(64, torch.float32), (160, torch.float32), (160, torch.bfloat16)],
-                         ids=["llama-64-fp32", "llama-160-fp32", "llama-160-bf16"])
-def test_the_training_pass_over_sampled_tokens_reads_them_with_the_same_bits(hidden, dtype):
-    model = _model(hidden, dtype)
+@pytest.mark.parametrize("hidden,dtype,bias", [(64, torch.float32, False), (160, torch.float32, False),
+                                               (160, torch.bfloat16, False), (64, torch.float32, True)],
+                         ids=["llama-64-fp32", "llama-160-fp32", "llama-160-bf16", "llama-64-fp32-biases"])
+def test_the_training_pass_over_sampled_tokens_reads_them_with_the_same_bits(hidden, dtype, bias):
+    model = _model(hidden, dtype, bias=bias)
     engine, sequences = _sampled(model)
     assert engine.kept is not None and engine.kept.nbytes > 0
     kept_hidden, kept_grads, read = _training_pass(model, sequences, engine.kept)
