@@ -38,7 +38,7 @@ from rlrunbook.rl.setup.data_order import DataCursor
 from rlrunbook.rl.training.dynamic_sampling import SampledStep
 from rlrunbook.rl.training.lag_schedule import Lag, sampling_step, staleness
 from rlrunbook.rl.training.plan import RunPlan
-from rlrunbook.rl.training.step import sample_batch, train_batch
+from rlrunbook.rl.training.step import ProcessUsage, sample_batch, train_batch
 
 
 @dataclass
@@ -92,13 +92,13 @@ def run_off_policy(plan: RunPlan, steps: Iterable[int], first: int, training, to
             submit_batch(batch)
         for step in steps:
             pending_signal.raise_pending()  # a signal that a library swallowed stops the run here
-            waited = time.perf_counter()
+            waited, usage = time.perf_counter(), ProcessUsage.now()
             got = pending.pop(step).result()
             arrived = time.perf_counter()
             next_problem[step] = got.next_problem
             lag = Lag(staleness(step, k), samplers[sampling_step(step, k)], got.seconds, arrived - waited)
             train_batch(plan, step, got.sampled, training, writer, log, cursor, started=waited, sampled_at=arrived,
-                        lag=lag)
+                        lag=lag, usage=usage)
             done = step + 1
             if done < total:
                 samplers[done] = training.save_weights_and_get_sampling_client()

@@ -11,6 +11,7 @@ import resource
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tinker import types
 
@@ -75,6 +76,28 @@ def _memory_mb() -> float:
     return round(peak, 1)
 
 
+@dataclass(frozen=True)
+class ProcessUsage:
+    """The process's minor page faults and system CPU seconds so far (``getrusage``). A step's row logs their
+    growth over the step (:meth:`since`): memory the process touches for the first time shows there, as faults and
+    as the kernel's time clearing the pages (a run's first steps; every step, where freed memory goes back to the
+    system). Process-wide: an asynchronous run's rollout thread counts in the step it overlaps."""
+
+    minor_faults: int
+    system_s: float
+
+    @classmethod
+    def now(cls) -> ProcessUsage:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return cls(usage.ru_minflt, usage.ru_stime)
+
+    def since(self) -> dict[str, float]:
+        """``memory/minor_faults`` and ``time/system_cpu_s`` from this reading to now."""
+        now = ProcessUsage.now()
+        return {"memory/minor_faults": now.minor_faults - self.minor_faults,
+                "time/system_cpu_s": round(now.system_s - self.system_s, 3)}
+
+
 def sample_batch(plan: RunPlan, step: int, sampler, tokenizer, judge: Judge | None, log,
                  cursor: DataCursor) -> SampledStep:
     """Sample step ``step``'s groups from ``sampler`` with dynamic sampling (tied groups replaced; see
@@ -90,7 +113,7 @@ def sample_batch(plan: RunPlan, step: int, sampler, tokenizer, judge: Judge | No
 
 
 def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, cursor: DataCursor,
-               started: float, lag: Lag | None = None) -> None:
+               started: float, lag: Lag | None = None, usage: ProcessUsage | None = None) -> None:
     """A step without enough groups with spread: no update; a step file and a log row marked ``skipped``."""
     count_skip(config, step, cursor, sampled, sampled.drawn.rollouts)  # NoLearningSignalError at the limit
     reason = skip_reason(config, sampled)
@@ -106,7 +129,8 @@ def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, 
         "time/sample_s": done - started - batch.metrics.get("time/score_s", 0.0),
         "time/score_s": batch.metrics.get("time/score_s", 0.0), "time/step_s": done - started,
         "throughput/sampled_tokens_per_s": batch.sampled_tokens / max(1e-9, done - started),
-        "memory/rss_mb": _memory_mb(), **(lag.row({}) if lag is not None else {}),
+        "memory/rss_mb": _memory_mb(), **(usage.since() if usage is not None else {}),
+        **(lag.row({}) if lag is not None else {}),
     })
     log(f"warning: step {step} skipped, no update: {reason}. {cursor.skipped_in_a_row} step(s) skipped in a row; "
         f"the run stops at {config.dynamic_sampling.max_skipped_steps}.")
@@ -115,24 +139,27 @@ def _skip_step(config, step: int, sampled: SampledStep, writer: RunWriter, log, 
 def one_step(plan: RunPlan, step: int, training, tokenizer, judge: Judge | None, writer: RunWriter, log,
               cursor: DataCursor) -> None:
     """One optimizer step: sample, score, advantages, datums, forward_backward, optim_step, log."""
-    started = time.perf_counter()
+    started, usage = time.perf_counter(), ProcessUsage.now()
     sampler = training.save_weights_and_get_sampling_client().result()
     sampled = sample_batch(plan, step, sampler, tokenizer, judge, log, cursor)
-    train_batch(plan, step, sampled, training, writer, log, cursor, started=started, sampled_at=time.perf_counter())
+    train_batch(plan, step, sampled, training, writer, log, cursor, started=started, sampled_at=time.perf_counter(),
+                usage=usage)
 
 
 def train_batch(plan: RunPlan, step: int, sampled: SampledStep, training, writer: RunWriter, log, cursor: DataCursor,
-                *, started: float, sampled_at: float, lag: Lag | None = None) -> None:
+                *, started: float, sampled_at: float, lag: Lag | None = None,
+                usage: ProcessUsage | None = None) -> None:
     """Train step ``step`` on ``sampled``: advantages, datums, forward_backward, the gates, optim_step, log.
 
     ``cursor``: its ``skipped_in_a_row`` is counted here. ``lag`` (an asynchronous run): the batch was sampled
     from older weights; the mismatch gate then reads the mismatch at the sampler's weights (numerics alone)
-    and the row also gets the lag's own measures (see :class:`Lag`)."""
+    and the row also gets the lag's own measures (see :class:`Lag`). ``usage``: read when the step started; the
+    row gets its growth (:class:`ProcessUsage`)."""
     config = plan.config
     batch = sampled.drawn
     writer.write_rollouts(batch.kind, step, batch.payload)
     if sampled.skipped:
-        _skip_step(config, step, sampled, writer, log, cursor, started, lag)
+        _skip_step(config, step, sampled, writer, log, cursor, started, lag, usage)
         return
     cursor.skipped_in_a_row = 0
     advantages = sampled.advantages
@@ -197,7 +224,7 @@ def train_batch(plan: RunPlan, step: int, sampled: SampledStep, training, writer
         "time/forward_backward_s": fb_done - sampled_at, "time/optim_s": done - fb_done, "time/step_s": done - started,
         "throughput/sampled_tokens_per_s": batch.sampled_tokens / max(1e-9, sampled_at - started),
         "throughput/trained_tokens_per_s": trained / max(1e-9, done - sampled_at),
-        "memory/rss_mb": _memory_mb(),
+        "memory/rss_mb": _memory_mb(), **(usage.since() if usage is not None else {}),
         **{k: v for k, v in batch.metrics.items() if k != "time/score_s"},
         **sampled.metrics(),
         **(training.engine_metrics() if is_local(training) else {}),

@@ -92,6 +92,8 @@ def test_the_same_run_however_fast_each_side_runs(runs):
 def test_each_step_logs_its_scheduled_staleness_and_the_lag_apart_from_the_mismatch(runs):
     rows = _rows(runs["slow_trainer"])
     assert [r["async/staleness"] for r in rows] == [min(step, K) for step in range(STEPS)]
+    logged = [json.loads(line) for line in (runs["slow_trainer"] / "train_log.jsonl").read_text().splitlines()]
+    assert all("memory/minor_faults" in r and "time/system_cpu_s" in r for r in logged)
     assert rows[0]["async/lag_abs_logprob_diff"] == 0.0 and "async/mismatch_total" not in rows[0]
     trained = [row for row in rows[1:] if not row.get("skipped")]
     assert trained, "no stale batch was trained: the test shows nothing"
@@ -165,6 +167,8 @@ def test_k_zero_is_the_synchronous_loop(tmp_path):
     run = run_training(config, log=lambda *_: None)
     (row,) = _rows(run)
     assert not any(key.startswith("async/") for key in row)
+    (logged,) = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert logged["memory/minor_faults"] >= 0 and logged["time/system_cpu_s"] >= 0.0  # the step's growth
 
 
 @pytest.mark.parametrize("changes, backend, world, message", [
