@@ -549,27 +549,27 @@ class Decoder:
         logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
+    def _adds_in_one_kernel(self, module: torch.nn.Module, result: torch.Tensor) -> bool:
+        """Whether ``module`` adds to a result like ``result`` at most one plain LoRA adapter, by one kernel
+        (:meth:`_adapters_added`'s ``known`` path, whose backward a known sum then takes)."""
+        if getattr(module, "base_layer", module) is module:
+            return True
+        names = adapter_names(module, self.pinned)
+        if not names:
+            return True
+        if len(names) > 1 or names[0] in getattr(module, "lora_variant", {}):
+            return False
+        a, b = adapter_weights(module, names[0], self.pinned)
+        return a.dtype == b.dtype and lora_added_applies(result, b)
+
     def reads_known_outputs(self, modules: Sequence[torch.nn.Module], x: torch.Tensor) -> bool:
         """Whether :meth:`linears` can read known outputs of the group ``modules`` over ``x``: fixed numerics, one
         adapter source for every row, stacked base weights of ``x``'s dtype, and each projection adding at most one
         plain LoRA adapter, by one kernel (whose backward the known value then takes; other projections compute)."""
         if not self.fixed or self.numerics.float64_matmuls or self.row_adapters is not None:
             return False
-        for module in modules:
-            base = getattr(module, "base_layer", module)
-            if base.weight.dtype != x.dtype:
-                return False
-            if base is module:
-                continue
-            names = adapter_names(module, self.pinned)
-            if not names:
-                continue
-            if len(names) > 1 or names[0] in getattr(module, "lora_variant", {}):
-                return False
-            a, b = adapter_weights(module, names[0], self.pinned)
-            if a.dtype != b.dtype or not lora_added_applies(x, b):
-                return False
-        return True
+        return all(getattr(m, "base_layer", m).weight.dtype == x.dtype and self._adds_in_one_kernel(m, x)
+                   for m in modules)
 
     def reads_known_logits(self, hidden: torch.Tensor) -> bool:
         """Whether :meth:`logits` can read known logits of ``hidden``: fixed numerics, one adapter source for every
@@ -580,13 +580,7 @@ class Decoder:
         if (not self.fixed or self.row_adapters is not None or type(base) is not torch.nn.Linear
                 or base.bias is not None or base.weight.dtype != hidden.dtype):
             return False
-        names = adapter_names(head, self.pinned) if base is not head else []
-        if not names:
-            return True
-        if len(names) > 1 or names[0] in getattr(head, "lora_variant", {}):
-            return False
-        a, b = adapter_weights(head, names[0], self.pinned)
-        return a.dtype == b.dtype and lora_added_applies(base.weight.new_empty(0, dtype=torch.float32), b)
+        return self._adds_in_one_kernel(head, base.weight.new_empty(0, dtype=torch.float32))
 
     @property
     def head_frozen(self) -> bool:

@@ -272,10 +272,16 @@ NO_CONTRACT static void add_update_row(const void *context, int64_t m, int64_t n
  * times the first factor and Bt [r, N] the second factor transposed (row strides ldu, ldbt; r at most SMALL_K, so
  * the sum over r is gemm_seq's, in increasing index), both of type td; H and C of type tc (H may be C). The bits of
  * the chain gemm_seq -> add_scaled (td == tc), or of PyTorch's promoted `H + D * scaling` rounded to tc. */
+static int lora_added_kept(const void *H, int64_t ldh, const void *U, int64_t ldu, const void *Bt, int64_t ldbt,
+                           float scaling, void *C, int64_t ldc, void *K, int64_t ldk, int64_t M, int64_t N, int64_t r,
+                           int td, int tc, int nthreads) {
+  added_store s = {H, ldh, C, ldc, K, ldk, scaling, td, tc};
+  return gemm_seq_to(U, td, ldu, 1, Bt, td, ldbt, M, N, r, add_update_row, &s, nthreads);
+}
+
 int lora_added(const void *H, int64_t ldh, const void *U, int64_t ldu, const void *Bt, int64_t ldbt, float scaling,
                void *C, int64_t ldc, int64_t M, int64_t N, int64_t r, int td, int tc, int nthreads) {
-  added_store s = {H, ldh, C, ldc, NULL, 0, scaling, td, tc};
-  return gemm_seq_to(U, td, ldu, 1, Bt, td, ldbt, M, N, r, add_update_row, &s, nthreads);
+  return lora_added_kept(H, ldh, U, ldu, Bt, ldbt, scaling, C, ldc, NULL, 0, M, N, r, td, tc, nthreads);
 }
 
 /* C[m, n] += round(V[m, n] * scaling) over C's [M, cols] block (row stride ldc): add_update_row for an update
@@ -323,8 +329,8 @@ int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const
         char *u = malloc((size_t)(rows * r + 1) * esize(ta)), *v = NULL;
         failed = !u || product(x, tx, ldx, A[at], ta, K, NULL, u, ta, r, rows, r, K, nthreads);
         if (!failed && r <= SMALL_K) { /* the second product, scaled and added in place, in one pass */
-          added_store st = {c, ldc, c, ldc, k, N, scalings[at], ta, tc};
-          failed = gemm_seq_to(u, ta, r, 1, B[at], ta, cols_p, rows, cols_p, r, add_update_row, &st, nthreads);
+          failed = lora_added_kept(c, ldc, u, r, B[at], cols_p, scalings[at], c, ldc, k, N, rows, cols_p, r, ta, tc,
+                                   nthreads);
           stored = 1;
         } else if (!failed) { /* a rank over SMALL_K: its product in lanes16 order, then the same addition */
           failed = !(v = malloc((size_t)(rows * cols_p + 1) * esize(ta))) ||
