@@ -22,6 +22,7 @@ from rlrunbook.engines.attention import attend, attend_gathered, recompute_pays,
 from rlrunbook.engines.prefix_sharing import DecodeParts, Sharing, decode_parts, kept_rows
 from rlrunbook.engines.row_batches import HEADS_PER_BATCH, group_rows
 from rlrunbook.kernels import fused
+from rlrunbook.kernels.ops import PassRows, pass_attention
 from rlrunbook.prefix_tree import Row
 
 
@@ -75,6 +76,13 @@ class _Batch:
     key_valid: torch.Tensor  # [R, S]
     query_flat: torch.Tensor  # flat indices of the real queries, row-major
     query_rows: torch.Tensor  # where the real queries sit in the batch's [R * T] outputs, row-major
+    key_unique: torch.Tensor  # the distinct key indices, increasing
+    key_local: torch.Tensor  # [R, S]: each key entry's place in key_unique
+
+    def pass_rows(self) -> PassRows:
+        """The batch as :func:`rlrunbook.kernels.ops.pass_attention` reads it."""
+        return PassRows(self.query_index, self.key_index, self.query_positions, self.key_positions, self.key_valid,
+                        self.query_flat, self.query_rows, self.key_unique, self.key_local)
 
 
 class TreeLayout:
@@ -121,9 +129,11 @@ class TreeLayout:
             key_index[i, : len(row.keys)] = torch.tensor([key_ref(n) for n in row.keys])
             key_pos[i, : len(row.keys)] = torch.tensor([positions_of[n] for n in row.keys])
         query_valid = query_index >= 0
+        key_unique, key_local = torch.unique(key_index.clamp(min=0), return_inverse=True)
         return _Batch(query_index.clamp(min=0).to(device), key_index.clamp(min=0).to(device), query_pos.to(device),
                       key_pos.to(device), (key_index >= 0).to(device), query_index[query_valid].to(device),
-                      query_valid.flatten().nonzero().flatten().to(device))
+                      query_valid.flatten().nonzero().flatten().to(device), key_unique.to(device),
+                      key_local.to(device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                core: str) -> torch.Tensor:
@@ -132,6 +142,8 @@ class TreeLayout:
             keys, values = self.store.keys[layer], self.store.values[layer]
         else:
             keys, values = k, v
+        if core == "fixed":  # every batch in one autograd node (the chain below's values and gradients)
+            return pass_attention(q, keys, values, [batch.pass_rows() for batch in self.batches], scale)
         # Recomputing a batch in backward (gathers included) keeps only the flat q, k, v for it: O(tokens).
         recompute = recompute_pays(self.longest_row, core, q, keys, values)
         parts = [checkpoint(_attend_batch, batch, q, keys, values, scale, core, use_reentrant=False) if recompute

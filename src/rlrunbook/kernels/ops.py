@@ -9,6 +9,9 @@ allocates what it returns and keeps for backward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 from rlrunbook.kernels.cpu import SMALL_K  # as c/fused.c: products over at most this many terms are sequential
@@ -524,6 +527,100 @@ def gathered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     gradients), keeping for backward the flat tensors, not the gathered ``[R, S]`` copies: a pass's memory
     stays linear in its tokens however many rows read a key."""
     return _GatheredAttention.apply(q, keys, values, key_index, query_positions, key_positions, key_valid, scale)
+
+
+class PassRows(NamedTuple):
+    """One batch of attention rows of a pass, as :func:`pass_attention` reads it: ``[R, T]`` query indices into the
+    pass's flat tokens and positions (``-1``: padding), ``[R, S]`` key indices, positions and validity, the flat
+    index of each real query and where it sits in the batch's ``[R * T]`` queries (row-major), and the distinct
+    key indices with each key entry's place among them (``torch.unique``'s ``inverse`` of ``key_index``)."""
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    key_valid: torch.Tensor
+    query_flat: torch.Tensor
+    query_rows: torch.Tensor
+    key_unique: torch.Tensor
+    key_local: torch.Tensor
+
+
+class _PassAttention(torch.autograd.Function):
+    """:func:`gathered_attention` of every batch of a pass in one node: the values and gradients of the chain
+    ``take_rows(cat([take_rows(gathered_attention(take_rows(q, query_index), ...), query_rows) ...]), order)``, bit
+    for bit, without its per-batch full-size tensors.
+
+    The chain's backward made, for every batch, zero tensors as large as the pass's flat queries, keys and values,
+    added the batch's gradients into them, and summed those tensors over the batches (autograd's accumulation, the
+    last batch first). Here the sums are the same additions in the same order: a query belongs to one batch (its
+    gradient is 0 + its value, whatever the buffer), and a key's gradient is the sum over batches, last first, of
+    each batch's own sum over its entries in index order, that per-batch sum formed over the batch's distinct keys
+    only (``key_unique``). The keys a batch does not touch get no addition, where the chain added 0 to them: the same
+    bits, since none of those sums is -0 (each starts from +0)."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, batches, scale):
+        backend = None if _meta(q, keys, values) else _backend(q.device)
+        tokens, heads, dim = q.shape
+        out = q.new_empty(tokens, heads * dim)
+        saved = []
+        for batch in batches:
+            rows, queries = batch.query_index.shape
+            qb = q.index_select(0, batch.query_index.reshape(-1)).view(rows, queries, heads, dim)
+            if backend is None:
+                rows_out, lse = q.new_empty(qb.shape), q.new_empty(qb.shape[:-1], dtype=torch.float32)
+            else:
+                k, v = (x.index_select(0, batch.key_index.reshape(-1)).view(*batch.key_index.shape, *x.shape[1:])
+                        for x in (keys, values))
+                rows_out, lse = backend.attention_forward(qb, k, v, batch.query_positions, batch.key_positions,
+                                                          batch.key_valid, scale)
+                del k, v
+            del qb
+            out.index_copy_(0, batch.query_flat, rows_out.view(rows * queries, heads * dim).index_select(
+                0, batch.query_rows))
+            saved += [rows_out, lse]
+        ctx.save_for_backward(q, keys, values, *saved)
+        ctx.batches, ctx.scale = batches, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, keys, values, *saved = ctx.saved_tensors
+        if _meta(q, keys, values, grad):
+            return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values), None, None
+        backend = _backend(q.device)
+        tokens, heads, dim = q.shape
+        dq, dkeys, dvalues = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
+        for index in reversed(range(len(ctx.batches))):
+            batch, rows_out, lse = ctx.batches[index], saved[2 * index], saved[2 * index + 1]
+            rows, queries = batch.query_index.shape
+            grad_rows = grad.new_zeros(rows * queries, heads * dim).index_add_(
+                0, batch.query_rows, grad.index_select(0, batch.query_flat))
+            qb = q.index_select(0, batch.query_index.reshape(-1)).view(rows, queries, heads, dim)
+            k, v = (x.index_select(0, batch.key_index.reshape(-1)).view(*batch.key_index.shape, *x.shape[1:])
+                    for x in (keys, values))
+            dqb, dk, dv = backend.attention_backward(qb, k, v, batch.query_positions, batch.key_positions,
+                                                     batch.key_valid, rows_out, grad_rows.view(rows_out.shape), lse,
+                                                     ctx.scale)
+            del qb, k, v, grad_rows
+            dq.index_add_(0, batch.query_index.reshape(-1), dqb.reshape(-1, heads, dim))
+            for total, part in ((dkeys, dk), (dvalues, dv)):
+                own = total.new_zeros(batch.key_unique.numel(), *total.shape[1:]).index_add_(
+                    0, batch.key_local.reshape(-1), part.reshape(-1, *total.shape[1:]))
+                total.index_add_(0, batch.key_unique, own)
+        return dq, dkeys, dvalues, None, None
+
+
+def pass_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batches: Sequence[PassRows],
+                   scale: float) -> torch.Tensor:
+    """The attention outputs ``[N, H * D]`` of a pass's ``N`` flat queries ``q`` ``[N, H, D]`` over its flat
+    ``keys`` and ``values`` ``[N', Hkv, D]``, batch by batch of rows (:class:`PassRows`; every flat query a real
+    query of exactly one row): the values and gradients of :func:`gathered_attention` per batch with the outputs
+    put back in flat order, in one autograd node. Keeps the flat tensors and each batch's output and normaliser
+    (as :func:`gathered_attention` does, less the batches' gathered queries); the backward's buffers are the
+    gradients themselves and, per batch, one row of key gradients per distinct key it reads."""
+    return _PassAttention.apply(q, keys, values, tuple(batches), scale)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,

@@ -123,7 +123,8 @@ _ELEMENTWISE_AND_LAYOUT = {
     "empty", "empty_like", "new_empty", "zeros", "new_zeros", "zero", "fill", "full", "lift_fresh", "alias",
     "as_strided", "_reshape_alias", "clamp", "ge", "lt", "le", "gt", "eq", "ne", "bitwise_not", "logical_not",
     "arange", "scalar_tensor", "repeat", "index", "unbind", "stack", "ones", "ones_like", "zeros_like", "max",
-    "_local_scalar_dense", "item", "is_nonzero", "nonzero", "min", "sort", "argsort", "index_put",
+    "_local_scalar_dense", "item", "is_nonzero", "nonzero", "min", "sort", "argsort", "index_put", "index_copy",
+    "_unique2",  # the distinct key indices of an attention batch (integers)
 }
 
 
