@@ -590,7 +590,7 @@ class _PassAttention(torch.autograd.Function):
         if _meta(q, keys, values, grad):
             return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values), None, None
         backend = _backend(q.device)
-        tokens, heads, dim = q.shape
+        heads, dim = q.shape[1:]
         dq, dkeys, dvalues = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
         for index in reversed(range(len(ctx.batches))):
             batch, rows_out, lse = ctx.batches[index], saved[2 * index], saved[2 * index + 1]
