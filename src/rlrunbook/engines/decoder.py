@@ -337,11 +337,11 @@ class Decoder:
         if known is not None and known.shape[0] == x.shape[0]:
             # the group's base product's backward (the value, which it never reads, is the outputs'); then each
             # adapter's, its value the known output
-            outputs = fixed.linear_known(x, plan.weight, plan.bias, known).split(plan.sizes, dim=-1)
+            outputs = fixed.split_columns(fixed.linear_known(x, plan.weight, plan.bias, known), plan.sizes)
             return [o if m is base else self._adapters_added(m, o, x, self.pinned, o)
                     for m, base, o in zip(modules, plan.bases, outputs)]
         base = self._product(x, plan.weight, plan.bias)
-        outputs = base.split(plan.sizes, dim=-1)
+        outputs = fixed.split_columns(base, plan.sizes) if base.dim() == 2 else base.split(plan.sizes, dim=-1)
         if plan.factors is not None and not torch.is_grad_enabled():
             add_group_updates(outputs, x, plan.factors)
             return list(outputs)

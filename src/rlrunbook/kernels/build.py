@@ -154,7 +154,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "add_scaled": (i, [p, i64, p, i64, f, p, i64, i64, i, i]),
         "lora_added": (i, [p, i64, p, i64, p, i64, f, p, i64, i64, i64, i64, i, i, i]),
         "silu_mul_rows": (i, [p, i64, p, i64, p, i64, i64, i, i]),
-        "silu_mul_rows_backward": (i, [p, i64, p, i64, p, i64, p, p, i64, i64, i, i]),
+        "silu_mul_rows_backward": (i, [p, i64, p, i64, p, i64, p, p, i64, i64, i64, i, i]),
         "decode_layers": (i, [p, p, i64, i64, i, i64, p, p, p, i64, p, p, p, i64, i64, i64, i64, p, p, p, p, p, i64,
                               i, p, p, i]),
     }

@@ -263,13 +263,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @_profiled
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of :func:`silu_mul` for the output's gradient ``grad``: ``(d gate, d up)``, the bits of the
-    chain's autograd through ``ops.silu(gate) * up``."""
+    chain's autograd through ``ops.silu(gate) * up``; the two halves of one ``[N, 2 I]`` tensor (the gradient of a
+    gate/up projection group's outputs as they sit side by side: :func:`rlrunbook.kernels.ops.split_columns` passes
+    it on without a copy)."""
     gate, up, grad = _rows(gate), _rows(up), _rows(grad.to(gate.dtype))
-    d_gate, d_up = torch.empty(gate.shape, dtype=gate.dtype), torch.empty(gate.shape, dtype=gate.dtype)
+    rows, width = gate.shape
+    both = torch.empty(rows, 2 * width, dtype=gate.dtype)
+    d_gate, d_up = both[:, :width], both[:, width:]
     if gate.numel():
         _check(load_library().silu_mul_rows_backward(
             _ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(grad), grad.stride(0), _ptr(d_gate), _ptr(d_up),
-            gate.shape[0], gate.shape[1], _code(gate, "gate"), _threads()), "silu_mul_rows_backward")
+            2 * width, rows, width, _code(gate, "gate"), _threads()), "silu_mul_rows_backward")
     return d_gate, d_up
 
 

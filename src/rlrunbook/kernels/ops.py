@@ -291,6 +291,52 @@ class _Sigmoid(torch.autograd.Function):
         return grad * y * (1.0 - y)
 
 
+class _ColumnSplit(torch.autograd.Function):
+    """``x.split(sizes, dim=-1)`` whose backward hands on the pieces' gradients without a copy where they already
+    are one tensor's column blocks in order (a gate/up group's, from :func:`silu_mul`'s backward), else joins them as
+    ``split``'s backward does (``cat``; a piece without a gradient contributes zeros)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.sizes, ctx.shape, ctx.dtype, ctx.device = sizes, x.shape, x.dtype, x.device
+        return tuple(x.split(sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        whole = _joined_columns(grads, ctx.sizes)
+        if whole is None:
+            whole = torch.cat([torch.zeros(*ctx.shape[:-1], size, dtype=ctx.dtype, device=ctx.device) if g is None
+                               else g for g, size in zip(grads, ctx.sizes, strict=True)], dim=-1)
+        return whole, None
+
+
+def _joined_columns(pieces: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> torch.Tensor | None:
+    """The ``[M, sum(sizes)]`` tensor whose consecutive column blocks ``pieces`` are (a view of their storage), or
+    ``None`` where they are not that."""
+    first = pieces[0]
+    if first is None or first.dim() != 2 or first.device.type == "meta":
+        return None
+    rows, width = first.shape[0], sum(sizes)
+    step, at = first.element_size(), first.data_ptr()
+    for piece, size in zip(pieces, sizes, strict=True):
+        if (piece is None or piece.shape != (rows, size) or piece.dtype != first.dtype
+                or piece.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or piece.data_ptr() != at or (rows > 1 and piece.stride() != (width, 1))
+                or (rows == 1 and piece.stride(-1) != 1)):
+            return None
+        at += size * step
+    return first.as_strided((rows, width), (width, 1))
+
+
+def split_columns(x: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """``x.split(sizes, dim=-1)`` for a ``[M, N]`` projection group's outputs, the same views and gradient values;
+    where the pieces' gradients are already side by side in one tensor (a gate/up pair's, written so by
+    :func:`silu_mul`'s backward on CPU) the group's gradient is that tensor, not a concatenated copy."""
+    if x.dim() != 2 or not (torch.is_grad_enabled() and x.requires_grad):
+        return tuple(x.split(sizes, dim=-1))
+    return _ColumnSplit.apply(x, tuple(sizes))
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(x)`` computed in float32 (sigmoid from the kernels' exp), rounded once to ``x``'s dtype."""
     x32 = x.float()

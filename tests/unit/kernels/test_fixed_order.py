@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlrunbook.kernels import build, cpu, ops
 
@@ -556,6 +557,40 @@ def test_the_gated_activation_in_one_pass_is_the_chain_bit_for_bit(dtype):
         wide.grad = None
     for name, fused_value, chain_value in zip(("out", "d gate and up"), *outputs, strict=True):
         assert torch.equal(fused_value, chain_value), name
+
+
+class _Cats(TorchDispatchMode):
+    """Counts the ``cat`` calls run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name == "aten::cat"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_gate_up_group_gets_its_gradient_without_a_copy(dtype):
+    """A gate/up group's outputs split by ``ops.split_columns`` into ``ops.silu_mul``: the group's gradient is the
+    tensor the activation's backward wrote both halves into (no ``cat``), the bits of ``split``'s backward. Pieces
+    whose gradients are separate tensors, or a piece without one, are joined as ``split`` joins them."""
+    generator = torch.Generator().manual_seed(4)
+    group = (torch.randn(23, 2 * 40, generator=generator) * 3).to(dtype).requires_grad_()
+    grad = torch.randn(23, 40, generator=generator).to(dtype)
+    gradients = {}
+    for name, split in (("split_columns", ops.split_columns), ("split", lambda x, s: x.split(s, dim=-1))):
+        gate, up = split(group, (40, 40))
+        out = ops.silu_mul(gate, up)
+        with _Cats() as cats:
+            (gradients[name],) = torch.autograd.grad(out, group, grad)
+        assert cats.count == (0 if name == "split_columns" else 1), name
+    assert torch.equal(gradients["split_columns"], gradients["split"])
+    for combine in (lambda a, b, c: (a * 2).sum() + (c * 3).sum(), lambda a, b, c: (a * b[:, :10]).sum()):
+        joined = torch.autograd.grad(combine(*ops.split_columns(group, (10, 30, 40))), group)[0]
+        plain = torch.autograd.grad(combine(*group.split((10, 30, 40), dim=-1)), group)[0]
+        assert torch.equal(joined, plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

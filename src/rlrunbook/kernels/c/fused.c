@@ -160,49 +160,50 @@ int rotary_grad(void *G, int64_t ld, int64_t N, int64_t heads, int64_t Dh, const
 /* -- gated MLP ---------------------------------------------------------------------------------------- */
 
 /* Row n of the gated activation (g: the row's gate in float32, s: its sigmoid): forward (D NULL) Y = round(round(g *
- * s) * u); backward, for the output's gradient D, Y = d gate and DU = d up, each step rounded where the chain's
+ * s) * u); backward, for the output's gradient D, Y = d gate and DU = d up (Y's and DU's rows ldy apart), each step
+ * rounded where the chain's
  * autograd rounds it (ops.silu, then the product with up):
  *   act = round(g * s);  ds = round(d * u);  DU = round(d * act);
  *   d gate = round(ds * s + ((ds * g) * s) * (1 - s))   (the product's and the sigmoid's terms, in float32) */
 NO_CONTRACT static void silu_mul_row(const float *g, const float *s, const void *U, const void *D, void *Y, void *DU,
-                                     int64_t n, int64_t ldu, int64_t ldd, int64_t I, int t) {
+                                     int64_t n, int64_t ldu, int64_t ldd, int64_t ldy, int64_t I, int t) {
   CONTRACT_OFF
   if (t == F32) { /* the same steps, 16 at a time (float32 rounds nothing between them) */
     for (int64_t i = 0; i < I; i += 16) {
       int k = (int)(I - i < 16 ? I - i : 16);
       v16 sig = load16(s, i, F32, k), x = load16(g, i, F32, k), u = load16(U, n * ldu + i, F32, k);
       if (!D) {
-        store16(Y, n * I + i, (x * sig) * u, F32, k);
+        store16(Y, n * ldy + i, (x * sig) * u, F32, k);
         continue;
       }
       v16 d = load16(D, n * ldd + i, F32, k), ds = d * u;
-      store16(DU, n * I + i, d * (x * sig), F32, k);
+      store16(DU, n * ldy + i, d * (x * sig), F32, k);
       v16 through_product = ds * sig, through_sigmoid = ds * x;
       through_sigmoid = through_sigmoid * sig;
       through_sigmoid = through_sigmoid * (1.0f - sig);
-      store16(Y, n * I + i, through_product + through_sigmoid, F32, k);
+      store16(Y, n * ldy + i, through_product + through_sigmoid, F32, k);
     }
     return;
   }
   for (int64_t i = 0; i < I; i++) {
     float sig = s[i], x = g[i], u = load1(U, n * ldu + i, t), act = rounded(x * sig, t);
     if (!D) {
-      store1(Y, n * I + i, act * u, t);
+      store1(Y, n * ldy + i, act * u, t);
       continue;
     }
     float d = load1(D, n * ldd + i, t), ds = rounded(d * u, t);
-    store1(DU, n * I + i, d * act, t);
+    store1(DU, n * ldy + i, d * act, t);
     float through_product = ds * sig, through_sigmoid = ds * x;
     through_sigmoid = through_sigmoid * sig;
     through_sigmoid = through_sigmoid * (1.0f - sig);
-    store1(Y, n * I + i, through_product + through_sigmoid, t);
+    store1(Y, n * ldy + i, through_product + through_sigmoid, t);
   }
 }
 
-/* silu_mul_row over the N rows of gate G and up U ([N, I], row strides ldg and ldu; D with row stride ldd), into
- * contiguous Y (and DU); each row's sigmoid computed from its gate (sigmoid_f32's values), nothing else kept. */
+/* silu_mul_row over the N rows of gate G and up U ([N, I], row strides ldg and ldu; D with row stride ldd), into Y
+ * (and DU), row stride ldy; each row's sigmoid computed from its gate (sigmoid_f32's values), nothing else kept. */
 static int silu_mul_pass(const void *G, int64_t ldg, const void *U, int64_t ldu, const void *D, int64_t ldd, void *Y,
-                         void *DU, int64_t N, int64_t I, int t, int nthreads) {
+                         void *DU, int64_t ldy, int64_t N, int64_t I, int t, int nthreads) {
   int failed = 0;
 #pragma omp parallel num_threads(threads_for(N, nthreads))
   {
@@ -213,7 +214,7 @@ static int silu_mul_pass(const void *G, int64_t ldg, const void *U, int64_t ldu,
       if (!g) continue;
       for (int64_t i = 0; i < I; i++) g[i] = load1(G, n * ldg + i, t);
       sigmoid_row(g, s, I);
-      silu_mul_row(g, s, U, D, Y, DU, n, ldu, ldd, I, t);
+      silu_mul_row(g, s, U, D, Y, DU, n, ldu, ldd, ldy, I, t);
     }
     free(g);
   }
@@ -223,20 +224,21 @@ static int silu_mul_pass(const void *G, int64_t ldg, const void *U, int64_t ldu,
 /* The trainer's gated activation: Y = silu(gate) * up with the bits of ops.silu(gate) * up, one pass over the three. */
 int silu_mul_rows(const void *G, int64_t ldg, const void *U, int64_t ldu, void *Y, int64_t N, int64_t I, int t,
                   int nthreads) {
-  return silu_mul_pass(G, ldg, U, ldu, NULL, 0, Y, NULL, N, I, t, nthreads);
+  return silu_mul_pass(G, ldg, U, ldu, NULL, 0, Y, NULL, I, N, I, t, nthreads);
 }
 
-/* Its gradients for the output's gradient D: DG and DU, the chain's bits (the sigmoid recomputed from the gate). */
+/* Its gradients for the output's gradient D: DG and DU (rows ldy apart: side by side in one [N, 2 I] tensor where
+ * ldy is 2 I and DU is DG + I), the chain's bits (the sigmoid recomputed from the gate). */
 int silu_mul_rows_backward(const void *G, int64_t ldg, const void *U, int64_t ldu, const void *D, int64_t ldd,
-                           void *DG, void *DU, int64_t N, int64_t I, int t, int nthreads) {
-  return silu_mul_pass(G, ldg, U, ldu, D, ldd, DG, DU, N, I, t, nthreads);
+                           void *DG, void *DU, int64_t ldy, int64_t N, int64_t I, int t, int nthreads) {
+  return silu_mul_pass(G, ldg, U, ldu, D, ldd, DG, DU, ldy, N, I, t, nthreads);
 }
 
 /* Y [N, I] = round(silu(gate)) * up, gate and up the two halves of GU's rows (row stride ld): the decode step's
  * gated activation, silu_mul_rows over the two halves. */
 int silu_mul(const void *GU, int64_t ld, int64_t N, int64_t I, void *Y, int t, int nthreads) {
   const char *up = (const char *)GU + (size_t)I * esize(t);
-  return silu_mul_pass(GU, ld, up, ld, NULL, 0, Y, NULL, N, I, t, nthreads);
+  return silu_mul_pass(GU, ld, up, ld, NULL, 0, Y, NULL, I, N, I, t, nthreads);
 }
 
 /* -- projections with LoRA ------------------------------------------------------------------------------ */
