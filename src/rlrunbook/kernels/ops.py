@@ -118,6 +118,13 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _Linear.apply(flat, weight, None, torch.float32, None).view(*x.shape[:-1], weight.shape[0])
 
 
+def _scaled(x: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``x * scaling``, read only: ``x`` itself at a scaling of 1 (the product's every value, -0 and NaN included,
+    is ``x``'s), not a copy of it (a LoRA update's gradient at the default alpha = rank: the size of its
+    projection's output, 67 MB per chunk of the output layer's)."""
+    return x if scaling == 1.0 else x * scaling
+
+
 class _AddScaled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, delta, scaling):
@@ -129,7 +136,7 @@ class _AddScaled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad * ctx.scaling if ctx.needs_input_grad[1] else None, None
+        return grad, _scaled(grad, ctx.scaling) if ctx.needs_input_grad[1] else None, None
 
 
 def add_scaled(result: torch.Tensor, delta: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -463,7 +470,7 @@ class _LoraAdded(torch.autograd.Function):
         base_dtype, delta_dtype = ctx.dtypes
         # as autograd through (base + linear(xa, b) * scaling).to(base's dtype), the sum in the promoted dtype
         summed = torch.promote_types(base_dtype, delta_dtype)
-        d_delta = grad.to(summed).to(delta_dtype) * ctx.scaling
+        d_delta = _scaled(grad.to(summed).to(delta_dtype), ctx.scaling)
         d_xa = d_b = None
         meta = _meta(grad, b)
         if ctx.needs_input_grad[1]:

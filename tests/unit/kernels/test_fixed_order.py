@@ -538,6 +538,42 @@ def test_the_rotation_in_one_pass_is_the_chain_bit_for_bit(dtype):
         assert torch.equal(fused_value, chain_value), name
 
 
+class _Muls(TorchDispatchMode):
+    """Counts the ``mul`` calls run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name == "aten::mul"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scaling", [1.0, 2.0, 0.37])
+def test_a_lora_updates_gradient_is_the_chains_and_unscaled_at_one(scaling):
+    """``ops.lora_added``'s and ``ops.add_scaled``'s gradients equal the chain ``base + linear(xa, b) * scaling``'s
+    bit for bit (the gradient holds -0, a subnormal and a NaN); at a scaling of 1 (alpha = rank) no product with the
+    scaling is computed: the update's gradient is the output's gradient itself, not a copy."""
+    generator = torch.Generator().manual_seed(8)
+    base = torch.randn(33, 40, generator=generator).requires_grad_()
+    xa = torch.randn(33, 6, generator=generator).requires_grad_()
+    b = torch.randn(40, 6, generator=generator).requires_grad_()
+    grad = torch.randn(33, 40, generator=generator)
+    grad[0, :3] = torch.tensor([-0.0, 1e-40, float("nan")])
+    results = []
+    fused = (ops.lora_added, lambda r, u, w, s: ops.add_scaled(r, ops.linear(u, w, None), s))
+    for combine in (*fused, lambda r, u, w, s: r + ops.linear(u, w, None) * s):
+        out = combine(base, xa, b, scaling)
+        with _Muls() as muls:
+            results.append(torch.autograd.grad(out, (base, xa, b), grad))
+        if combine in fused and scaling == 1.0:
+            assert muls.count == 0, len(results)
+    for fused in results[:2]:
+        for name, got, want in zip(("d base", "d xa", "d b"), fused, results[2], strict=True):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scaling, name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_gated_activation_in_one_pass_is_the_chain_bit_for_bit(dtype):
     """``ops.silu_mul`` (the trainer's ``silu(gate) * up`` as one C pass each way, sigmoid recomputed in the backward)
