@@ -13,7 +13,6 @@ whichever layout computed it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -65,26 +64,6 @@ class SlotStore:
         self.values[layer][slots] = v.detach()
 
 
-@dataclass(frozen=True)
-class _Batch:
-    """Index tensors of a batch of rows: ``[R, T]`` queries and ``[R, S]`` keys (``-1``: padding)."""
-
-    query_index: torch.Tensor
-    key_index: torch.Tensor
-    query_positions: torch.Tensor  # [R, T], -1 for padding
-    key_positions: torch.Tensor  # [R, S]
-    key_valid: torch.Tensor  # [R, S]
-    query_flat: torch.Tensor  # flat indices of the real queries, row-major
-    query_rows: torch.Tensor  # where the real queries sit in the batch's [R * T] outputs, row-major
-    key_unique: torch.Tensor  # the distinct key indices, increasing
-    key_local: torch.Tensor  # [R, S]: each key entry's place in key_unique
-
-    def pass_rows(self) -> PassRows:
-        """The batch as :func:`rlrunbook.kernels.ops.pass_attention` reads it."""
-        return PassRows(self.query_index, self.key_index, self.query_positions, self.key_positions, self.key_valid,
-                        self.query_flat, self.query_rows, self.key_unique, self.key_local)
-
-
 class TreeLayout:
     """Attention rows over a pass's flat tokens (see :func:`rlrunbook.prefix_tree.plan_rows`).
 
@@ -116,7 +95,7 @@ class TreeLayout:
         self.order[computed] = torch.arange(computed.numel(), device=computed.device)
 
     @staticmethod
-    def _batch(rows: list[Row], flat_of, key_ref, positions_of, device) -> _Batch:
+    def _batch(rows: list[Row], flat_of, key_ref, positions_of, device) -> PassRows:
         width_q = max(len(r.queries) for r in rows)
         width_k = max(len(r.keys) for r in rows)
         query_index = torch.full((len(rows), width_q), -1, dtype=torch.long)
@@ -130,7 +109,7 @@ class TreeLayout:
             key_pos[i, : len(row.keys)] = torch.tensor([positions_of[n] for n in row.keys])
         query_valid = query_index >= 0
         key_unique, key_local = torch.unique(key_index.clamp(min=0), return_inverse=True)
-        return _Batch(query_index.clamp(min=0).to(device), key_index.clamp(min=0).to(device), query_pos.to(device),
+        return PassRows(query_index.clamp(min=0).to(device), key_index.clamp(min=0).to(device), query_pos.to(device),
                       key_pos.to(device), (key_index >= 0).to(device), query_index[query_valid].to(device),
                       query_valid.flatten().nonzero().flatten().to(device), key_unique.to(device),
                       key_local.to(device))
@@ -143,7 +122,7 @@ class TreeLayout:
         else:
             keys, values = k, v
         if core == "fixed":  # every batch in one autograd node (the chain below's values and gradients)
-            return pass_attention(q, keys, values, [batch.pass_rows() for batch in self.batches], scale)
+            return pass_attention(q, keys, values, self.batches, scale)
         # Recomputing a batch in backward (gathers included) keeps only the flat q, k, v for it: O(tokens).
         recompute = recompute_pays(self.longest_row, core, q, keys, values)
         parts = [checkpoint(_attend_batch, batch, q, keys, values, scale, core, use_reentrant=False) if recompute
@@ -151,7 +130,7 @@ class TreeLayout:
         return take_rows(torch.cat(parts), self.order)  # each flat token's output, in flat order
 
 
-def _attend_batch(batch: _Batch, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+def _attend_batch(batch: PassRows, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                   core: str) -> torch.Tensor:
     """The outputs ``[n, H*D]`` of one batch's real queries, row-major."""
     out = attend_gathered(take_rows(q, batch.query_index), keys, values, batch.key_index, batch.query_positions,
