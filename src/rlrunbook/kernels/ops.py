@@ -617,7 +617,7 @@ class _PassAttention(torch.autograd.Function):
         backend = None if _meta(q, keys, values) else _backend(q.device)
         tokens, heads, dim = q.shape
         out = q.new_empty(tokens, heads * dim)
-        saved = []
+        saved, keep = [], any(ctx.needs_input_grad[:3])  # no gradient (a sampler's prefill): each batch's rows freed
         for batch in batches:
             rows, queries = batch.query_index.shape
             qb = q.index_select(0, batch.query_index.reshape(-1)).view(rows, queries, heads, dim)
@@ -632,7 +632,9 @@ class _PassAttention(torch.autograd.Function):
             del qb
             out.index_copy_(0, batch.query_flat, rows_out.view(rows * queries, heads * dim).index_select(
                 0, batch.query_rows))
-            saved += [rows_out, lse]
+            if keep:
+                saved += [rows_out, lse]
+            del rows_out, lse
         ctx.save_for_backward(q, keys, values, *saved)
         ctx.batches, ctx.scale = batches, scale
         return out
