@@ -31,7 +31,8 @@ GIB = 1 << 30
 
 
 class LiveBytes(TorchDispatchMode):
-    """Inside the block, the bytes of the tensors created there that are still alive, and their peak.
+    """Inside the block, the bytes of the tensors created there that are still alive, their peak, and all the bytes
+    allocated there (``allocated``: freed or not).
 
     Each new storage is counted once when an operator returns it and uncounted when Python frees it (a view or
     an in-place result, whose storage is one of the operator's inputs, allocates nothing), so the peak is what
@@ -42,6 +43,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.allocated = 0
         self._seen: set[int] = set()
 
     def _track(self, tensor: torch.Tensor) -> None:
@@ -52,6 +54,7 @@ class LiveBytes(TorchDispatchMode):
         size = storage.nbytes()
         self._seen.add(key)
         self.live += size
+        self.allocated += size
         self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._free, key, size)
 

@@ -341,7 +341,7 @@ class Decoder:
             return [o if m is base else self._adapters_added(m, o, x, self.pinned, o)
                     for m, base, o in zip(modules, plan.bases, outputs)]
         base = self._product(x, plan.weight, plan.bias)
-        outputs = fixed.split_columns(base, plan.sizes) if base.dim() == 2 else base.split(plan.sizes, dim=-1)
+        outputs = fixed.split_columns(base, plan.sizes)
         if plan.factors is not None and not torch.is_grad_enabled():
             add_group_updates(outputs, x, plan.factors)
             return list(outputs)

@@ -15,8 +15,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from rlrunbook.backend.memory import LiveBytes
 from rlrunbook.engines.layouts import TreeLayout, take_rows
@@ -96,6 +94,27 @@ def test_a_training_pass_keeps_memory_linear_in_its_tokens():
     assert per_token[4096] <= 9 * 1024, per_token
 
 
+def _layout(sequences: list[list[int]], max_queries: int) -> TreeLayout:
+    """A training pass's layout over ``sequences`` (shared prefixes computed once), rows of ``max_queries``."""
+    trie = TokenTrie()
+    plan = plan_forward(trie, sequences, max_queries=max_queries)
+    return TreeLayout(plan.rows, plan.flat_of(), trie.positions, torch.device("cpu"))
+
+
+def _pass_inputs(tokens: int, dtype: torch.dtype, generator: torch.Generator):
+    """Flat q ``[N, 4, 8]``, keys and values ``[N, 2, 8]`` recording gradients, and an output gradient."""
+    q, k, v = (torch.randn(tokens, heads, 8, generator=generator).to(dtype).requires_grad_() for heads in (4, 2, 2))
+    return q, k, v, torch.randn(tokens, 32, generator=generator).to(dtype)
+
+
+def _batch_by_batch(layout: TreeLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The chain :func:`ops.pass_attention` replaces: ``gathered_attention`` per batch, outputs back in flat order."""
+    parts = [take_rows(ops.gathered_attention(take_rows(q, b.query_index), k, v, b.key_index, b.query_positions,
+                                              b.key_positions, b.key_valid, 0.125).flatten(2).flatten(0, 1),
+                       b.query_rows) for b in layout.batches]
+    return take_rows(torch.cat(parts), layout.order)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_training_pass_through_the_layout_gives_the_gathered_copies_bits(dtype):
     """Two sequences sharing a 150-token prefix, rows of ``ROW_QUERIES`` queries: the layout's output and the
@@ -103,14 +122,8 @@ def test_a_training_pass_through_the_layout_gives_the_gathered_copies_bits(dtype
     generator = torch.Generator().manual_seed(3)
     prefix = list(range(150))
     sequences = [prefix + [1000 + i for i in range(140)], prefix + [2000 + i for i in range(60)]]
-    trie = TokenTrie()
-    plan = plan_forward(trie, sequences, max_queries=ROW_QUERIES)
-    layout = TreeLayout(plan.rows, plan.flat_of(), trie.positions, torch.device("cpu"))
-    tokens = layout.size
-    q = torch.randn(tokens, 4, 8, generator=generator).to(dtype).requires_grad_()
-    k = torch.randn(tokens, 2, 8, generator=generator).to(dtype).requires_grad_()
-    v = torch.randn(tokens, 2, 8, generator=generator).to(dtype).requires_grad_()
-    grad = torch.randn(tokens, 32, generator=generator).to(dtype)
+    layout = _layout(sequences, ROW_QUERIES)
+    q, k, v, grad = _pass_inputs(layout.size, dtype, generator)
     out = layout.attend(0, q, k, v, 0.125, "fixed")
     mine = [out, *_gradients(out, grad, q, k, v)]
     parts = []
@@ -138,45 +151,17 @@ def test_a_pass_of_many_batches_gives_the_batch_by_batch_chains_bits(dtype, monk
     prefix = list(range(40))
     sequences = [prefix + [1000 + i for i in range(30)], prefix + [2000 + i for i in range(50)],
                  prefix[:20] + [3000 + i for i in range(45)], [4000 + i for i in range(9)]]
-    trie = TokenTrie()
-    plan = plan_forward(trie, sequences, max_queries=16)
-    layout = TreeLayout(plan.rows, plan.flat_of(), trie.positions, torch.device("cpu"))
+    layout = _layout(sequences, 16)
     assert len(layout.batches) >= 8
     assert any(b.key_unique.numel() < int(b.key_valid.sum()) for b in layout.batches)  # rows sharing keys
-    tokens = layout.size
-    q = torch.randn(tokens, 4, 8, generator=generator).to(dtype).requires_grad_()
-    k = torch.randn(tokens, 2, 8, generator=generator).to(dtype).requires_grad_()
-    v = torch.randn(tokens, 2, 8, generator=generator).to(dtype).requires_grad_()
-    grad = torch.randn(tokens, 32, generator=generator).to(dtype)
+    q, k, v, grad = _pass_inputs(layout.size, dtype, generator)
     out = layout.attend(0, q, k, v, 0.125, "fixed")
     mine = [out, *_gradients(out, grad, q, k, v)]
-    parts = []
-    for batch in layout.batches:
-        rows = ops.gathered_attention(take_rows(q, batch.query_index), k, v, batch.key_index, batch.query_positions,
-                                      batch.key_positions, batch.key_valid, 0.125)
-        parts.append(take_rows(rows.flatten(2).flatten(0, 1), batch.query_rows))
-    chain = take_rows(torch.cat(parts), layout.order)
+    chain = _batch_by_batch(layout, q, k, v)
     expected = [chain, *_gradients(chain, grad, q, k, v)]
     for name, got, want in zip(("out", "dq", "dk", "dv"), mine, expected, strict=True):
         assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), name
-
-
-class _AllocatedBytes(TorchDispatchMode):
-    """Inside the block, the bytes of every new storage an operator returns (all of them, freed or not)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {value.untyped_storage()._cdata for value in tree_flatten((args, kwargs))[0]
-                  if isinstance(value, torch.Tensor)}
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata not in inputs:
-                self.total += value.untyped_storage().nbytes()
-        return out
 
 
 def test_a_pass_backward_allocates_no_flat_sized_tensor_per_batch(monkeypatch):
@@ -184,27 +169,17 @@ def test_a_pass_backward_allocates_no_flat_sized_tensor_per_batch(monkeypatch):
     size of the flat queries, keys and values per batch and added them up; the one-node backward allocates the
     three gradients once and per batch only what its rows read, under a quarter of the chain's bytes."""
     monkeypatch.setattr("rlrunbook.engines.layouts.score_elements", lambda device: 1)
-    sequences = [[1000 * s + i for i in range(62)] for s in range(32)]
-    trie = TokenTrie()
-    plan = plan_forward(trie, sequences, max_queries=128)
-    layout = TreeLayout(plan.rows, plan.flat_of(), trie.positions, torch.device("cpu"))
+    layout = _layout([[1000 * s + i for i in range(62)] for s in range(32)], 128)
     assert len(layout.batches) == 32
     q = torch.randn(layout.size, 9, 64, requires_grad=True)
     k = torch.randn(layout.size, 3, 64, requires_grad=True)
     v = torch.randn(layout.size, 3, 64, requires_grad=True)
     allocated = {}
     for name in ("pass", "chain"):
-        if name == "pass":
-            out = layout.attend(0, q, k, v, 0.125, "fixed")
-        else:
-            parts = [take_rows(ops.gathered_attention(take_rows(q, b.query_index), k, v, b.key_index,
-                                                      b.query_positions, b.key_positions, b.key_valid,
-                                                      0.125).flatten(2).flatten(0, 1), b.query_rows)
-                     for b in layout.batches]
-            out = take_rows(torch.cat(parts), layout.order)
-        with _AllocatedBytes() as counter:
+        out = layout.attend(0, q, k, v, 0.125, "fixed") if name == "pass" else _batch_by_batch(layout, q, k, v)
+        with LiveBytes() as counter:
             grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-        allocated[name] = counter.total
+        allocated[name] = counter.allocated
         assert all(g.abs().sum() > 0 for g in grads)
     assert 4 * allocated["pass"] <= allocated["chain"], allocated
 

@@ -538,15 +538,15 @@ def test_the_rotation_in_one_pass_is_the_chain_bit_for_bit(dtype):
         assert torch.equal(fused_value, chain_value), name
 
 
-class _Muls(TorchDispatchMode):
-    """Counts the ``mul`` calls run inside the block."""
+class _Calls(TorchDispatchMode):
+    """Counts the calls of one aten operator (``aten::mul``, say) run inside the block."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         super().__init__()
-        self.count = 0
+        self.name, self.count = name, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name == "aten::mul"
+        self.count += func._schema.name == self.name
         return func(*args, **(kwargs or {}))
 
 
@@ -565,7 +565,7 @@ def test_a_lora_updates_gradient_is_the_chains_and_unscaled_at_one(scaling):
     fused = (ops.lora_added, lambda r, u, w, s: ops.add_scaled(r, ops.linear(u, w, None), s))
     for combine in (*fused, lambda r, u, w, s: r + ops.linear(u, w, None) * s):
         out = combine(base, xa, b, scaling)
-        with _Muls() as muls:
+        with _Calls("aten::mul") as muls:
             results.append(torch.autograd.grad(out, (base, xa, b), grad))
         if combine in fused and scaling == 1.0:
             assert muls.count == 0, len(results)
@@ -595,18 +595,6 @@ def test_the_gated_activation_in_one_pass_is_the_chain_bit_for_bit(dtype):
         assert torch.equal(fused_value, chain_value), name
 
 
-class _Cats(TorchDispatchMode):
-    """Counts the ``cat`` calls run inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name == "aten::cat"
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_gate_up_group_gets_its_gradient_without_a_copy(dtype):
     """A gate/up group's outputs split by ``ops.split_columns`` into ``ops.silu_mul``: the group's gradient is the
@@ -619,7 +607,7 @@ def test_a_gate_up_group_gets_its_gradient_without_a_copy(dtype):
     for name, split in (("split_columns", ops.split_columns), ("split", lambda x, s: x.split(s, dim=-1))):
         gate, up = split(group, (40, 40))
         out = ops.silu_mul(gate, up)
-        with _Cats() as cats:
+        with _Calls("aten::cat") as cats:
             (gradients[name],) = torch.autograd.grad(out, group, grad)
         assert cats.count == (0 if name == "split_columns" else 1), name
     assert torch.equal(gradients["split_columns"], gradients["split"])
