@@ -52,3 +52,78 @@ def test_train_sets_it_before_the_run(monkeypatch, tmp_path):
     monkeypatch.setattr(train, "keep_freed_memory", lambda: calls.append(1))
     code = cli.main(["train", "--model", "tiny", "--resume-from", str(tmp_path / "missing"), "-s", "1"])
     assert code == 2 and calls == [1]
+
+
+
+ALIGNED = """
+import os
+import torch
+from rlrunbook.allocator import keep_freed_memory
+print(keep_freed_memory())
+def advised(address):  # the mapping holding address is advised as huge pages (VmFlags "hg")
+    found = False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split()[0] and not line.startswith("VmFlags"):
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            found = low <= address < high
+        elif found and line.startswith("VmFlags"):
+            return " hg" in line
+    return False
+blocks = [torch.ones(512, 4096 + 7 * i) for i in range(3)]  # 8 MiB and a little more each
+print(all(b.data_ptr() % os.sysconf("SC_PAGE_SIZE") == 0 and advised(b.data_ptr()) for b in blocks))
+"""
+
+
+def _aligned(**env: str) -> tuple[str, bool]:
+    base = {k: v for k, v in ranks.child_env(**env).items()
+            if not (k.startswith("MALLOC_") or k == "THP_MEM_ALLOC_ENABLE") or k in env}
+    done = subprocess.run([sys.executable, "-c", ALIGNED], capture_output=True, text=True, env=base, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said, aligned = done.stdout.split("\n")[:2]
+    return said, aligned == "True"
+
+
+def test_kept_memory_gets_page_aligned_huge_page_blocks():
+    said, aligned = _aligned()
+    assert "page-aligned" in said and aligned, said
+    assert _aligned(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000") == (
+        "large tensors page-aligned as huge pages, so freed blocks fit later ones", True)  # as scripts/run.sh sets
+
+
+def test_page_alignment_is_left_to_the_environment_or_to_mapped_blocks():
+    said, aligned = _aligned(THP_MEM_ALLOC_ENABLE="0")  # PyTorch's own 64-byte alignment, chosen
+    assert "page-aligned" not in said and not aligned
+    assert _aligned(MALLOC_MMAP_MAX_="65536") == ("None", False)  # glibc maps large blocks: nothing kept to reuse
+
+
+PREPARED = """
+import sys
+from rlrunbook import allocator
+allocator.prepare(sys.argv[1:])
+import peft  # allocates a CPU tensor as it loads: PyTorch has read its setting by then
+import torch
+blocks = [torch.empty(1 << 19) for _ in range(3)]
+print(all(block.data_ptr() % 4096 == 0 for block in blocks))
+"""
+
+
+def _prepared(*argv: str) -> bool:
+    env = {k: v for k, v in ranks.child_env().items() if not (k.startswith("MALLOC_") or k == "THP_MEM_ALLOC_ENABLE")}
+    done = subprocess.run([sys.executable, "-c", PREPARED, *argv], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip() == "True"
+
+
+def test_the_console_script_sets_a_training_commands_allocator_before_its_modules_load(monkeypatch):
+    assert _prepared("train", "--model", "tiny") and _prepared("serve")
+    assert not _prepared("show-config") and not _prepared("train", "--help")
+    from rlrunbook import allocator
+    from rlrunbook.cli import launch
+
+    seen = []
+    monkeypatch.setattr(allocator, "prepare", seen.append)
+    monkeypatch.setattr(sys, "argv", ["rlrunbook", "check-run", "/nonexistent/run"])
+    launch.launch()
+    assert seen == [["check-run", "/nonexistent/run"]]

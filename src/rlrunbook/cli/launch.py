@@ -1,14 +1,16 @@
 """The ``rlrunbook`` console script (and ``python -m rlrunbook``): signal handlers first, then the command.
 
 :func:`launch` installs the handlers of :mod:`rlrunbook.boundary.signals` before the command line's modules
-are imported, so a signal in the first instant of start-up stops the command as one during it does.
+are imported, so a signal in the first instant of start-up stops the command as one during it does; then the
+allocator settings of a command that trains (:func:`rlrunbook.allocator.prepare`), which must precede any tensor.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 
-from rlrunbook import pending_signal
+from rlrunbook import allocator, pending_signal
 from rlrunbook.boundary.signals import STOP_SIGNALS, finish, finish_now, install, interrupted_by, unblock
 
 
@@ -24,6 +26,7 @@ def launch() -> int:
     try:
         try:
             unblock()
+            allocator.prepare(sys.argv[1:])  # before any module allocates a tensor
             from rlrunbook.cli.app import main
 
             pending_signal.raise_pending()  # one that an imported module swallowed
