@@ -24,12 +24,18 @@ print((rss() - before) >> 20)
 """
 
 
-def _retained_mib(mode: str, **env: str) -> tuple[str, int]:
-    base = {k: v for k, v in ranks.child_env(**env).items() if not k.startswith("MALLOC_") or k in env}
-    done = subprocess.run([sys.executable, "-c", RETAINED, mode], capture_output=True, text=True, env=base,
-                          timeout=60, check=False)
+def _child(script: str, *argv: str, **env: str) -> list[str]:
+    """The lines ``script`` prints in a child process whose allocator settings are only those of ``env``."""
+    base = {k: v for k, v in ranks.child_env(**env).items()
+            if not (k.startswith("MALLOC_") or k == "THP_MEM_ALLOC_ENABLE") or k in env}
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=base,
+                          timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    *said, retained = done.stdout.split("\n")[:-1]
+    return done.stdout.splitlines()
+
+
+def _retained_mib(mode: str, **env: str) -> tuple[str, int]:
+    *said, retained = _child(RETAINED, mode, **env)
     return (said[0] if said else ""), int(retained)
 
 
@@ -54,7 +60,6 @@ def test_train_sets_it_before_the_run(monkeypatch, tmp_path):
     assert code == 2 and calls == [1]
 
 
-
 ALIGNED = """
 import os
 import torch
@@ -75,12 +80,7 @@ print(all(b.data_ptr() % os.sysconf("SC_PAGE_SIZE") == 0 and advised(b.data_ptr(
 
 
 def _aligned(**env: str) -> tuple[str, bool]:
-    base = {k: v for k, v in ranks.child_env(**env).items()
-            if not (k.startswith("MALLOC_") or k == "THP_MEM_ALLOC_ENABLE") or k in env}
-    done = subprocess.run([sys.executable, "-c", ALIGNED], capture_output=True, text=True, env=base, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    said, aligned = done.stdout.split("\n")[:2]
+    said, aligned = _child(ALIGNED, **env)
     return said, aligned == "True"
 
 
@@ -109,11 +109,7 @@ print(all(block.data_ptr() % 4096 == 0 for block in blocks))
 
 
 def _prepared(*argv: str) -> bool:
-    env = {k: v for k, v in ranks.child_env().items() if not (k.startswith("MALLOC_") or k == "THP_MEM_ALLOC_ENABLE")}
-    done = subprocess.run([sys.executable, "-c", PREPARED, *argv], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip() == "True"
+    return _child(PREPARED, *argv) == ["True"]
 
 
 def test_the_console_script_sets_a_training_commands_allocator_before_its_modules_load(monkeypatch):
