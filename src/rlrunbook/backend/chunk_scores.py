@@ -49,7 +49,7 @@ class ChunkScores:
 
 class ChunkScoring(Protocol):
     def score(self, chunk: Sequence[ScoredItem], filters: SamplingFilters, with_entropy: bool,
-              with_reference: bool, recompute: bool | None = None) -> ChunkScores: ...
+              with_reference: bool, recompute: bool | None = None, last: bool = False) -> ChunkScores: ...
 
 
 class SharedPrefixScoring:
@@ -71,12 +71,15 @@ class SharedPrefixScoring:
         """Whether a KL reference can be scored: a reference model, or an adapter to switch off."""
         return self.reference is not None or hasattr(self.scorer.decoder.model, "disable_adapter")
 
-    def score(self, chunk, filters, with_entropy, with_reference, recompute: bool | None = None) -> ChunkScores:
+    def score(self, chunk, filters, with_entropy, with_reference, recompute: bool | None = None,
+              last: bool = False) -> ChunkScores:
         """The chunk's scores; for a sharded model, one pass of its outer unit (see backend/sharding.py).
-        ``recompute``: activation checkpointing for this pass (default: ``recompute_layers``)."""
+        ``recompute``: activation checkpointing for this pass (default: ``recompute_layers``). ``last``: the last
+        pass of a ``forward_backward``: the kept products it reads are freed as it reads them (its backward's
+        memory then takes their place; a later pass over these tokens computes them)."""
         recompute = self.recompute_layers if recompute is None else recompute
         return sharding.outer_call(self.scorer.decoder.model, self._score, chunk, filters, with_entropy,
-                                   with_reference, recompute)
+                                   with_reference, recompute, last)
 
     def idle_pass(self, pad_token_id: int, with_reference: bool) -> torch.Tensor:
         """A pass over two padding tokens whose value is 0 (with the weights' graph), reading the reference too
@@ -120,9 +123,9 @@ class SharedPrefixScoring:
         if drop is not None:
             drop()
 
-    def _score(self, chunk, filters, with_entropy, with_reference, recompute: bool) -> ChunkScores:
+    def _score(self, chunk, filters, with_entropy, with_reference, recompute: bool, last: bool) -> ChunkScores:
         run = self.scorer.run([item.input_tokens for item in chunk], recompute_layers=recompute,
-                              kept=self._kept(recompute))
+                              kept=self._kept(recompute), release_kept=last)
         self.kept_tokens = self.scorer.kept_tokens
         pairs: dict[tuple[int, int], int] = {}  # (hidden row, target) -> index: each distinct pair once
         seen: list[int] = []  # pair index of every position the loss reads, datum by datum
@@ -186,8 +189,10 @@ class PaddedScoring:
                             position_ids=batch.position_ids.to(device)).logits  # [B, L, V]
         return logits, targets
 
-    def score(self, chunk, filters, with_entropy, with_reference, recompute: bool | None = None) -> ChunkScores:
-        """``recompute`` is accepted for the protocol: transformers' forward keeps every activation."""
+    def score(self, chunk, filters, with_entropy, with_reference, recompute: bool | None = None,
+              last: bool = False) -> ChunkScores:
+        """``recompute`` and ``last`` are accepted for the protocol: transformers' forward keeps every activation
+        and reads no kept products."""
         width = max(len(item.input_tokens) for item in chunk)
         seen = torch.stack([torch.nn.functional.pad(item.mask, (0, width - len(item.mask)), value=False)
                             for item in chunk])  # [B, L]

@@ -102,8 +102,9 @@ def forward_backward_custom(trainer, data: Sequence[types.Datum], loss_fn) -> ty
 
     def scored(batch, grad: bool) -> list[torch.Tensor]:
         chunk = items[batch.start:batch.stop]
-        with torch.set_grad_enabled(grad):
-            flat = trainer.scoring.score(chunk, filters, with_entropy=False, with_reference=False).seen_logprobs
+        with torch.set_grad_enabled(grad):  # the last pass with gradients frees the kept products it reads
+            flat = trainer.scoring.score(chunk, filters, with_entropy=False, with_reference=False,
+                                         last=grad and batch is batches[-1]).seen_logprobs
         return list(torch.split(flat.float(), [len(item.input_tokens) for item in chunk]))
 
     # Ranks whose passes are collectives all take the two-phase path, each phase padded to the most passes.

@@ -301,11 +301,12 @@ class Trainer:
         parts: list[_ChunkOutput] = []
         self.recomputed_passes = 0
         kept_tokens = 0
-        for batch in batches:
+        for index, batch in enumerate(batches):
             recompute = self.recompute_layers and backward and needs_recompute(self.plain_cost, batch.tokens,
                                                                                  self.device)
             self.recomputed_passes += recompute
-            part = self._chunk_loss(items[batch.start:batch.stop], spec, config, reg, mismatch, recompute)
+            part = self._chunk_loss(items[batch.start:batch.stop], spec, config, reg, mismatch, recompute,
+                                    last=index == len(batches) - 1)
             kept_tokens += getattr(self.scoring, "kept_tokens", 0)
             if backward:
                 part.loss.backward()
@@ -359,11 +360,12 @@ class Trainer:
                 loss.backward()
 
     def _chunk_loss(self, chunk: list[TrainingItem], spec: LossSpec, config: dict[str, float], reg: RegularizerConfig,
-                    mismatch: MismatchConfig, recompute: bool | None = None) -> _ChunkOutput:
-        """One forward over ``chunk``: the loss's value plus the regularizer terms, and their metrics."""
+                    mismatch: MismatchConfig, recompute: bool | None = None, last: bool = False) -> _ChunkOutput:
+        """One forward over ``chunk``: the loss's value plus the regularizer terms, and their metrics (``last``: the
+        call's last pass, which frees the sampler's kept products as it reads them)."""
         device = self.device
         scores = self.scoring.score(chunk, mismatch.filters, with_entropy=reg.entropy_coef > 0,
-                                    with_reference=reg.kl_coef > 0, recompute=recompute)
+                                    with_reference=reg.kl_coef > 0, recompute=recompute, last=last)
         sampling = _per_datum(chunk, scores.seen_sampling_logprobs) if mismatch.stated else []
         flat_lp = scores.seen_logprobs  # (N,) row-major: datum by datum, as the inputs below
         if flat_lp.numel() == 0:  # nothing sampled in this chunk: no loss, but keep the graph for backward

@@ -323,14 +323,16 @@ class HFSamplingEngine(InProcessEngine):
 
     def _keeping(self, sources: Sequence[_Source]) -> KeptProducts | None:
         """Where this call keeps its projection outputs (``None``: it keeps none): :attr:`kept`, continued where the
-        last call computed with the same snapshot (its key and tensors), else made anew (dropping the last). Only a
-        call of one pinned snapshot on CPU, under the fixed numerics, with a budget (``kept_products_bytes``)."""
+        last call computed with the same snapshot (its key and tensors) and no training pass released it, else made
+        anew (dropping the last). Only a call of one pinned snapshot on CPU, under the fixed numerics, with a budget
+        (``kept_products_bytes``)."""
         weights = self._pinned_weights
         if (self.kept_products_bytes <= 0 or len(sources) != 1 or sources[0].pinned is not None or weights is None
                 or not self.decoder.fixed or self.device.type != "cpu"):
             return None
         key = sources[0].key
-        if self.kept is None or key is None or self.kept.key != key or self.kept.weights is not weights:
+        if (self.kept is None or self.kept.released or key is None or self.kept.key != key
+                or self.kept.weights is not weights):
             self.kept = KeptProducts(weights, key, self.kept_products_bytes, spares=self.kept)  # its memory reused
         return self.kept
 

@@ -19,6 +19,10 @@ Memory: a token keeps each layer's output columns (q, k, v, o, gate, up and down
 values, 622 KB in float32) and, where a token was drawn after it, its float32 logits (197 KB). A call's share
 grows linearly with the tokens it computes (prompt tokens once, then one token per row per decode step) and is
 bounded by ``budget`` bytes: past it, the call keeps nothing more, and the trainer computes what was not kept.
+The last training pass of a ``forward_backward`` frees the outputs as it reads them (:meth:`KeptProducts.read`
+with ``release``): each group's tensors go as its layer gathers them, so the memory the pass keeps for its backward
+takes the place of the outputs it read instead of adding to them. A later pass over the same tokens, before the
+next sampling call, computes its products.
 Time: the outputs are written a second time where the fused kernel stores them (no extra pass), and the
 trainer's pass gathers its rows once per group, as the group's layer runs (:class:`KeptRows`); reading the outputs
 rather than the base products, it allocates no ``[tokens, columns]`` tensor for the adapters' sums.
@@ -85,6 +89,7 @@ class KeptProducts:
         self._logits: list[torch.Tensor] = []  # output-layer logits [rows, V] of the passes, as the engine drew from
         self._logit_rows: dict[int, tuple[int, int]] = {}  # trie node -> (logits tensor, row) after it
         self.logit_bytes = 0
+        self.released = False  # a pass read the products with ``release``: none is read again, none kept more
 
     @property
     def row_bytes(self) -> int:
@@ -99,7 +104,7 @@ class KeptProducts:
     def _release(self) -> list[_Block]:
         blocks, self._blocks = self._blocks, []
         self._where.clear()
-        return blocks
+        return [] if self.released else blocks  # a released record's blocks lack the groups a pass freed
 
     def begin(self) -> None:
         """A pass starts: its products go to :meth:`buffer` until :meth:`end` (a pass never ended is dropped)."""
@@ -205,25 +210,32 @@ class KeptProducts:
                 nodes[row] = node
         return nodes
 
-    def read(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]],
-             rows: int) -> tuple[KeptRows | None, KnownLogits | None]:
+    def read(self, sequences: Sequence[Sequence[int]], flat: Sequence[Sequence[int]], rows: int,
+             release: bool = False) -> tuple[KeptRows | None, KnownLogits | None]:
         """What was kept of a pass over ``rows`` flat tokens, ``flat[i][t]`` the row of token ``t`` of
         ``sequences[i]`` (its tokens looked up once): the kept outputs, per group ``[rows, columns]`` in the pass's
-        row order, gathered as each group is read (``None`` where a token of it was not kept: the pass then computes
-        its products), and the logits after each row that has them (``None`` where none has)."""
-        nodes = self._nodes(sequences, flat, rows)
-        return self._products_at(nodes), self._logits_at(nodes)
+        row order, gathered as each group is read (``None`` where a token of it was not kept, or a pass released
+        them: the pass then computes its products), and the logits after each row that has them (``None`` where
+        none has).
 
-    def _products_at(self, nodes: list[int]) -> KeptRows | None:
+        ``release`` (the last pass that reads them): each group's tensors are freed, in every block, once the pass
+        has gathered them; from then on the record gives no products (:attr:`released`) and keeps none (the engine
+        starts a new one). The logits stay until the record is dropped: a pass's backward may read them again."""
+        nodes = self._nodes(sequences, flat, rows)
+        products = self._products_at(nodes, release)
+        self.released = self.released or release
+        return products, self._logits_at(nodes)
+
+    def _products_at(self, nodes: list[int], release: bool) -> KeptRows | None:
         source = [self._where.get(node, -1) for node in nodes]
-        if not self._blocks or min(source, default=-1) < 0:
+        if self.released or not self._blocks or min(source, default=-1) < 0:
             return None
         starts = [block.first for block in self._blocks]
         picks = []
         for row in source:
             index = bisect_right(starts, row) - 1
             picks.append((index, row - starts[index]))
-        return KeptRows(list(self._blocks), _grouped(picks), tuple(self._groups))
+        return KeptRows(list(self._blocks), _grouped(picks), tuple(self._groups), release)
 
     def _logits_at(self, nodes: list[int]) -> KnownLogits | None:
         source = [self._logit_rows.get(node) for node in nodes]
@@ -234,17 +246,31 @@ class KeptRows(Mapping):
     """A pass's kept outputs by group: ``[rows, columns]`` in the pass's row order, gathered from the blocks
     when a group is read. The pass reads each group once, as its layer runs, so it holds one group's copy at a time
     (for SmolLM2-135M at most 3,072 columns a token) instead of every group's (30 x 5,184). Read before the blocks
-    are written again (the next sampling call), as the trainer's pass does right after :meth:`KeptProducts.read`."""
+    are written again (the next sampling call), as the trainer's pass does right after :meth:`KeptProducts.read`.
 
-    def __init__(self, blocks: Sequence[_Block], picks: _Picks, keys: Sequence[GroupKey]):
+    ``release``: a group's tensors are taken out of every block as it is gathered (freed with the last reference),
+    so a group is read at most once (a second read is a ``KeyError``)."""
+
+    def __init__(self, blocks: Sequence[_Block], picks: _Picks, keys: Sequence[GroupKey], release: bool = False):
         self._blocks = blocks
         self._picks = picks
         self._keys = keys
+        self._release = release
 
     def __getitem__(self, key: GroupKey) -> torch.Tensor:
         if key not in self._keys:
             raise KeyError(key)
-        return _taken([block.tensors.get(key) for block in self._blocks], self._picks)
+        tensors = [block.tensors.get(key) for block in self._blocks]
+        if self._release and any(tensor is None for tensor in tensors):
+            raise KeyError(key)  # read and freed before
+        taken = _taken(tensors, self._picks)
+        if self._release:
+            for block in self._blocks:
+                del block.tensors[key]
+        return taken
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys  # without gathering (Mapping's own reads the group)
 
     def __iter__(self):
         return iter(self._keys)

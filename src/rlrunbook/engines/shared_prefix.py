@@ -65,11 +65,12 @@ class SharedPrefixScorer:
         self.kept_tokens = 0  # tokens of the last run whose kept outputs were read, not computed
 
     def run(self, sequences: Sequence[Sequence[int]], recompute_layers: bool = False,
-            kept: KeptProducts | None = None) -> SharedPass:
+            kept: KeptProducts | None = None, release_kept: bool = False) -> SharedPass:
         """One forward over ``sequences`` (differentiable unless called under ``torch.no_grad``);
         ``recompute_layers``: activation checkpointing per decoder layer (see :meth:`Decoder.hidden`). ``kept``: base
         products a sampling call computed under these very weights (the caller checked them), read where they hold
-        every token of the pass (:mod:`rlrunbook.engines.kept_products`)."""
+        every token of the pass (:mod:`rlrunbook.engines.kept_products`); ``release_kept``: freed as they are read
+        (the last pass to read them)."""
         device = next(self.decoder.model.parameters()).device
         trie = TokenTrie()
         plan = plan_forward(trie, sequences, max_queries=ROW_QUERIES)
@@ -78,7 +79,7 @@ class SharedPrefixScorer:
         positions = torch.tensor([trie.positions[n] for n in plan.nodes], device=device)
         layout = TreeLayout(plan.rows, flat_of, trie.positions, device)
         flat = [[flat_of[node] for node in path] for path in plan.paths]
-        known, logits = (None, None) if kept is None else kept.read(sequences, flat, len(plan.nodes))
+        known, logits = (None, None) if kept is None else kept.read(sequences, flat, len(plan.nodes), release_kept)
         self.decoder.known_products = known
         try:
             hidden = self.decoder.hidden(ids, positions, layout, recompute_layers)

@@ -78,3 +78,77 @@ def test_a_step_after_the_weights_moved_computes_its_products(settings):
         expected = training.forward_backward(data, "importance_sampling").result()
     assert ([o["logprobs"].tolist() for o in first.loss_fn_outputs]
             == [o["logprobs"].tolist() for o in expected.loss_fn_outputs])
+
+
+def _two_calls(settings: LocalSettings) -> tuple[list, list, object]:
+    """Two ``forward_backward`` calls over one sampled batch, no optimizer step between: their outputs, the adapter's
+    gradient after each, and the engine's kept products after the first."""
+    with LocalServiceClient(settings) as service:
+        training = service.create_lora_training_client("tiny", rank=4, seed=0)
+        data = _rl_batch(training.save_weights_and_get_sampling_client())
+        outputs, grads, kept = [], [], None
+        for _ in range(2):
+            outputs.append(training.forward_backward(data, "importance_sampling").result())
+            grads.append([p.grad.clone() for p in training._trainer.trained_parameters().values()])
+            kept = kept or training._host.engine.kept
+        return outputs, grads, (kept, [datum.model_input.to_ints() for datum in data])
+
+
+def test_the_last_pass_of_a_forward_backward_frees_the_kept_products_and_a_later_call_computes(settings):
+    """A batch in several micro-batches: every pass reads the kept products, the last frees them as it reads them,
+    and a second ``forward_backward`` over the same data before the optimizer step computes its products: both
+    calls give the bits of calls that compute every product."""
+    from rlrunbook.backend.micro_batches import micro_batches
+
+    split = dataclasses.replace(settings, micro_batch_tokens=24)
+    outputs, grads, (kept, sequences) = _two_calls(split)
+    expected_outputs, expected_grads, _ = _two_calls(dataclasses.replace(split, kept_products_mb=0))
+    batches = micro_batches(sequences, 24)
+    distinct = sum(len({tuple(s[:end]) for s in sequences[b.start:b.stop] for end in range(1, len(s) + 1)})
+                   for b in batches)
+    assert len(batches) > 1 and outputs[0].metrics["micro_batches:sum"] == len(batches)
+    assert outputs[0].metrics["kept_product_tokens:sum"] == distinct  # every pass read them
+    assert kept.released and outputs[1].metrics["kept_product_tokens:sum"] == 0  # the last freed them
+    for output, expected in zip(outputs, expected_outputs, strict=True):
+        assert ([o["logprobs"].tolist() for o in output.loss_fn_outputs]
+                == [o["logprobs"].tolist() for o in expected.loss_fn_outputs])
+    for got, expected in zip(grads, expected_grads, strict=True):
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [None, 24], ids=["one-pass", "micro-batches"])
+def test_a_custom_loss_reads_the_kept_products_in_its_passes_with_gradients_and_frees_them(settings,
+                                                                                         micro_batch_tokens,
+                                                                                         monkeypatch):
+    """``forward_backward_custom``: each pass with gradients reads the kept products (in micro-batches, after the
+    passes without gradients), the last frees them; the gradient is the bits of a call that computes every
+    product."""
+    from rlrunbook.backend.chunk_scores import SharedPrefixScoring
+
+    read: list[int] = []  # per pass with gradients, the tokens it read
+    score = SharedPrefixScoring._score
+
+    def counted(self, *args):
+        result = score(self, *args)
+        if torch.is_grad_enabled():
+            read.append(self.kept_tokens)
+        return result
+
+    monkeypatch.setattr(SharedPrefixScoring, "_score", counted)
+
+    def gradient(kept_mb: int):
+        with LocalServiceClient(dataclasses.replace(settings, kept_products_mb=kept_mb,
+                                                    micro_batch_tokens=micro_batch_tokens)) as service:
+            training = service.create_lora_training_client("tiny", rank=4, seed=0)
+            data = _rl_batch(training.save_weights_and_get_sampling_client())
+            kept = training._host.engine.kept
+            training.forward_backward_custom(
+                data, lambda data, logprobs: (sum((lp * (i + 1)).sum() for i, lp in enumerate(logprobs)), {})).result()
+            return [p.grad.clone() for p in training._trainer.trained_parameters().values()], kept
+
+    grads, kept = gradient(4096)
+    passes = len(read)
+    expected, _ = gradient(0)
+    assert kept is not None and kept.released
+    assert (passes == 1) == (micro_batch_tokens is None) and all(read[:passes])
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))

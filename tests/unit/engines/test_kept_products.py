@@ -88,6 +88,57 @@ def test_the_training_pass_over_sampled_tokens_reads_them_with_the_same_bits(hid
         assert torch.equal(kept_grads[name], grad), name
 
 
+def test_a_releasing_pass_frees_each_group_as_it_reads_it_with_the_same_bits(monkeypatch):
+    """The last pass over the kept outputs (``release_kept``) frees each group's tensors, in every block, as its layer
+    gathers them: before its layers' second group is read the first group's are gone, and by the end of its forward
+    (before its backward) every group it read is freed. Its values and gradients are a computing pass's; after it the
+    record gives nothing, and a pass over the same tokens computes its products with the same bits."""
+    import weakref
+
+    from rlrunbook.engines.kept_products import KeptRows
+
+    model = _model(64, torch.float32)
+    engine, sequences = _sampled(model)
+    kept = engine.kept
+    blocks = len(kept._blocks)
+    refs = [weakref.ref(tensor) for block in kept._blocks for tensor in block.tensors.values()]
+    alive_at_reads = []
+    read = KeptRows.__getitem__
+    monkeypatch.setattr(KeptRows, "__getitem__",
+                        lambda self, key: alive_at_reads.append(sum(r() is not None for r in refs)) or read(self, key))
+    scorer = SharedPrefixScorer(Decoder(model))
+    run = scorer.run(sequences, kept=kept, release_kept=True)
+    alive_after_forward = sum(r() is not None for r in refs)
+    weights = torch.randn(run.hidden.shape, generator=torch.Generator().manual_seed(3))
+    (run.hidden * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    groups = len(refs) // blocks
+    assert groups == 2 * 4 and scorer.kept_tokens == run.hidden.shape[0]  # 2 layers x 4 groups, every token read
+    assert alive_at_reads == [len(refs) - i * blocks for i in range(groups)]
+    assert alive_after_forward == 0 and kept.released
+    hidden_states, expected, _ = _training_pass(model, sequences, None)
+    assert torch.equal(run.hidden.detach(), hidden_states)
+    assert grads.keys() == expected.keys() and all(torch.equal(grads[n], g) for n, g in expected.items())
+    again = _training_pass(model, sequences, kept)
+    assert again[2] == 0 and torch.equal(again[0], hidden_states)  # released: the pass computes
+    assert all(torch.equal(again[1][n], g) for n, g in expected.items())
+
+
+def test_a_sampling_call_after_a_releasing_pass_keeps_its_products_in_a_new_record():
+    model = _model(64, torch.float32)
+    engine, sequences = _sampled(model)
+    released = engine.kept
+    SharedPrefixScorer(Decoder(model)).run(sequences, kept=released, release_kept=True)
+    request = GenerationRequest(max_tokens=4, filters=SamplingFilters(1.0), seed=9)
+    prompt = torch.randint(60, VOCAB, (9,), generator=torch.Generator().manual_seed(2)).tolist()  # not in the pool
+    with engine.pinned_weights(released.weights, key="snapshot"):  # the same snapshot as the released record's
+        results = engine.sample_jobs([SampleJob(prompt, 2, request)], weights_key="snapshot")
+    assert engine.kept is not released and not engine.kept.released
+    new = [prompt + list(c.tokens)[:-1] for c in results[0]]
+    assert _training_pass(model, new, engine.kept)[2] > 0
+
+
 def test_a_token_that_was_not_sampled_makes_the_pass_compute():
     model = _model(64, torch.float32)
     engine, sequences = _sampled(model)

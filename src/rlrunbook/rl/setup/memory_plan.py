@@ -62,7 +62,8 @@ class MemoryPlan:
     chunks: int = 1  # backend.grad_accum_steps: the batch is first cut into this many parts by count
     full: FullShards | None = None  # finetune full: one rank's parts (weights: its reference shard); None: LoRA
     # The base products one step's sampling calls keep for its training pass (CPU engine; engines/kept_products.py),
-    # held from sampling until the step's optimizer step frees them.
+    # held from sampling until that pass reads them (its last micro-batch frees them layer by layer: counted as held
+    # through the whole pass, an upper bound).
     kept_products: int = 0
 
     @property
