@@ -14,13 +14,22 @@ of 2 MiB and more to the page (their free leading gaps join them when freed) and
 freed memory is kept, :func:`keep_freed_memory` sets it too. Whether a given block fits again still depends on what
 was allocated beside it, but a warm step of the mini debate took 25-335 page faults with it where it took 21,000-
 131,000 without (docs/performance.md).
+
+Kept is not kept by a thread's own heaps: glibc gives a thread other than the main one an arena of its own, made of
+64 MiB heaps, and unmaps such a heap once it is wholly free unless the free space it would leave at the top of the
+heap before it is less than the top pad (128 KiB by default), whatever the trim threshold. The service samples and
+trains on its worker thread, so between steps of the mini debate 320-350 MB went back to the OS and were faulted in
+again. Where freed memory is kept, :func:`keep_freed_memory` sets a top pad larger than a heap
+(:data:`TOP_PAD_BYTES`), so no heap is unmapped (its cost: the main heap grows by that much address space, not
+memory, at a time).
 """
 
 from __future__ import annotations
 
 import os
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters
+TOP_PAD_BYTES = 128 << 20  # more than a thread heap's 64 MiB: glibc then unmaps none
 KEEPING_COMMANDS = ("train", "serve")  # the console script's commands that keep freed memory
 HUGE_PAGE_BLOCKS = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch once, at its first CPU allocation
 
@@ -28,12 +37,15 @@ HUGE_PAGE_BLOCKS = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch once, at its first 
 def keep_freed_memory() -> str | None:
     """Make glibc keep the memory a step frees for the next step (no ``mmap`` for large blocks, no trimming)
     unless the environment chose (``MALLOC_MMAP_MAX_`` or ``MALLOC_TRIM_THRESHOLD_`` set), and where glibc keeps
-    it (set here, or ``MALLOC_MMAP_MAX_=0``), large tensors page-aligned so that it is reused (see the module
-    docstring) unless the environment chose ``THP_MEM_ALLOC_ENABLE``. What was set, in words, or None (nothing)."""
+    it (set here, or ``MALLOC_MMAP_MAX_=0``), threads' heaps kept too unless the environment chose
+    ``MALLOC_TOP_PAD_``, and large tensors page-aligned so that it is reused (see the module docstring) unless the
+    environment chose ``THP_MEM_ALLOC_ENABLE``. What was set, in words, or None (nothing)."""
     said = []
     if not (os.environ.get("MALLOC_MMAP_MAX_") or os.environ.get("MALLOC_TRIM_THRESHOLD_")) and _mallopt_keep():
         said.append("freed memory kept for reuse (glibc: no mmap for large blocks, no trimming)")
     kept = bool(said) or os.environ.get("MALLOC_MMAP_MAX_", "").strip() == "0"
+    if kept and "MALLOC_TOP_PAD_" not in os.environ and _mallopt(_M_TOP_PAD, TOP_PAD_BYTES):
+        said.append("threads' heaps kept too (glibc: a top pad larger than a heap)")
     if kept and HUGE_PAGE_BLOCKS not in os.environ:
         said.append("large tensors page-aligned as huge pages, so freed blocks fit later ones" if _page_aligned() else
                     f"not {HUGE_PAGE_BLOCKS}=1: PyTorch had allocated already (set it before the command)")
@@ -49,11 +61,15 @@ def prepare(argv: list[str]) -> None:
 
 
 def _mallopt_keep() -> bool:
+    return _mallopt(_M_MMAP_MAX, 0) and _mallopt(_M_TRIM_THRESHOLD, -1)  # -1: never trim
+
+
+def _mallopt(parameter: int, value: int) -> bool:
+    """glibc's ``mallopt(parameter, value)``; whether it was applied (False off glibc)."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, -1) == 1  # -1: never trim
+        return ctypes.CDLL("libc.so.6").mallopt(parameter, value) == 1
     except (OSError, AttributeError):
         return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from rlrunbook.allocator import TOP_PAD_BYTES
 from rlrunbook.testing import ranks
 
 RETAINED = """
@@ -60,6 +61,33 @@ def test_train_sets_it_before_the_run(monkeypatch, tmp_path):
     assert code == 2 and calls == [1]
 
 
+PADDED = """
+import ctypes, sys
+if sys.argv[1] == "keep":
+    from rlrunbook.allocator import keep_freed_memory
+    print(keep_freed_memory())
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+size = 256 << 20  # more than the heap has free: placed at its top, the heap grows
+block = libc.malloc(size)
+end = max(int(line.split()[0].split("-")[1], 16) for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]"))
+print((end - block - size) >> 20)  # the room glibc left above it: the top pad
+"""
+
+
+def test_kept_memory_keeps_a_threads_heaps_with_a_top_pad_larger_than_a_heap():
+    """glibc unmaps a wholly free heap of a thread's arena unless the top pad exceeds what that would leave free in
+    the heap before it (at most a heap, 64 MiB): kept memory sets a pad of 128 MiB, which the main heap shows as the
+    room it leaves above a block that made it grow; the environment's own pad is left alone."""
+    kept = _child(PADDED, "keep", MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000")
+    assert kept[0].startswith("threads' heaps kept too") and int(kept[1]) == TOP_PAD_BYTES >> 20 > 64
+    assert _child(PADDED, "plain", MALLOC_MMAP_MAX_="0")[-1] == "0"  # glibc's 128 KiB
+    chosen = _child(PADDED, "keep", MALLOC_MMAP_MAX_="0", MALLOC_TOP_PAD_="0")
+    assert "threads' heaps" not in chosen[0] and chosen[1] == "0"
+    assert _child(PADDED, "keep", MALLOC_MMAP_MAX_="65536")[0] == "None"  # nothing kept: nothing padded
+
+
 ALIGNED = """
 import os
 import torch
@@ -88,7 +116,8 @@ def test_kept_memory_gets_page_aligned_huge_page_blocks():
     said, aligned = _aligned()
     assert "page-aligned" in said and aligned, said
     assert _aligned(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000") == (
-        "large tensors page-aligned as huge pages, so freed blocks fit later ones", True)  # as scripts/run.sh sets
+        ("threads' heaps kept too (glibc: a top pad larger than a heap); "
+         "large tensors page-aligned as huge pages, so freed blocks fit later ones"), True)  # as scripts/run.sh sets
 
 
 def test_page_alignment_is_left_to_the_environment_or_to_mapped_blocks():
