@@ -15,7 +15,7 @@ freed memory is kept, :func:`keep_freed_memory` sets it too. Whether a given blo
 was allocated beside it, but a warm step of the mini debate took 25-335 page faults with it where it took 21,000-
 131,000 without (docs/performance.md).
 
-Kept is not kept by a thread's own heaps: glibc gives a thread other than the main one an arena of its own, made of
+Nor is it kept in a thread's own heaps: glibc gives a thread other than the main one an arena of its own, made of
 64 MiB heaps, and unmaps such a heap once it is wholly free unless the free space it would leave at the top of the
 heap before it is less than the top pad (128 KiB by default), whatever the trim threshold. The service samples and
 trains on its worker thread, so between steps of the mini debate 320-350 MB went back to the OS and were faulted in
