@@ -238,14 +238,14 @@ static inline __attribute__((always_inline)) void nt_item(const nt_work *w, int6
  * shapes' products ([2,019 x 576] by 576-3,072 rows) were 5-10% faster on an Intel Xeon with a 2 MiB L2, the 16-row
  * ones of decode slower (they keep NT_PANEL); a 1 MiB L2 (AMD Zen 4) keeps NT_PANEL for K = 576 too, and two
  * bfloat16 inputs keep it. The sums do not depend on the panels. */
-static int64_t nt_panel_rows(int64_t M, int64_t K, size_t esize) {
+static int64_t nt_panel_rows(int64_t M, int64_t K) { /* float32 panels: two bfloat16 inputs keep NT_PANEL */
   static long l2 = -1;
   if (M <= NT_PREFETCH_ROWS) return NT_PANEL;
   if (l2 < 0) {
     long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
     l2 = size > 0 ? size : 0;
   }
-  return 2 * NT_PANEL * K * (int64_t)esize <= l2 / 4 ? 2 * NT_PANEL : NT_PANEL;
+  return 2 * NT_PANEL * K * 4 <= l2 / 4 ? 2 * NT_PANEL : NT_PANEL;
 }
 
 int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias, void *C,
@@ -276,7 +276,7 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
   /* work items: panels of B rows x groups of A rows, enough groups to feed every thread. The panels (about NT_PANEL
    * rows, whole micro-tiles) are as many as a multiple of the threads where there are at least as many: 9 panels of a
    * 576-row B on 2 threads left one thread idle for a ninth of the product. */
-  int64_t panel_rows = pairs ? NT_PANEL : nt_panel_rows(M, K, 4);
+  int64_t panel_rows = pairs ? NT_PANEL : nt_panel_rows(M, K);
   int64_t units = (N + tile_cols - 1) / tile_cols, panels = (N + panel_rows - 1) / panel_rows;
   int64_t rowblocks = (M + tile_rows - 1) / tile_rows;
   if (nthreads > 1 && panels >= nthreads && panels % nthreads) {
