@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 from rlrunbook.backend.lora import wrap_with_lora
 from rlrunbook.engines.decoder import Decoder, Numerics, causal_lm
 from rlrunbook.engines.shared_prefix import SharedPrefixScorer
+from rlrunbook.kernels import coded_weights
 
 GIB = 1 << 30
 
@@ -76,11 +77,15 @@ class LiveBytes(TorchDispatchMode):
 @dataclass(frozen=True)
 class ModelBytes:
     """Bytes of a LoRA-wrapped model's parameters: ``frozen`` base weights, ``adapter`` (trainable) weights,
-    and the float64 copies ``exact`` numerics make of the frozen matrix-product weights (``float64_copy``)."""
+    the float64 copies ``exact`` numerics make of the frozen matrix-product weights (``float64_copy``), and at most
+    what the short exact forms of those the CPU engine may code take beside them (``coded_copy``: 2 bytes a value,
+    the longest form, for each whose rows are whole blocks; what the values allow is 0.75-2 bytes a value, or none:
+    kernels/coded_weights.py)."""
 
     frozen: int
     adapter: int
     float64_copy: int
+    coded_copy: int = 0
 
     @property
     def training_state(self) -> int:
@@ -128,9 +133,10 @@ def model_bytes(model: torch.nn.Module) -> ModelBytes:
             adapter += param.numel() * param.element_size()
         else:
             frozen += param.numel() * param.element_size()
-    products = {id(m.weight): m.weight.numel() for m in model.modules()
+    products = {id(m.weight): m.weight for m in model.modules()
                 if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad}
-    return ModelBytes(frozen, adapter, 8 * sum(products.values()))
+    codable = sum(w.numel() for w in products.values() if w.dim() == 2 and w.shape[1] % coded_weights.BLOCK == 0)
+    return ModelBytes(frozen, adapter, 8 * sum(w.numel() for w in products.values()), 2 * codable)
 
 
 def forward_backward_peak(model: torch.nn.Module, numerics: Numerics | str, sequences: list[list[int]],

@@ -164,7 +164,8 @@ def host_over(resident: ResidentModel, name: str, settings: LocalSettings, *, ow
         kept = 0 if settings.concurrent_sampling else settings.kept_products_mb << 20
         engine = HFSamplingEngine(model, numerics=settings.decoder_numerics(),
                                   cuda_graphs=settings.cuda_graphs and not own_weights,
-                                  prefix_cache_tokens=settings.prefix_cache_tokens, kept_products_bytes=kept, **common)
+                                  prefix_cache_tokens=settings.prefix_cache_tokens, kept_products_bytes=kept,
+                                  coded_weights=settings.coded_weights, **common)
     shared = None if own_weights or not resident.shareable else resident.key
     return ModelHost(name, resident.folder, tokenizer, model, engine, shared_base=shared)
 

@@ -102,6 +102,11 @@ class LocalSettings:
             1 | 0; default 1).
         prefix_cache_tokens: most tokens whose keys/values the engine keeps for reuse by later calls under
             the same weights, e.g. a debate's next round (``TINKER_LOCAL_PREFIX_CACHE_TOKENS``, 65536; 0 = off).
+        coded_weights: where a frozen float32 base weight has a short exact form (the values of a quantized
+            checkpoint, or bfloat16 values), the CPU engine keeps it too and decode steps read it instead: the same
+            bits, fewer bytes from memory per step, up to 2 more bytes per coded weight held (the built-in
+            SmolLM2-135M: 112 MB) (``TINKER_LOCAL_CODED_WEIGHTS``: 1 | 0; default 1). See
+            rlrunbook.kernels.coded_weights.
         kept_products_mb: most megabytes of projection outputs a CPU sampling call keeps for the trainer's pass over
             the tokens it sampled, which then reads them instead of computing them while the weights are still the
             sampled ones (on-policy, before the next ``optim_step``): the same bits, about 40% less arithmetic
@@ -157,6 +162,7 @@ class LocalSettings:
     cuda_graphs: bool = True
     prefix_cache_tokens: int = 65536
     kept_products_mb: int = 4096
+    coded_weights: bool = True
     storage_dir: Path | None = None
     max_batch_rows: int = 256
     batch_window_ms: int = 2
@@ -244,6 +250,12 @@ class LocalSettings:
             if graphs not in ("0", "1"):
                 raise ConfigError(f"TINKER_LOCAL_CUDA_GRAPHS={graphs!r} must be 1 (capture) or 0 (no graphs).")
             kwargs["cuda_graphs"] = graphs == "1"
+        coded = env.get("TINKER_LOCAL_CODED_WEIGHTS", "").strip()
+        if coded:
+            if coded not in ("0", "1"):
+                raise ConfigError(f"TINKER_LOCAL_CODED_WEIGHTS={coded!r} must be 1 (decode reads a frozen weight's "
+                                  "short exact form where it has one) or 0 (always the float32 weights).")
+            kwargs["coded_weights"] = coded == "1"
         tokens = env.get("TINKER_LOCAL_MICRO_BATCH_TOKENS", "").strip().lower()
         if tokens and tokens != "auto":
             kwargs["micro_batch_tokens"] = env_number(env, "TINKER_LOCAL_MICRO_BATCH_TOKENS", 0, 0, int)

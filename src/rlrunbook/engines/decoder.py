@@ -63,6 +63,7 @@ from rlrunbook.engines.sharded_layers import is_sharded, through
 from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
 from rlrunbook.kernels import ops as fixed
+from rlrunbook.kernels.coded_weights import FEW_ROWS, CodedWeight, coded, gemm_nt_coded
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -269,6 +270,11 @@ class Decoder:
     # Passes that record no gradient go through the fused kernels (engines/fused_pass.py) where they apply;
     # False: always the chain of operations the trainer differentiates (the same bits, more operations).
     use_fused = True
+    # Where no gradient is recorded, the fused kernels' base products and the output layer's of a few rows read a
+    # frozen float32 weight from its short exact form where it has one (kernels/coded_weights.py: fewer bytes from
+    # memory, the same values); False: always from the float32 weight (the same bits). Set per engine
+    # (HFSamplingEngine's coded_weights, TINKER_LOCAL_CODED_WEIGHTS).
+    coded_weights = True
 
     def adapter_state(self) -> tuple:
         """What decides which adapters a pass adds, for caches keyed by it (captured graphs)."""
@@ -545,9 +551,25 @@ class Decoder:
             result = fixed.linear_known(hidden, base.weight, None, known)
             return result if base is head else self._adapters_added(head, result, hidden, self.pinned, known)
         if self.fixed:
-            return self.linear(self.lm.lm_head, hidden, torch.float32).float()
+            head = self.lm.lm_head
+            base = getattr(head, "base_layer", head)
+            short = self._coded_head(base, hidden)
+            if short is None:
+                return self.linear(head, hidden, torch.float32).float()
+            result = gemm_nt_coded(hidden, short, base.bias)
+            return (result if base is head else self._with_adapters(head, result, hidden)).float()
         logits = _at_least_two_rows(lambda x: self.linear(self.lm.lm_head, x), hidden)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def _coded_head(self, base: torch.nn.Module, hidden: torch.Tensor) -> CodedWeight | None:
+        """The output layer's weight in its short exact form, where a product over it may read that: no gradient
+        recorded, a few float32 hidden states on CPU (at most ``FEW_ROWS``), a frozen float32 weight that has one."""
+        if (not self.coded_weights or torch.is_grad_enabled() or hidden.dtype != torch.float32
+                or hidden.device.type != "cpu" or hidden.dim() != 2 or hidden.shape[0] > FEW_ROWS
+                or hidden.stride(-1) != 1
+                or not isinstance(base, torch.nn.Linear)):
+            return None
+        return coded(base.weight)
 
     def _adds_in_one_kernel(self, module: torch.nn.Module, result: torch.Tensor) -> bool:
         """Whether ``module`` adds to a result like ``result`` at most one plain LoRA adapter, by one kernel

@@ -175,10 +175,13 @@ class HFSamplingEngine(InProcessEngine):
                  max_context: int | None = None, max_batch_rows: int = 256, seed: int = 0,
                  decode_batch: DecodeBatch | None = None, numerics: Numerics | str = "invariant",
                  prefix_cache_tokens: int = 65536, cuda_graphs: bool | None = None, sync_every: int = SYNC_EVERY,
-                 fused_draw: bool = True, share_prefixes: bool = True, kept_products_bytes: int = 0):
+                 fused_draw: bool = True, share_prefixes: bool = True, kept_products_bytes: int = 0,
+                 coded_weights: bool = True):
         super().__init__(pad_token_id=pad_token_id, vocab_size=vocab_size, max_context=max_context,
                          max_batch_rows=max_batch_rows, seed=seed, decode_batch=decode_batch)
         self.decoder = Decoder(model, numerics)
+        # frozen float32 weights read from their short exact form where they have one (kernels/coded_weights.py)
+        self.decoder.coded_weights = coded_weights
         self.prefix_cache_tokens = prefix_cache_tokens
         # Base products of the last calls under one snapshot, kept for the trainer's pass over their tokens (CPU,
         # one sampler per call; at most this many bytes; 0: none). See engines/kept_products.py.

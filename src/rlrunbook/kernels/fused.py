@@ -21,6 +21,7 @@ import torch
 
 from rlrunbook.kernels import cpu, ops
 from rlrunbook.kernels.build import load_library
+from rlrunbook.kernels.coded_weights import CodedWeight
 from rlrunbook.kernels.cpu import SMALL_K, _check, _code, _profiled, _ptr, _threads
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -106,7 +107,9 @@ Adapter = tuple[torch.Tensor, torch.Tensor, float]  # LoRA (A [r, in], B [out, r
 class LoraLinears:
     """A projection group prepared for :func:`lora_linears`: the stacked base weight ``[N, K]`` (and bias), each
     projection's output columns, and per adapter slot each projection's LoRA adapter ``(A, B, scaling)`` or
-    ``None`` (one slot: one adapter for every row; several: see :func:`lora_linears`'s ``bounds``)."""
+    ``None`` (one slot: one adapter for every row; several: see :func:`lora_linears`'s ``bounds``). ``coded``: the
+    stacked weight's coded form (:mod:`rlrunbook.kernels.coded_weights`), which the base product then reads instead
+    of ``weight`` (the same values: the same bits), or ``None``."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -114,10 +117,12 @@ class LoraLinears:
     slots: tuple[tuple[Adapter | None, ...], ...]
     adapter_dtype: torch.dtype
     _args: tuple  # the C arrays, the adapters' storage code and the factors they point to, built once
+    coded: CodedWeight | None = None
+    _coded_form: ctypes.Structure | None = None  # c/fused.c's coded_form of ``coded``
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int],
-                *slots: Sequence[Adapter | None]) -> LoraLinears | None:
+                *slots: Sequence[Adapter | None], coded: CodedWeight | None = None) -> LoraLinears | None:
         """The prepared group, or ``None`` where these kernels cannot compute it as the decoder's chain does
         (mixed or unsupported dtypes, non-contiguous factors, a float32 model with bfloat16 factors). Each of
         ``slots`` gives one adapter per projection (``None``: none); at least one slot."""
@@ -142,8 +147,12 @@ class LoraLinears:
         scalings = (ctypes.c_float * len(flat))(*[0.0 if a is None else a[2] for a in flat])
         bias32 = None if bias is None else bias.detach().float().contiguous()
         code = 0 if adapter_dtype == torch.float32 else 1
+        if coded is not None and (coded.shape != tuple(weight.shape) or weight.dtype != torch.float32):
+            raise ValueError(f"LoraLinears.prepare: a coded weight {coded.shape} for a {tuple(weight.shape)} "
+                             f"{weight.dtype} weight")
+        form = None if coded is None else _CodedForm(*coded.c_args())
         return cls(weight, bias32, tuple(sizes), tuple(tuple(adapters) for adapters in slots), adapter_dtype,
-                   (cols, a_ptrs, b_ptrs, ranks, scalings, code, seconds))
+                   (cols, a_ptrs, b_ptrs, ranks, scalings, code, seconds), coded, form)
 
 
 def _slot_bounds(name: str, bounds: Sequence[int] | None, rows: int, slots: int) -> Sequence[int]:
@@ -182,8 +191,9 @@ def lora_linears(x: torch.Tensor, group: LoraLinears, bounds: Sequence[int] | No
     if m and n:
         cols, a_ptrs, b_ptrs, ranks, scalings, adapter_code, _ = group._args
         t = _code(x, "x")
+        form = None if group._coded_form is None else ctypes.byref(group._coded_form)
         _check(load_library().lora_linears(
-            _ptr(x), t, x.stride(0), m, k, _ptr(group.weight), group.weight.stride(0), _ptr(group.bias), n,
+            _ptr(x), t, x.stride(0), m, k, _ptr(group.weight), group.weight.stride(0), form, _ptr(group.bias), n,
             _ptr(out), t, n, len(group.sizes), cols, a_ptrs, b_ptrs, ranks, scalings,
             adapter_code, count, (ctypes.c_int64 * (count + 1))(*bounds), _ptr(kept), _threads()), "lora_linears")
     return out
@@ -228,10 +238,18 @@ def cached_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out[:, :heads * head_dim]
 
 
+class _CodedForm(ctypes.Structure):
+    """``coded_form`` of ``c/fused.c``: a :class:`~rlrunbook.kernels.coded_weights.CodedWeight` (kind 0: none)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p)]
+
+
 class _Group(ctypes.Structure):
     """``lora_group`` of ``c/fused.c``: a :class:`LoraLinears` as ``decode_layers`` reads it."""
 
-    _fields_ = [("W", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("N", ctypes.c_int64), ("bias", ctypes.c_void_p),
+    _fields_ = [("W", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("N", ctypes.c_int64), ("coded", _CodedForm),
+                ("bias", ctypes.c_void_p),
                 ("P", ctypes.c_int64), ("cols", ctypes.c_void_p), ("A", ctypes.c_void_p), ("B", ctypes.c_void_p),
                 ("ranks", ctypes.c_void_p), ("scalings", ctypes.c_void_p), ("ta", ctypes.c_int64)]
 
@@ -247,7 +265,8 @@ class _Layer(ctypes.Structure):
 def _group_struct(group: LoraLinears) -> _Group:
     cols, a_ptrs, b_ptrs, ranks, scalings, adapter_code, _ = group._args
     address = ctypes.addressof
-    return _Group(group.weight.data_ptr(), group.weight.stride(0), group.weight.shape[0],
+    form = _CodedForm() if group._coded_form is None else group._coded_form
+    return _Group(group.weight.data_ptr(), group.weight.stride(0), group.weight.shape[0], form,
                   None if group.bias is None else group.bias.data_ptr(), len(group.sizes), address(cols),
                   address(a_ptrs), address(b_ptrs), address(ranks), address(scalings), adapter_code)
 

@@ -291,6 +291,18 @@ def test_settings_from_env():
         LocalSettings.from_env({"TINKER_LOCAL_DTYPE": "int8"})
 
 
+def test_coded_weights_are_on_unless_turned_off():
+    assert LocalSettings.from_env({}).coded_weights is True
+    assert LocalSettings.from_env({"TINKER_LOCAL_CODED_WEIGHTS": "0"}).coded_weights is False
+    with pytest.raises(ConfigError, match="TINKER_LOCAL_CODED_WEIGHTS='yes' must be 1"):
+        LocalSettings.from_env({"TINKER_LOCAL_CODED_WEIGHTS": "yes"})
+    from rlrunbook.backend.model_host import load_host
+
+    for coded in (True, False):  # what the backend's engine is told (kernels/coded_weights.py)
+        host = load_host("tiny", LocalSettings(device="cpu", dtype=torch.float32, coded_weights=coded))
+        assert host.engine.decoder.coded_weights is coded
+
+
 def test_concurrent_sample_requests_become_one_engine_call(trainer_client, local_service):
     """A round of requests submitted before waiting runs as one batch, and each gets what it would alone."""
     sampler = trainer_client.save_weights_and_get_sampling_client()

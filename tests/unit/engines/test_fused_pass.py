@@ -20,7 +20,9 @@ from rlrunbook.engines.filters import SamplingFilters
 from rlrunbook.engines.fused_pass import FusedPass
 from rlrunbook.engines.hf import HFSamplingEngine
 from rlrunbook.engines.layouts import RowCache
+from rlrunbook.kernels import coded_weights, fused
 from rlrunbook.testing.decode_parity import assert_decode_steps_equal_the_training_pass
+from rlrunbook.testing.quantized import q4_1, q8_0
 
 _SHAPES = {
     "llama-64": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -148,3 +150,48 @@ def test_the_training_pass_adds_each_lora_update_in_one_kernel(rank):
     layers = len(model.get_base_model().model.layers)
     assert calls == ({"lora_added": 7 * layers, "add_scaled": 0} if rank <= 64 else
                      {"lora_added": 0, "add_scaled": 7 * layers}), calls
+
+
+def _quantized_model(tie: bool) -> torch.nn.Module:
+    """A Llama whose base weights hold a quantized checkpoint's values (projections Q4_1, embedding and output layer
+    Q8_0, as the built-in SmolLM2's GGUF), rows of whole 32-value blocks and over SMALL_K terms, with LoRA."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, num_hidden_layers=2, max_position_embeddings=256, hidden_size=128,
+                         intermediate_size=224, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(q8_0(parameter) if "embed" in name or "lm_head" in name else q4_1(parameter))
+    model = wrap_with_lora(model, rank=8, alpha=24, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_sampling_reads_quantized_base_weights_from_their_codes_with_the_same_bits(tie, monkeypatch):
+    """Where the base weights have a short exact form (kernels/coded_weights.py), decode steps read it: every
+    projection group and the output layer, with the tokens and logprobs of a pass over the float32 weights."""
+    model = _quantized_model(tie)
+    read = []
+    original = coded_weights.gemm_nt_coded
+    monkeypatch.setattr("rlrunbook.engines.decoder.gemm_nt_coded",
+                        lambda *args: read.append(args[1].kind) or original(*args))
+    prepared = []
+    original_prepare = fused.LoraLinears.prepare.__func__
+    monkeypatch.setattr(fused.LoraLinears, "prepare", classmethod(
+        lambda cls, *args, **kwargs: prepared.append(kwargs.get("coded")) or original_prepare(cls, *args, **kwargs)))
+    short = _sample(model, True, monkeypatch)
+    assert read and set(read) == {"q8"}  # the output layer's product, at every decode step
+    assert prepared and all(form is not None and form.kind == "q4" for form in prepared)  # 4 groups a layer
+    monkeypatch.setattr(Decoder, "coded_weights", False)
+    assert short == _sample(model, True, monkeypatch) == _sample(model, False, monkeypatch)
+
+
+def test_decode_steps_over_coded_weights_equal_the_trainers_pass():
+    decoder = Decoder(_quantized_model(tie=False))
+    tokens = [1, 285, 201, 279, 261, 223, 40, 41, 300, 12, 99, 7, 100, 18]
+    assert_decode_steps_equal_the_training_pass(decoder, tokens, record_grad=True)

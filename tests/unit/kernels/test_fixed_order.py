@@ -432,6 +432,34 @@ def test_the_vector_width_changes_no_bit(avx2_build):
     assert torch.equal(lse, cpu.row_logsumexp(x))
 
 
+@AVX512_HOST
+def test_an_avx2_build_codes_and_decodes_weights_to_the_same_bits(avx2_build):
+    """The coded weights' widening has an AVX2 path of its own: that build finds the codes this machine's finds and
+    its product over them has the float32 product's bits (kernels/coded_weights.py)."""
+    import ctypes
+
+    from rlrunbook.kernels.coded_weights import KINDS, code_weight
+    from rlrunbook.testing.quantized import q4_1, q8_0
+
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 576, generator=generator)
+
+    def p(t):
+        return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+    for weight in (q4_1(torch.randn(70, 576, generator=generator)), q8_0(torch.randn(70, 576, generator=generator)),
+                   torch.randn(70, 576, generator=generator).bfloat16().float()):
+        mine = code_weight(weight)
+        codes, scales, offsets = (torch.empty_like(t) for t in (mine.codes, mine.scales, mine.offsets))
+        kind = KINDS[mine.kind]
+        assert avx2_build.code_weight(p(weight), 576, 70, 576, kind, p(codes), p(scales), p(offsets), 2) == 0
+        assert torch.equal(codes, mine.codes) and torch.equal(scales, mine.scales), mine.kind
+        out = torch.empty(5, 70)
+        assert avx2_build.gemm_nt_coded(p(x), 576, kind, p(codes), p(scales), p(offsets), None, p(out), 0, 70, 5,
+                                        70, 576, 2) == 0
+        assert torch.equal(out, cpu.gemm_nt(x, weight, None, torch.float32)), mine.kind
+
+
 AVX512_BF16_HOST = pytest.mark.skipif(not {"avx512f", "avx512_bf16"} <= set(build._cpu_flags().split()),
                                       reason="needs an x86 CPU with AVX-512 and its bf16 instruction")
 

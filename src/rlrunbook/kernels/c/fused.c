@@ -34,7 +34,18 @@ int attention_fwd_parts(const void *q, const void *k, const void *v, const int64
                         int64_t D, int64_t q_row, int64_t k_row, int tq, int tk, float scale, const int64_t *order,
                         const int64_t *starts, const int64_t *reload, int64_t parts, int nthreads);
 
+int gemm_nt_coded(const float *A, int64_t lda, int kind, const uint8_t *codes, const float *scales,
+                  const float *offsets, const float *bias, void *C, int tc, int64_t ldc, int64_t M, int64_t N,
+                  int64_t K, int nthreads);
+
 #define SMALL_K 64 /* as rlrunbook/kernels/ops.py: products over at most this many terms are sequential */
+
+/* A base weight's coded form (products.c: gemm_nt_coded), or kind 0: none */
+typedef struct {
+  int64_t kind;
+  const uint8_t *codes;
+  const float *scales, *offsets;
+} coded_form;
 
 static inline size_t esize(int type) { return type == BF16 ? 2 : 4; }
 
@@ -63,6 +74,22 @@ static int product(const void *A, int ta, int64_t lda, const void *B, int tb, in
   int status = gemm_seq(A, ta, lda, 1, bt, tb, N, bias, C, tc, ldc, M, N, K, nthreads);
   free(bt);
   return status;
+}
+
+/* Products of at most this many rows read a base weight from its coded form: a few rows (a decode step's) compute
+ * little per weight, so the weight's bytes bound them; more rows reuse each panel of B across their rows (as
+ * rlrunbook/kernels/coded_weights.py: FEW_ROWS). */
+#define CODED_MAX_ROWS 64
+
+/* product() of a base weight B, read from its coded form where it has one and the product has few rows (the same
+ * values, so the same bits: a float32 product over more than SMALL_K terms) */
+static int base_product(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb,
+                        const coded_form *coded, const float *bias, void *C, int tc, int64_t ldc, int64_t M, int64_t N,
+                        int64_t K, int nthreads) {
+  if (coded && coded->kind && M <= CODED_MAX_ROWS && K > SMALL_K && ta == F32 && tb == F32)
+    return gemm_nt_coded(A, lda, (int)coded->kind, coded->codes, coded->scales, coded->offsets, bias, C, tc, ldc, M, N,
+                         K, nthreads);
+  return product(A, ta, lda, B, tb, ldb, bias, C, tc, ldc, M, N, K, nthreads);
 }
 
 /* -- RMSNorm ------------------------------------------------------------------------------------------ */
@@ -302,9 +329,10 @@ static int add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, con
 }
 
 /* C [M, N] = X @ W^T (+ bias), W the stacked base weights of P projections (their outputs are C's columns
- * cols[p] .. cols[p + 1]); then each projection p with an adapter adds peft's update
- * round(round(round(round(X) @ A^T) @ B^T) * scaling) to its columns (rounding to ta each step, the sum rounded
- * to C's type tc): the decoder's fixed-numerics linears with one LoRA adapter per projection.
+ * cols[p] .. cols[p + 1]; W read from `coded` where that is not NULL and has a kind: the same values); then each
+ * projection p with an adapter adds peft's update round(round(round(round(X) @ A^T) @ B^T) * scaling) to its
+ * columns (rounding to ta each step, the sum rounded to C's type tc): the decoder's fixed-numerics linears with one
+ * LoRA adapter per projection.
  * Several adapters in one pass: the rows are cut into S slots, slot s being rows bounds[s] .. bounds[s + 1], and
  * slot s's rows take adapter p * S + s (A [ranks[.], K]; B [cols[p+1] - cols[p], ranks[.]], given transposed,
  * [ranks[.], cols[p+1] - cols[p]], where the rank is at most SMALL_K, as product() would transpose it; storage
@@ -313,11 +341,11 @@ static int add_update(void *C, int tc, int64_t ldc, int64_t M, int64_t cols, con
  * Kept (not NULL): the outputs written a second time, as [M, N] contiguous rows of type tc (what the trainer's pass
  * over the same tokens and weights computes: rlrunbook.engines.kept_products). */
 int lora_linears(const void *X, int tx, int64_t ldx, int64_t M, int64_t K, const void *W, int64_t ldw,
-                 const float *bias, int64_t N, void *C, int tc, int64_t ldc, int P, const int64_t *cols,
-                 const void *const *A, const void *const *B, const int64_t *ranks, const float *scalings, int ta,
-                 int S, const int64_t *bounds, void *Kept, int nthreads) {
+                 const coded_form *coded, const float *bias, int64_t N, void *C, int tc, int64_t ldc, int P,
+                 const int64_t *cols, const void *const *A, const void *const *B, const int64_t *ranks,
+                 const float *scalings, int ta, int S, const int64_t *bounds, void *Kept, int nthreads) {
   size_t e = esize(tc);
-  if (product(X, tx, ldx, W, tx, ldw, bias, C, tc, ldc, M, N, K, nthreads)) return 1;
+  if (base_product(X, tx, ldx, W, tx, ldw, coded, bias, C, tc, ldc, M, N, K, nthreads)) return 1;
   for (int p = 0; p < P; p++) {
     for (int s = 0; s < S; s++) {
       int64_t at = p * S + s, first = bounds[s], rows = bounds[s + 1] - bounds[s];
@@ -412,6 +440,7 @@ int cached_attention(const void *QKV, int64_t qkv_row, void *Kc, void *Vc, int64
 typedef struct {
   const void *W;
   int64_t ldw, N;
+  coded_form coded;
   const float *bias;
   int64_t P;
   const int64_t *cols;
@@ -463,25 +492,29 @@ int decode_layers(void *H, void *X, int64_t M, int64_t E, int t, int64_t L, cons
     const decode_layer *y = &layers[l];
     const lora_group *g = &y->qkv;
     void *const *k = kept ? kept + 4 * l : NULL;
-    failed = lora_linears(X, t, E, M, E, g->W, g->ldw, g->bias, g->N, qkv, t, wq, (int)g->P, g->cols, g->A, g->B,
-                          g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[0] : NULL, nthreads) ||
+    failed = lora_linears(X, t, E, M, E, g->W, g->ldw, &g->coded, g->bias, g->N, qkv, t, wq, (int)g->P, g->cols,
+                          g->A, g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[0] : NULL,
+                          nthreads) ||
              rotary(qkv, wq, M, heads + kv_heads, D, cos_, sin_, t, nthreads) ||
              cached_attention(qkv, wq, keys[l], values[l], c_row, lengths, kpos, kvalid, att, M, S, heads, kv_heads,
                               D, t, y->scale, order, starts, reload, parts, nthreads);
     if (failed) break;
     g = &y->o;
-    failed = lora_linears(att, t, wq, M, heads * D, g->W, g->ldw, g->bias, g->N, out, t, E, (int)g->P, g->cols, g->A,
-                          g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[1] : NULL, nthreads) ||
+    failed = lora_linears(att, t, wq, M, heads * D, g->W, g->ldw, &g->coded, g->bias, g->N, out, t, E, (int)g->P,
+                          g->cols, g->A, g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[1] : NULL,
+                          nthreads) ||
              add_rms_norm(H, out, H, M, E, y->post_norm, y->post_eps, X, t, nthreads);
     if (failed) break;
     g = &y->gate_up;
-    failed = lora_linears(X, t, E, M, E, g->W, g->ldw, g->bias, g->N, gu, t, wgu, (int)g->P, g->cols, g->A, g->B,
-                          g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[2] : NULL, nthreads) ||
+    failed = lora_linears(X, t, E, M, E, g->W, g->ldw, &g->coded, g->bias, g->N, gu, t, wgu, (int)g->P, g->cols,
+                          g->A, g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[2] : NULL,
+                          nthreads) ||
              silu_mul(gu, wgu, M, wgu / 2, act, t, nthreads);
     if (failed) break;
     g = &y->down;
-    failed = lora_linears(act, t, wgu / 2, M, wgu / 2, g->W, g->ldw, g->bias, g->N, out, t, E, (int)g->P, g->cols,
-                          g->A, g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds, k ? k[3] : NULL, nthreads) ||
+    failed = lora_linears(act, t, wgu / 2, M, wgu / 2, g->W, g->ldw, &g->coded, g->bias, g->N, out, t, E,
+                          (int)g->P, g->cols, g->A, g->B, g->ranks, g->scalings, (int)g->ta, slots, bounds,
+                          k ? k[3] : NULL, nthreads) ||
              add_rms_norm(H, out, H, M, E, y->next_norm, y->next_eps, X, t, nthreads);
   }
   free(scratch);

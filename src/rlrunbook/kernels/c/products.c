@@ -189,6 +189,8 @@ typedef struct {
   void *C;
   int tc;
   int64_t ldc, units, panels, rowblocks, chunks;
+  int64_t b_first; /* the row of B that b points to (0; a coded product's panel: its first row) */
+  int ahead;       /* whether items of few rows request the next panel of B ahead (not from a decoded panel) */
 } nt_work;
 
 /* Work item `item`: panel item % panels of B's rows, A's row group item / panels, in `rows` x `cols` tiles (constants
@@ -204,7 +206,7 @@ static inline __attribute__((always_inline)) void nt_item(const nt_work *w, int6
    * panel's work. */
   const char *next = NULL;
   int64_t next_lines = 0, per_tile = 0;
-  if (m1 - m0 <= NT_PREFETCH_ROWS && n1 < N) {
+  if (w->ahead && m1 - m0 <= NT_PREFETCH_ROWS && n1 < N) {
     int64_t next_rows = panel_start(p + 2, w->panels, w->units, cols, N) - n1;
     int64_t tiles = (m1 - m0 + rows - 1) / rows * ((n1 - n0 + cols - 1) / cols);
     next = w->b + n1 * w->lb * (int64_t)w->esize;
@@ -216,7 +218,8 @@ static inline __attribute__((always_inline)) void nt_item(const nt_work *w, int6
   for (int64_t m = m0; m < m1; m += rows)
     for (int64_t n = n0; n < n1; n += cols) {
       int64_t ahead = next_lines - fetched < per_tile ? next_lines - fetched : per_tile;
-      nt_args t = {w->a + m * w->la * (int64_t)w->esize, w->b + n * w->lb * (int64_t)w->esize, w->la, w->lb, w->K,
+      nt_args t = {w->a + m * w->la * (int64_t)w->esize, w->b + (n - w->b_first) * w->lb * (int64_t)w->esize, w->la,
+                   w->lb, w->K,
                    (int)(m1 - m < rows ? m1 - m : rows), (int)(n1 - n < cols ? n1 - n : cols),
                    next ? next + fetched * 64 : NULL, ahead};
       fetched += ahead;
@@ -248,6 +251,44 @@ static int64_t nt_panel_rows(int64_t M, int64_t K) { /* float32 panels: two bflo
   return 2 * NT_PANEL * K * 4 <= l2 / 4 ? 2 * NT_PANEL : NT_PANEL;
 }
 
+/* The work items of a product of M rows of A by N rows of B over K: its tile (`tall`: NT_TALL_ROWS x NT_TALL_COLS,
+ * else NT_ROWS x NT_COLS, or NT_PAIR_ROWS x NT_COLS for two bfloat16 inputs), panels of B rows and groups of A rows,
+ * enough groups to feed every thread. The panels (about NT_PANEL rows, whole micro-tiles) are as many as a multiple
+ * of the threads where there are at least as many: 9 panels of a 576-row B on 2 threads left one thread idle for a
+ * ninth of the product. A and B's pointers are left for the caller. */
+static nt_work nt_plan(int pairs, int64_t M, int64_t N, int64_t K, const float *bias, void *C, int tc, int64_t ldc,
+                       int nthreads, int *tall) {
+  int64_t tile_rows = pairs ? NT_PAIR_ROWS : NT_ROWS, tile_cols = NT_COLS;
+  *tall = 0;
+#ifdef NT_TALL_ROWS
+  if (!pairs && M <= 2 * NT_TALL_ROWS && padded(M, NT_TALL_ROWS) < padded(M, NT_ROWS)) { /* 7, 8, 13-16 rows */
+    tile_rows = NT_TALL_ROWS, tile_cols = NT_TALL_COLS;
+    *tall = 1;
+  }
+#endif
+  int64_t panel_rows = pairs ? NT_PANEL : nt_panel_rows(M, K);
+  int64_t units = (N + tile_cols - 1) / tile_cols, panels = (N + panel_rows - 1) / panel_rows;
+  int64_t rowblocks = (M + tile_rows - 1) / tile_rows;
+  if (nthreads > 1 && panels >= nthreads && panels % nthreads) {
+    panels += nthreads - panels % nthreads;
+    if (panels > units) panels = units;
+  }
+  int64_t chunks = panels >= 4 * (int64_t)nthreads ? 1 : (4 * (int64_t)nthreads + panels - 1) / panels;
+  if (chunks > rowblocks) chunks = rowblocks;
+  return (nt_work){NULL, NULL, 0, 0, K, M, N, pairs ? 2 : 4, bias, C, tc, ldc, units, panels, rowblocks, chunks, 0, 1};
+}
+
+/* One work item of a plan by its tile */
+static inline void nt_run_item(const nt_work *w, int64_t item, int pairs, int tall) {
+#ifdef NT_TALL_ROWS
+  if (tall) nt_item(w, item, nt_tile_f32_tall, nt_tile_f32_tall, NT_TALL_ROWS, NT_TALL_COLS);
+  else
+#endif
+  if (pairs) nt_item(w, item, nt_tile_bf16, nt_tile_bf16, NT_PAIR_ROWS, NT_COLS);
+  else nt_item(w, item, nt_tile_f32, nt_tile_f32_ahead, NT_ROWS, NT_COLS);
+  (void)tall;
+}
+
 int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t ldb, const float *bias, void *C,
             int tc, int64_t ldc, int64_t M, int64_t N, int64_t K, int nthreads) {
   int pairs = ta == BF16 && tb == BF16;
@@ -265,40 +306,255 @@ int gemm_nt(const void *A, int ta, int64_t lda, const void *B, int tb, int64_t l
     }
     b = b32, lb = K;
   }
-  int64_t tile_rows = pairs ? NT_PAIR_ROWS : NT_ROWS, tile_cols = NT_COLS;
-  int tall = 0;
-#ifdef NT_TALL_ROWS
-  if (!pairs && M <= 2 * NT_TALL_ROWS && padded(M, NT_TALL_ROWS) < padded(M, NT_ROWS)) { /* 7, 8, 13-16 rows */
-    tile_rows = NT_TALL_ROWS, tile_cols = NT_TALL_COLS;
-    tall = 1;
-  }
-#endif
-  /* work items: panels of B rows x groups of A rows, enough groups to feed every thread. The panels (about NT_PANEL
-   * rows, whole micro-tiles) are as many as a multiple of the threads where there are at least as many: 9 panels of a
-   * 576-row B on 2 threads left one thread idle for a ninth of the product. */
-  int64_t panel_rows = pairs ? NT_PANEL : nt_panel_rows(M, K);
-  int64_t units = (N + tile_cols - 1) / tile_cols, panels = (N + panel_rows - 1) / panel_rows;
-  int64_t rowblocks = (M + tile_rows - 1) / tile_rows;
-  if (nthreads > 1 && panels >= nthreads && panels % nthreads) {
-    panels += nthreads - panels % nthreads;
-    if (panels > units) panels = units;
-  }
-  int64_t chunks = panels >= 4 * (int64_t)nthreads ? 1 : (4 * (int64_t)nthreads + panels - 1) / panels;
-  if (chunks > rowblocks) chunks = rowblocks;
-  const nt_work w = {a, b, la, lb, K, M, N, pairs ? 2 : 4, bias, C, tc, ldc, units, panels, rowblocks, chunks};
-  int64_t items = panels * chunks;
+  int tall;
+  nt_work w = nt_plan(pairs, M, N, K, bias, C, tc, ldc, nthreads, &tall);
+  w.a = a, w.b = b, w.la = la, w.lb = lb;
+  int64_t items = w.panels * w.chunks;
 #pragma omp parallel for schedule(static) num_threads(threads_for(items, nthreads))
-  for (int64_t item = 0; item < items; item++) {
-#ifdef NT_TALL_ROWS
-    if (tall) nt_item(&w, item, nt_tile_f32_tall, nt_tile_f32_tall, NT_TALL_ROWS, NT_TALL_COLS);
-    else
-#endif
-    if (pairs) nt_item(&w, item, nt_tile_bf16, nt_tile_bf16, NT_PAIR_ROWS, NT_COLS);
-    else nt_item(&w, item, nt_tile_f32, nt_tile_f32_ahead, NT_ROWS, NT_COLS);
-  }
+  for (int64_t item = 0; item < items; item++) nt_run_item(&w, item, pairs, tall);
   free(a32);
   free(b32);
   return 0;
+}
+
+/* -- coded weights: a float32 matrix stored in fewer bytes, decoded to the very same values --------------------
+ * A frozen weight whose values all have a short exact form (a checkpoint quantized before it was converted to float32,
+ * or one stored in bfloat16) is kept in that form too, and a product over it decodes each panel of B rows into a
+ * float32 buffer that the tile then reads as it reads B: the same values in the same order, so the same bits, with
+ * 2-5.3 times fewer of the weight's bytes read from memory (a decode step's products wait on them). Per row, in blocks
+ * of CODED_BLOCK values along K (K a multiple of it):
+ *   CODED_Q4: 4-bit codes q (block byte j: value j in its low half, value j + 16 in its high half) with a float32
+ *             scale d and offset m per block: value = d * q + m, as coded_row computes it;
+ *   CODED_Q8: signed 8-bit codes with a scale per block: value = d * q;
+ *   CODED_BF16: the value's upper 16 bits (its lower 16 are zero).
+ * code_weight finds the codes and checks every value by decoding it with the function the product uses. */
+#define CODED_BLOCK 32
+#define CODED_Q4 1
+#define CODED_Q8 2
+#define CODED_BF16 3
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* 16 bytes (unsigned or signed) or 16 half-words at p, each widened to a 32-bit lane (one instruction on AVX-512 and
+ * two on AVX2: GCC lowers a generic vector conversion of bytes to one lane at a time) */
+static inline v16i widen_u8(const uint8_t *p) {
+  v16i out;
+#if defined(__AVX512F__)
+  __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+  memcpy(&out, &w, 64);
+#elif defined(__AVX2__)
+  __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+  memcpy(&out, &lo, 32);
+  memcpy((char *)&out + 32, &hi, 32);
+#else
+  for (int j = 0; j < 16; j++) out[j] = p[j];
+#endif
+  return out;
+}
+
+static inline v16i widen_i8(const uint8_t *p) {
+  v16i out;
+#if defined(__AVX512F__)
+  __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+  memcpy(&out, &w, 64);
+#elif defined(__AVX2__)
+  __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+  memcpy(&out, &lo, 32);
+  memcpy((char *)&out + 32, &hi, 32);
+#else
+  for (int j = 0; j < 16; j++) out[j] = (int8_t)p[j];
+#endif
+  return out;
+}
+
+static inline v16i widen_u16(const uint8_t *p) {
+  v16i out;
+#if defined(__AVX512F__)
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+  memcpy(&out, &w, 64);
+#elif defined(__AVX2__)
+  __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+  __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+  memcpy(&out, &lo, 32);
+  memcpy((char *)&out + 32, &hi, 32);
+#else
+  for (int j = 0; j < 16; j++) {
+    uint16_t h;
+    memcpy(&h, p + 2 * j, 2);
+    out[j] = h;
+  }
+#endif
+  return out;
+}
+
+/* Bytes of codes per row of K values */
+static inline int64_t coded_row_bytes(int kind, int64_t K) {
+  return kind == CODED_Q4 ? K / 2 : kind == CODED_Q8 ? K : 2 * K;
+}
+
+/* Row n's K values into out. One compiled copy (never inlined), which the encoder's check and every product call:
+ * whatever the compiler does with a product and a sum (a fused multiply-add or not), the values checked are the
+ * values read. */
+__attribute__((noinline)) static void coded_row(int kind, const uint8_t *codes, const float *scales,
+                                                const float *offsets, int64_t n, int64_t K, float *out) {
+  int64_t blocks = K / CODED_BLOCK;
+  const uint8_t *row = codes + n * coded_row_bytes(kind, K);
+  for (int64_t b = 0; b < blocks; b++) {
+    float *o = out + b * CODED_BLOCK;
+    if (kind == CODED_BF16) {
+      for (int h = 0; h < 2; h++) {
+        v16i wide = widen_u16(row + (b * CODED_BLOCK + 16 * h) * 2) << 16;
+        memcpy(o + 16 * h, &wide, 64);
+      }
+      continue;
+    }
+    v16 d = splat(scales[n * blocks + b]);
+    if (kind == CODED_Q8) {
+      for (int h = 0; h < 2; h++) {
+        v16 x = __builtin_convertvector(widen_i8(row + b * CODED_BLOCK + 16 * h), v16) * d;
+        memcpy(o + 16 * h, &x, 64);
+      }
+      continue;
+    }
+    v16i q = widen_u8(row + b * (CODED_BLOCK / 2));
+    v16 m = splat(offsets[n * blocks + b]);
+    v16 lo = __builtin_convertvector(q & 15, v16) * d, hi = __builtin_convertvector(q >> 4, v16) * d;
+    lo = lo + m, hi = hi + m;
+    memcpy(o, &lo, 64);
+    memcpy(o + 16, &hi, 64);
+  }
+}
+
+/* x rounded to the nearest half-precision value (ties to even; float32 arithmetic, no f16 type needed), and that
+ * value's spacing; 0 where x is not a positive finite value within half precision's range. */
+static float nearest_half(float x, float *spacing) {
+  *spacing = 0.0f;
+  if (!(x > 0.0f) || x > 65504.0f) return 0.0f;
+  int e;
+  frexpf(x, &e); /* x = f 2^e, f in [0.5, 1) */
+  float ulp = ldexpf(1.0f, (e - 1 < -14 ? -14 : e - 1) - 10);
+  *spacing = ulp;
+  return nearbyintf(x / ulp) * ulp;
+}
+
+/* Block b of row n: codes, scale and offset such that coded_row gives back its values bit for bit; 1 where none
+ * was found. The scale is tried at the half-precision value nearest the block's spread over the code range and at
+ * its neighbours (quantizers store it in half precision); the offset is the block's least value (its code 0). */
+static int code_block(int kind, const float *w, int64_t n, int64_t b, int64_t K, uint8_t *codes, float *scales,
+                      float *offsets) {
+  int64_t blocks = K / CODED_BLOCK;
+  uint8_t *row = codes + n * coded_row_bytes(kind, K);
+  if (kind == CODED_BF16) {
+    for (int i = 0; i < CODED_BLOCK; i++) {
+      uint32_t bits;
+      memcpy(&bits, w + i, 4);
+      if (bits & 0xffff) return 1;
+      uint16_t top = (uint16_t)(bits >> 16);
+      memcpy(row + (b * CODED_BLOCK + i) * 2, &top, 2);
+    }
+    return 0;
+  }
+  float lo = w[0], hi = w[0], amax = 0.0f;
+  for (int i = 0; i < CODED_BLOCK; i++) {
+    if (!isfinite(w[i])) return 1;
+    lo = w[i] < lo ? w[i] : lo, hi = w[i] > hi ? w[i] : hi;
+    amax = fabsf(w[i]) > amax ? fabsf(w[i]) : amax;
+  }
+  float spacing, est = nearest_half(kind == CODED_Q4 ? (hi - lo) / 15.0f : amax / 127.0f, &spacing);
+  const float tries[4] = {est, est + spacing, est - spacing, est - spacing / 2};
+  float out[CODED_BLOCK];
+  for (int t = 0; t < 4; t++) {
+    float d = hi == lo && kind == CODED_Q4 ? 0.0f : tries[t];
+    if (d < 0.0f || (d == 0.0f && kind == CODED_Q8 && amax != 0.0f)) continue;
+    scales[n * blocks + b] = d;
+    if (kind == CODED_Q4) offsets[n * blocks + b] = lo;
+    for (int i = 0; i < CODED_BLOCK; i++) {
+      float q = d == 0.0f ? 0.0f : nearbyintf((kind == CODED_Q4 ? w[i] - lo : w[i]) / d);
+      if (kind == CODED_Q4) {
+        int c = q < 0.0f ? 0 : q > 15.0f ? 15 : (int)q;
+        uint8_t *at = row + b * (CODED_BLOCK / 2) + i % 16;
+        *at = i < 16 ? (uint8_t)((*at & 0xf0) | c) : (uint8_t)((*at & 0x0f) | (c << 4));
+      } else {
+        int c = q < -128.0f ? -128 : q > 127.0f ? 127 : (int)q;
+        row[b * CODED_BLOCK + i] = (uint8_t)(int8_t)c;
+      }
+    }
+    /* decode this block alone (a one-block row at its place) and compare bits */
+    float one_scale = scales[n * blocks + b], one_offset = kind == CODED_Q4 ? offsets[n * blocks + b] : 0.0f;
+    const uint8_t *block_codes = row + b * (kind == CODED_Q4 ? CODED_BLOCK / 2 : CODED_BLOCK);
+    coded_row(kind, block_codes, &one_scale, &one_offset, 0, CODED_BLOCK, out);
+    if (memcmp(out, w, sizeof out) == 0) return 0;
+    if (d == 0.0f) break;
+  }
+  return 1;
+}
+
+/* Codes for W [N, K] (row stride ldw; K a multiple of CODED_BLOCK) in `kind`: codes [N, row bytes], scales and
+ * offsets [N, K / CODED_BLOCK] (offsets for CODED_Q4 only). Returns 0 where every value decodes to its own bits,
+ * 1 where some value has no such code (the outputs are then unspecified), 2 for a K or kind it does not take. */
+int code_weight(const float *W, int64_t ldw, int64_t N, int64_t K, int kind, uint8_t *codes, float *scales,
+                float *offsets, int nthreads) {
+  if (K <= 0 || K % CODED_BLOCK || kind < CODED_Q4 || kind > CODED_BF16) return 2;
+  int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads_for(N, nthreads)) reduction(| : failed)
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t b = 0; b < K / CODED_BLOCK && !failed; b++)
+      failed |= code_block(kind, W + n * ldw + b * CODED_BLOCK, n, b, K, codes, scales, offsets);
+  return failed;
+}
+
+/* The values of rows [0, N) of a coded weight into W [N, K] (contiguous) */
+void decode_weight(int kind, const uint8_t *codes, const float *scales, const float *offsets, int64_t N, int64_t K,
+                   float *W) {
+  for (int64_t n = 0; n < N; n++) coded_row(kind, codes, scales, offsets, n, K, W + n * K);
+}
+
+/* gemm_nt with A float32 and B a coded weight [N, K]: each work item decodes its panel of B into its thread's
+ * buffer, then runs gemm_nt's tiles over it. The plan, tiles and sums are gemm_nt's for a float32 B of these
+ * values: the same bits. */
+int gemm_nt_coded(const float *A, int64_t lda, int kind, const uint8_t *codes, const float *scales,
+                  const float *offsets, const float *bias, void *C, int tc, int64_t ldc, int64_t M, int64_t N,
+                  int64_t K, int nthreads) {
+  if (K % CODED_BLOCK) return 2;
+  int tall, failed = 0;
+  nt_work plan = nt_plan(0, M, N, K, bias, C, tc, ldc, nthreads, &tall);
+#ifdef NT_TALL_COLS
+  const int64_t cols = tall ? NT_TALL_COLS : NT_COLS; /* B rows per micro-tile: panels are whole tiles */
+#else
+  const int64_t cols = NT_COLS;
+#endif
+  plan.a = (const char *)A, plan.la = lda, plan.lb = K, plan.ahead = 0;
+  int64_t items = plan.panels * plan.chunks, widest = 0;
+  for (int64_t p = 0; p < plan.panels; p++) {
+    int64_t rows = panel_start(p + 1, plan.panels, plan.units, cols, N) -
+                   panel_start(p, plan.panels, plan.units, cols, N);
+    widest = rows > widest ? rows : widest;
+  }
+#pragma omp parallel num_threads(threads_for(items, nthreads)) reduction(| : failed)
+  {
+    float *panel = malloc((size_t)(widest * K + 16) * sizeof(float));
+    int64_t decoded = -1; /* the panel in the buffer */
+    if (!panel) failed = 1;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < items; j++) { /* panel by panel: a thread's items of one panel decode it once */
+      if (!panel) continue;
+      int64_t p = j / plan.chunks, item = j % plan.chunks * plan.panels + p;
+      int64_t n0 = panel_start(p, plan.panels, plan.units, cols, N);
+      int64_t n1 = panel_start(p + 1, plan.panels, plan.units, cols, N);
+      if (p != decoded)
+        for (int64_t n = n0; n < n1; n++) coded_row(kind, codes, scales, offsets, n, K, panel + (n - n0) * K);
+      decoded = p;
+      nt_work w = plan;
+      w.b = (const char *)panel, w.b_first = n0;
+      nt_run_item(&w, item, 0, tall);
+    }
+    free(panel);
+  }
+  return failed;
 }
 
 /* -- gemm_seq: C[m, n] = bias[n] + sum over k of A(m, k) B[k, n], in increasing k ----------------------------

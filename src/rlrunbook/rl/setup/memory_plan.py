@@ -65,6 +65,9 @@ class MemoryPlan:
     # held from sampling until that pass reads them (its last micro-batch frees them layer by layer: counted as held
     # through the whole pass, an upper bound).
     kept_products: int = 0
+    # The short exact forms of frozen float32 weights the CPU engine reads in decode steps (kernels/coded_weights.py),
+    # at most 2 bytes a value (the values decide: 0.75-2 bytes, or none): an upper bound, held all along.
+    coded_weights: int = 0
 
     @property
     def usable(self) -> int:
@@ -86,8 +89,8 @@ class MemoryPlan:
     def resident(self) -> int:
         """Held from the first step to the last: weights, the adapter and its optimizer state, sampler caches."""
         state = self.training_state - self.gradient if self.full else self.training_state * 3 // 4
-        return (self.weights + self.float64_copy + state + self.kv_cache + self.prefix_pool + self.vllm_share
-                + self.kept_products)
+        return (self.weights + self.float64_copy + self.coded_weights + state + self.kv_cache + self.prefix_pool
+                + self.vllm_share + self.kept_products)
 
     @property
     def sampling_peak(self) -> int:
@@ -210,7 +213,7 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
     if shards is not None and shards.reference and settings.numerics == "exact":
         notes.append("exact numerics: the float64 copies of the KL reference's weights are not planned")
     rows = min(config.num_rollouts, settings.max_batch_rows)
-    kv = kv_cache = pool = activations = vllm_share = kept = 0
+    kv = kv_cache = pool = activations = vllm_share = kept = coded = 0
     sampler = settings.sampler
     max_context = getattr(shape, "max_position_embeddings", None)
     if sampler == "hf":
@@ -224,6 +227,8 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
                                                      prefill_tokens=min(prompt_tokens, PREFILL_TOKENS),
                                                      rows=row_bucket, window=capacity, device_type=device_type)
         activations = max(prefill, decode)
+        if device_type == "cpu" and not full and settings.numerics == "invariant" and dtype == torch.float32:
+            coded = sizes.coded_copy if settings.coded_weights else 0  # where the engine codes them (an upper bound)
         if (device_type == "cpu" and not full and config.off_policy == 0 and settings.numerics == "invariant"
                 and dtype in (torch.float32, torch.bfloat16)):  # where the engine keeps them
             calls = DEBATE_ROUNDS if config.mode == "debate" else 1  # sampling calls under one snapshot
@@ -244,7 +249,7 @@ def plan_memory(config: TrainConfig, device_memory: int | None = None, world_siz
         total=total, model=f"{config.model} ({source})", sampler=sampler, weights=weights,
         training_state=training_state, float64_copy=float64, kv_cache=kv_cache, prefix_pool=pool,
         sampling_activations=activations, vllm_share=vllm_share, micro_batch_tokens=None, recompute_layers=False,
-        kept_products=kept,
+        kept_products=kept, coded_weights=coded,
         training_activations=0, batch_tokens=batch_tokens, shape=shape_text, notes=notes,
         concurrent_snapshots=config.off_policy + 2 if config.off_policy > 0 else 0,
         chunks=max(1, min(settings.grad_accum_chunks, config.num_rollouts)), full=shards)
@@ -282,7 +287,8 @@ def format_plan(plan: MemoryPlan) -> list[str]:
         gathered, gradient = full_plan.sampling_part(plan.full), full_plan.training_part(plan.full)
     else:
         lines.append(f"resident: weights {gib(plan.weights)}, adapter + AdamW {gib(plan.training_state * 3 // 4)}"
-                     + (f", float64 copy (exact) {gib(plan.float64_copy)}" if plan.float64_copy else ""))
+                     + (f", float64 copy (exact) {gib(plan.float64_copy)}" if plan.float64_copy else "")
+                     + (f", coded weights <= {gib(plan.coded_weights)}" if plan.coded_weights else ""))
         gathered, gradient = "", f"gradient {gib(plan.training_state // 4)}"
     if plan.sampler == "hf":
         lines.append(f"sampling: {plan.shape}; {gathered}KV cache {gib(plan.kv_cache)}, prefix pool "
@@ -315,6 +321,7 @@ def check_fits(plan: MemoryPlan) -> None:
                                               "backend.sampler=vllm"),
         "the prefix pool": (plan.prefix_pool, "a smaller TINKER_LOCAL_PREFIX_CACHE_TOKENS"),
         "the kept products": (plan.kept_products, "a smaller TINKER_LOCAL_KEPT_PRODUCTS_MB (0: none)"),
+        "the coded weights": (plan.coded_weights, "TINKER_LOCAL_CODED_WEIGHTS=0"),
         "the weights": (plan.weights + plan.float64_copy, "backend.load_in_4bit (CUDA), bfloat16, a smaller model, "
                                                           "or numerics other than exact"),
         "a micro-batch's activations": (plan.training_activations, "a smaller backend.micro_batch_tokens, or "

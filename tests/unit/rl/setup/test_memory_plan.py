@@ -216,3 +216,29 @@ def test_kept_products_are_planned_per_token_and_held_through_both_phases():
     assert plan.resident == 30 * GIB and plan.sampling_peak == 32 * GIB and plan.training_peak == 71 * GIB
     with pytest.raises(ConfigError, match=r"largest part is the kept products \(50.0 GiB\).*KEPT_PRODUCTS_MB"):
         check_fits(_plan(kept_products=50 * GIB))
+
+
+def _smollm2_plan(**backend) -> MemoryPlan:
+    from rlrunbook.rl.setup.config_sources import build_config
+    from rlrunbook.rl.setup.memory_plan import plan_memory
+
+    overrides = ["backend.device=cpu", "data.max_prompt_tokens=128"] + [f"backend.{k}={v}" for k, v in backend.items()]
+    run = {"model": "smollm2-135m", "num_rollouts": 4, "num_groups": 1, "max_tokens": 16}
+    config = build_config(overrides=overrides, cli=run).config
+    return plan_memory(config, parse_size("32GiB"))
+
+
+def test_coded_weights_are_planned_at_two_bytes_a_value_where_the_engine_codes_them(monkeypatch):
+    """The CPU engine may keep a short exact form of each frozen float32 matrix-product weight (kernels/
+    coded_weights.py), 2 bytes a value at most: SmolLM2-135M's 30 layers x (576 x (576 + 2 x 192 + 576) + 3 x 576 x
+    1,536) = 106,168,320 values and its output layer (tied to the embedding: one tensor) 49,152 x 576 = 28,311,552."""
+    plan = _smollm2_plan()
+    assert plan.coded_weights == 2 * (106_168_320 + 28_311_552)
+    assert any("coded weights <= 0.25 GiB" in line for line in format_plan(plan))
+    monkeypatch.setenv("TINKER_LOCAL_CODED_WEIGHTS", "0")
+    off = _smollm2_plan()
+    assert off.coded_weights == 0 and off.resident == plan.resident - plan.coded_weights
+    monkeypatch.delenv("TINKER_LOCAL_CODED_WEIGHTS")
+    assert _smollm2_plan(dtype="bfloat16").coded_weights == 0  # only float32 weights are coded
+    with pytest.raises(ConfigError, match=r"largest part is the coded weights \(50.0 GiB\).*CODED_WEIGHTS=0"):
+        check_fits(_plan(coded_weights=50 * GIB))
