@@ -154,6 +154,16 @@ def test_a_sum_over_a_vocabulary_is_the_sequential_sum_and_each_rows_own(k):
     _assert_sequential_and_each_rows_own(x, w, slice_rows=5)
 
 
+@pytest.mark.parametrize("k", [300, 301])
+def test_a_sum_over_many_rows_is_the_sequential_sum_and_each_rows_own(k):
+    """Over many rows (a training pass's gradient through a frozen weight) the threads take groups of row blocks and go
+    along k chunk by chunk, every panel of B in each chunk (a last chunk and panel partial): each element is still the
+    sequential sum, with the bits a few rows alone get (another path), on 1, 2 and 3 threads, for float32 and for
+    bfloat16 inputs (k odd: the last pair half empty)."""
+    x, w = _bf16_valued(400, k, seed=k, spread=1.0), _bf16_valued(k, 70, seed=k + 1, spread=1.0)
+    _assert_sequential_and_each_rows_own(x, w, slice_rows=50)
+
+
 def _assert_sequential_and_each_rows_own(x: torch.Tensor, w: torch.Tensor, slice_rows: int,
                                          a_transposed: bool = False) -> None:
     """``gemm_seq(x, w)`` (``x`` ``[M, K]``, passed transposed with ``a_transposed``) is the sequential sum (numpy's
