@@ -16,6 +16,7 @@ from rlrunbook.backend import sharding
 from rlrunbook.backend.lora import clone_adapter, is_lora_tensor, load_adapter
 from rlrunbook.backend.settings import LocalSettings
 from rlrunbook.engines.base import SamplingEngine
+from rlrunbook.engines.coded_forms import share_coded_forms
 from rlrunbook.engines.decoder import unsupported_reason
 from rlrunbook.engines.float64_weights import share_float64_weights
 from rlrunbook.engines.generate import GenerateEngine
@@ -125,7 +126,8 @@ def share_weights(resident: ResidentModel) -> torch.nn.Module:
 
     The module tree is loaded anew (as transformers loads any model), then each parameter's and buffer's data is
     swapped for the resident's, and the loaded copy is freed. Wrapping it in LoRA adds adapter tensors to it only;
-    the base weights stay shared and frozen. It also shares the resident's float64 weight copies (``exact``)."""
+    the base weights stay shared and frozen. It also shares the resident's float64 weight copies (``exact``) and
+    coded weights (engines/coded_forms.py)."""
     model = resident.load()
     if not resident.shareable:
         return model
@@ -139,6 +141,7 @@ def share_weights(resident: ResidentModel) -> torch.nn.Module:
         module = model.get_submodule(owner) if owner else model
         module._buffers[leaf] = shared_buffers[name]
     share_float64_weights(model, resident.model)
+    share_coded_forms(model, resident.model)
     return model
 
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlrunbook.engines.attention import device_kind
+from rlrunbook.engines.coded_forms import coded_forms
 from rlrunbook.engines.float64_weights import float64_weights
 from rlrunbook.engines.fused_pass import FusedPass
 from rlrunbook.engines.kept_products import GroupKey, KeptProducts, group_key
@@ -63,7 +64,7 @@ from rlrunbook.engines.sharded_layers import is_sharded, through
 from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.errors import ConfigError
 from rlrunbook.kernels import ops as fixed
-from rlrunbook.kernels.coded_weights import FEW_ROWS, CodedWeight, coded, gemm_nt_coded
+from rlrunbook.kernels.coded_weights import FEW_ROWS, CodedWeight, gemm_nt_coded
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -231,6 +232,7 @@ class Decoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.vocab_size = config.vocab_size
         self._float64 = float64_weights(model)  # one cache per model: the sampler's and the trainer's decoders share it
+        self.coded_forms = coded_forms(model)  # the same: frozen float32 weights' short exact forms (coded_weights)
         weight = self.lm.model.embed_tokens.weight
         # The dtype passes compute in, fixed here: full-parameter training may keep float32 master weights
         # (sharded, backend/sharding.py) and gather them in this dtype for each pass.
@@ -569,7 +571,7 @@ class Decoder:
                 or hidden.stride(-1) != 1
                 or not isinstance(base, torch.nn.Linear)):
             return None
-        return coded(base.weight)
+        return self.coded_forms.of(base.weight)
 
     def _adds_in_one_kernel(self, module: torch.nn.Module, result: torch.Tensor) -> bool:
         """Whether ``module`` adds to a result like ``result`` at most one plain LoRA adapter, by one kernel

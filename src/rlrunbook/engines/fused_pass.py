@@ -28,7 +28,6 @@ from rlrunbook.engines.kept_products import GroupKey, group_key
 from rlrunbook.engines.lora_groups import adapter_names, adapter_weights
 from rlrunbook.engines.stacked_projections import stackable, stacked_weights
 from rlrunbook.kernels import fused
-from rlrunbook.kernels.coded_weights import coded
 
 _UNFUSABLE = object()
 
@@ -89,7 +88,7 @@ class FusedPass:
                 return None
             weight, bias = stacked_weights(bases)
             # the base weights' short exact form, where they have one (read by the products in their place)
-            short = coded(weight, owner=bases[0].weight) if decoder.coded_weights else None
+            short = decoder.coded_forms.of(weight, owner=bases[0].weight) if decoder.coded_weights else None
             return fused.LoraLinears.prepare(weight, bias, [b.out_features for b in bases], *slots, coded=short)
 
         return decoder.per_call(self._groups, modules, build)

@@ -1,9 +1,10 @@
 """Frozen float32 weights kept in a shorter exact form too, for the products that stream them (decode steps).
 
-A decode step of a few rows reads every weight of the model once and computes little with it: on CPU its time is
-the weights' bytes over the memory's bandwidth. Many float32 weights carry far fewer bits than 32: a checkpoint
-quantized before it was converted (the built-in SmolLM2-135M comes from a GGUF file whose projections are Q4_1 and
-whose embedding is Q8_0) or one published in bfloat16. :func:`code_weight` finds such a form where every value has
+A decode step of a few rows reads every weight of the model once and does little arithmetic with each value, so
+fewer bytes per value leave the memory and the caches to the rest of the step (docs/performance.md gives the
+figures). Many float32 weights carry far fewer bits than 32: a checkpoint quantized before it was converted (the
+built-in SmolLM2-135M comes from a GGUF file whose projections are Q4_1 and whose embedding is Q8_0) or one
+published in bfloat16. :func:`code_weight` finds such a form where every value has
 one, checking each value by decoding it with the kernel's own decoder, and :func:`gemm_nt_coded` decodes a panel of
 the weight at a time into a float32 buffer that ``gemm_nt``'s tiles then read: the same values in the same order, so
 the same bits as :func:`rlrunbook.kernels.cpu.gemm_nt` over the float32 weight.
@@ -17,10 +18,7 @@ The forms, per row in blocks of :data:`BLOCK` values (``c/products.c`` states th
 The shortest form that holds every value exactly is kept; a weight none holds is not coded (``None``). The codes
 are a second copy beside the float32 weight, which the training pass and every other product still read.
 
-:func:`coded` keeps one per weight tensor while it lives and holds the values it was coded from (its version
-counter, data pointer, shape and strides unchanged), so a weight changed in place through autograd-visible
-operations, or replaced, is coded again; a change through ``.data`` (which bypasses the version counter) is not
-seen: frozen base weights are never changed so.
+Which weights are coded, and for how long, is the engine's (:mod:`rlrunbook.engines.coded_forms`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rlrunbook.kernels.build import load_library
 from rlrunbook.kernels.cpu import _check, _profiled, _ptr, _threads
@@ -69,7 +66,8 @@ class CodedWeight:
         return out
 
 
-def _codable(weight: torch.Tensor) -> bool:
+def codable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a tensor :func:`code_weight` takes (it may still have no form)."""
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.stride(-1) == 1 and weight.shape[0] > 0 and weight.shape[1] > 0
             and weight.shape[1] % BLOCK == 0)
@@ -79,7 +77,7 @@ def code_weight(weight: torch.Tensor) -> CodedWeight | None:
     """``weight`` (float32 ``[N, K]`` on CPU, rows contiguous, ``K`` a multiple of :data:`BLOCK`) in the shortest
     form that gives back every value bit for bit, or ``None`` where no form does (or the weight is not such a
     tensor). Time: one pass over the weight per form tried (a form fails at its first value without a code)."""
-    if not _codable(weight):
+    if not codable(weight):
         return None
     weight = weight.detach()
     n, k = weight.shape
@@ -93,24 +91,6 @@ def code_weight(weight: torch.Tensor) -> CodedWeight | None:
         if status == 0:
             return CodedWeight(kind, (n, k), codes, scales, offsets)
     return None
-
-
-# Per weight tensor while it lives: (its stamp, its coded form or None). See the module docstring.
-_CODED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def coded(weight: torch.Tensor, owner: torch.Tensor | None = None) -> CodedWeight | None:
-    """:func:`code_weight` of ``weight``, kept while ``owner`` (default ``weight``: a tensor that lives as long as
-    the weight's values, such as the parameter a stacked view is made of) lives and the weight is unchanged."""
-    if not _codable(weight) or weight.requires_grad or weight.is_inference():
-        return None
-    owner = weight if owner is None else owner
-    stamp = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride())
-    held = _CODED.get(owner)
-    if held is None or held[0] != stamp:
-        held = (stamp, code_weight(weight))
-        _CODED[owner] = held
-    return held[1]
 
 
 @_profiled

@@ -296,11 +296,14 @@ def test_coded_weights_are_on_unless_turned_off():
     assert LocalSettings.from_env({"TINKER_LOCAL_CODED_WEIGHTS": "0"}).coded_weights is False
     with pytest.raises(ConfigError, match="TINKER_LOCAL_CODED_WEIGHTS='yes' must be 1"):
         LocalSettings.from_env({"TINKER_LOCAL_CODED_WEIGHTS": "yes"})
-    from rlrunbook.backend.model_host import load_host
+    from rlrunbook.backend.model_host import load_host, load_resident, share_weights
+    from rlrunbook.engines.coded_forms import coded_forms
 
     for coded in (True, False):  # what the backend's engine is told (kernels/coded_weights.py)
         host = load_host("tiny", LocalSettings(device="cpu", dtype=torch.float32, coded_weights=coded))
         assert host.engine.decoder.coded_weights is coded
+    resident = load_resident("tiny", LocalSettings(device="cpu", dtype=torch.float32))
+    assert coded_forms(share_weights(resident)) is coded_forms(resident.model)  # one set over one loaded base
 
 
 def test_concurrent_sample_requests_become_one_engine_call(trainer_client, local_service):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlrunbook.kernels import coded_weights, cpu
-from rlrunbook.kernels.coded_weights import code_weight, coded, gemm_nt_coded
+from rlrunbook.kernels.coded_weights import code_weight, gemm_nt_coded
 from rlrunbook.testing.quantized import q4_1, q8_0
 
 
@@ -75,29 +75,6 @@ def test_a_product_over_the_codes_has_the_bits_of_the_float32_product(form, rows
     x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(rows))
     expected = cpu.gemm_nt(x, weight, bias, torch.float32)
     assert torch.equal(_bits(gemm_nt_coded(x, code_weight(weight), bias)), _bits(expected))
-
-
-def test_a_weights_form_is_kept_while_it_lives_and_made_again_after_an_in_place_change():
-    weight = _weight("q4")
-    first = coded(weight)
-    assert first is not None and coded(weight) is first
-    with torch.no_grad():
-        weight.add_(0.0)  # the same values, a new version: coded again
-    again = coded(weight)
-    assert again is not None and again is not first
-    with torch.no_grad():
-        weight[0, 0] += 1e-3  # no form holds it now
-    assert coded(weight) is None
-    assert coded(torch.nn.Parameter(_weight("q4"))) is None  # trained (requires grad): never coded
-
-
-def test_a_stacked_view_is_kept_under_its_owner():
-    """A stacked group's weight is a new view at each sampling call; its form is kept under the parameter it views."""
-    owner = _weight("q4")
-    view = owner[:100]
-    first = coded(view, owner=owner)
-    assert first is not None and coded(owner[:100], owner=owner) is first
-    assert coded(owner[:50], owner=owner) is not first  # another view of it: coded for that one
 
 
 def test_few_rows_is_the_c_kernels_limit():
