@@ -857,7 +857,8 @@ static int seq_blocked(const seq_a *A, int pairs, const void *B, int tb, int64_t
   }
   /* row blocks per group: their sums for every column and their rows of A over one chunk within half the L2 */
   int64_t tile_bytes = (int64_t)SEQ_ROWS * (panels * SEQ_PANEL + SEQ_BLOCKED_KCHUNK) * 4;
-  int64_t per_group = l2_bytes() / 2 / tile_bytes;
+  long l2 = l2_bytes() > 0 ? l2_bytes() : 1L << 20; /* unknown: 1 MiB (a Zen 4 core's) */
+  int64_t per_group = l2 / 2 / tile_bytes;
   if (per_group < 1) per_group = 1;
   int64_t groups = (rowblocks + per_group - 1) / per_group;
   if (groups < 4 * (int64_t)nthreads) groups = rowblocks < 4 * (int64_t)nthreads ? rowblocks : 4 * (int64_t)nthreads;
