@@ -53,6 +53,17 @@ def check_device(device: str, source: str = "TINKER_LOCAL_DEVICE") -> None:
 STAND_INS_ENV = "TINKER_LOCAL_MODEL_STAND_INS"
 
 
+def _env_switch(env, name: str, on: str, off: str) -> bool | None:
+    """``name`` as a switch: ``1`` True, ``0`` False, unset or empty ``None``; anything else refused, saying what each
+    value means (``on``, ``off``)."""
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name}={value!r} must be 1 ({on}) or 0 ({off}).")
+    return value == "1"
+
+
 def parse_stand_ins(text: str, source: str) -> tuple[tuple[str, str], ...]:
     """``"NAME=MODEL,NAME2=MODEL2"`` as pairs; ``ConfigError`` naming ``source`` for a malformed entry."""
     pairs = []
@@ -245,29 +256,21 @@ class LocalSettings:
         kwargs["zero_advantage_batches"] = zero
         if env.get("TINKER_LOCAL_NUMERICS"):
             kwargs["numerics"] = env["TINKER_LOCAL_NUMERICS"].strip().lower()
-        graphs = env.get("TINKER_LOCAL_CUDA_GRAPHS", "").strip()
-        if graphs:
-            if graphs not in ("0", "1"):
-                raise ConfigError(f"TINKER_LOCAL_CUDA_GRAPHS={graphs!r} must be 1 (capture) or 0 (no graphs).")
-            kwargs["cuda_graphs"] = graphs == "1"
-        coded = env.get("TINKER_LOCAL_CODED_WEIGHTS", "").strip()
-        if coded:
-            if coded not in ("0", "1"):
-                raise ConfigError(f"TINKER_LOCAL_CODED_WEIGHTS={coded!r} must be 1 (decode reads a frozen weight's "
-                                  "short exact form where it has one) or 0 (always the float32 weights).")
-            kwargs["coded_weights"] = coded == "1"
+        for field_name, name, on, off in (
+                ("cuda_graphs", "TINKER_LOCAL_CUDA_GRAPHS", "capture", "no graphs"),
+                ("coded_weights", "TINKER_LOCAL_CODED_WEIGHTS",
+                 "decode reads a frozen weight's short exact form where it has one", "always the float32 weights"),
+                ("concurrent_sampling", "TINKER_LOCAL_CONCURRENT_SAMPLING",
+                 "a second worker samples while the trainer trains", "one worker, submission order")):
+            switch = _env_switch(env, name, on, off)
+            if switch is not None:
+                kwargs[field_name] = switch
         tokens = env.get("TINKER_LOCAL_MICRO_BATCH_TOKENS", "").strip().lower()
         if tokens and tokens != "auto":
             kwargs["micro_batch_tokens"] = env_number(env, "TINKER_LOCAL_MICRO_BATCH_TOKENS", 0, 0, int)
         checkpointing = env.get("TINKER_LOCAL_ACTIVATION_CHECKPOINTING", "").strip().lower()
         if checkpointing:
             kwargs["activation_checkpointing"] = checkpointing
-        concurrent = env.get("TINKER_LOCAL_CONCURRENT_SAMPLING", "").strip()
-        if concurrent:
-            if concurrent not in ("0", "1"):
-                raise ConfigError(f"TINKER_LOCAL_CONCURRENT_SAMPLING={concurrent!r} must be 1 (a second worker "
-                                  "samples while the trainer trains) or 0 (one worker, submission order).")
-            kwargs["concurrent_sampling"] = concurrent == "1"
         if env.get("TINKER_LOCAL_STORAGE"):
             kwargs["storage_dir"] = Path(env["TINKER_LOCAL_STORAGE"])
         if env.get(STAND_INS_ENV, "").strip():

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from rlrunbook.engines.per_model import PerModel
 from rlrunbook.kernels.coded_weights import CodedWeight, codable, code_weight
 
 
@@ -62,28 +63,14 @@ class CodedForms:
             return sum(entry[3].nbytes for entry in self._forms.values() if entry[3] is not None)
 
 
-_registry: weakref.WeakKeyDictionary[torch.nn.Module, CodedForms] = weakref.WeakKeyDictionary()
-_registry_lock = threading.Lock()
-
-
-def _owner(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a peft wrapper (the same weights, so the same forms), else ``model``."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
+_per_model: PerModel[CodedForms] = PerModel(CodedForms)
 
 
 def coded_forms(model: torch.nn.Module) -> CodedForms:
     """The one set of coded forms of ``model`` (a peft wrapper and the model inside it share it)."""
-    owner = _owner(model)
-    with _registry_lock:
-        forms = _registry.get(owner)
-        if forms is None:
-            forms = _registry[owner] = CodedForms()
-        return forms
+    return _per_model.of(model)
 
 
 def share_coded_forms(model: torch.nn.Module, source: torch.nn.Module) -> None:
     """Let ``model`` (a module tree over ``source``'s weight tensors) use ``source``'s coded forms."""
-    forms = coded_forms(source)
-    with _registry_lock:
-        _registry[_owner(model)] = forms
+    _per_model.share(model, source)

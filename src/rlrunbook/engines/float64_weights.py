@@ -16,6 +16,8 @@ import weakref
 
 import torch
 
+from rlrunbook.engines.per_model import PerModel, base_model
+
 _FLOAT64_BYTES = 8
 
 
@@ -57,37 +59,22 @@ class Float64Weights:
             return len(self._copies)
 
 
-_registry: weakref.WeakKeyDictionary[torch.nn.Module, Float64Weights] = weakref.WeakKeyDictionary()
-_registry_lock = threading.Lock()
-
-
-def _owner(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a peft wrapper (the same weights, so the same copies), else ``model``."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
+_per_model: PerModel[Float64Weights] = PerModel(Float64Weights)
 
 
 def float64_weights(model: torch.nn.Module) -> Float64Weights:
     """The one float64 cache of ``model`` (a peft wrapper and the model inside it share it)."""
-    owner = _owner(model)
-    with _registry_lock:
-        cache = _registry.get(owner)
-        if cache is None:
-            cache = _registry[owner] = Float64Weights()
-        return cache
+    return _per_model.of(model)
 
 
 def share_float64_weights(model: torch.nn.Module, source: torch.nn.Module) -> None:
     """Let ``model`` (a copy of ``source`` over the same weight tensors) use ``source``'s float64 copies."""
-    cache = float64_weights(source)
-    with _registry_lock:
-        _registry[_owner(model)] = cache
+    _per_model.share(model, source)
 
 
 def float64_copy_bytes(model: torch.nn.Module) -> int:
     """Bytes of float64 weight copies held for ``model`` now (0 when none were made: numerics other than ``exact``)."""
-    with _registry_lock:
-        cache = _registry.get(_owner(model))
+    cache = _per_model.get(model)
     return 0 if cache is None else cache.nbytes
 
 
@@ -100,7 +87,7 @@ def planned_float64_copy_bytes(model: torch.nn.Module) -> int:
     """
     seen: set[int] = set()
     total = 0
-    for module in _owner(model).modules():
+    for module in base_model(model).modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, torch.nn.Linear) or weight is None or weight.requires_grad or id(weight) in seen:
             continue
